@@ -1,0 +1,138 @@
+"""The ``rlhf`` command: one sub-command per pipeline stage, plus ``run`` for all of them.
+
+Every sub-command takes ``--preset NAME`` (a file in ``configs/``) and ``key=value``
+overrides, e.g. ``rlhf data --preset smoke data.on_bad_row=skip --out runs/x/data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .config import ConfigError, PipelineConfig, available_presets, load_config
+from .data import DataError
+from .models import ModelSourceError
+
+log = logging.getLogger("rlhf")
+
+
+def section_digest(cfg: PipelineConfig, *sections: str) -> str:
+    """SHA-256 (hex, 16 chars) of the named config sections, for reusing finished stages."""
+    payload = json.dumps({s: getattr(cfg, s).model_dump() for s in sections}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _stage_done(out: Path, digest: str) -> bool:
+    marker = out / "stage.json"
+    return marker.is_file() and json.loads(marker.read_text()).get("config_digest") == digest
+
+
+def _mark_stage(out: Path, digest: str, seconds: float) -> None:
+    from .io import write_json_atomic
+
+    write_json_atomic(out / "stage.json", {"config_digest": digest, "seconds": round(seconds, 3)})
+
+
+def cmd_config(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    print(yaml.safe_dump(cfg.model_dump(), sort_keys=False), end="")
+    return 0
+
+
+def cmd_data(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    from .data import prepare_data
+
+    stats = prepare_data(cfg, args.out, overwrite=args.overwrite)
+    print(json.dumps({"out": str(args.out), "rows": {k: v["rows"] for k, v in stats["splits"].items()},
+                      "padded_lengths": stats["padded_lengths"], "dropped": stats["dropped"]}, indent=2))
+    return 0
+
+
+def cmd_model(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    from .models import import_base_model
+
+    info = import_base_model(cfg.model, args.out, overwrite=args.overwrite)
+    print(json.dumps({"out": str(args.out), **info}, indent=2))
+    return 0
+
+
+def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    """Run every available stage in order into ``--out``, reusing stages finished with the same config."""
+    from .data import prepare_data
+    from .io import write_json_atomic
+    from .models import import_base_model
+
+    root = Path(args.out)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    stages = [
+        ("data", ("data", "model"), lambda out: prepare_data(cfg, out, overwrite=True)),
+        ("base_model", ("model",), lambda out: import_base_model(cfg.model, out, overwrite=True)),
+    ]
+    summary = {}
+    for name, sections, run in stages:
+        out = root / name
+        digest = section_digest(cfg, *sections)
+        if _stage_done(out, digest) and not args.overwrite:
+            log.info("stage %s: finished earlier with the same config, reused (%s)", name, out)
+            summary[name] = {"reused": True}
+            continue
+        log.info("stage %s: running into %s", name, out)
+        start = time.perf_counter()
+        run(out)
+        seconds = time.perf_counter() - start
+        _mark_stage(out, digest, seconds)
+        summary[name] = {"reused": False, "seconds": round(seconds, 1)}
+        log.info("stage %s: done in %.1f s", name, seconds)
+    write_json_atomic(root / "summary.json", summary)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+COMMANDS = {
+    "config": (cmd_config, "print the resolved configuration as YAML"),
+    "data": (cmd_data, "prepare the TL;DR SFT and preference datasets (Details 1-6)"),
+    "model": (cmd_model, "import the base model as a safetensors checkpoint with its tokenizer"),
+    "run": (cmd_run, "run the pipeline stages in order"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--preset", default=None, help=f"preset name ({', '.join(available_presets())}) or YAML path")
+        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
+        if name != "config":
+            p.add_argument("--out", required=True, type=Path, help="output directory")
+            p.add_argument("--overwrite", action="store_true", help="replace existing output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlhf`` console script; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not sys.stderr.isatty():  # progress bars in a terminal, plain log lines otherwise
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        cfg = load_config(args.preset, args.overrides)
+        return COMMANDS[args.command][0](cfg, args)
+    except (ConfigError, DataError, ModelSourceError, FileExistsError) as exc:
+        print(f"rlhf {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

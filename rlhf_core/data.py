@@ -1,0 +1,587 @@
+"""The TL;DR data pipeline: raw rows to pre-tokenised, padded datasets (Huang et al. 2024, Details 1-6).
+
+Two sets are built, each as a ``datasets.DatasetDict`` saved with ``save_to_disk``:
+
+- ``sft``: the TL;DR SFT set (``id, subreddit, title, post, summary``) as queries and
+  reference responses;
+- ``preference``: human comparisons (``chosen``/``rejected`` with their policies,
+  ``batch``, ``confidence`` and ``split``) for the reward model.
+
+Rows come from the Hugging Face hub (``datasets.load_dataset``) or from a local
+directory of JSONL files in the same flat format (``RLHF_TLDR_DIR``); both go through
+the same validation, formatting, truncation, tokenisation and padding.
+
+Token conventions (Details 2, 3, 5): a query is the formatted text tokenised with the
+tokenizer's special tokens (e.g. Llama's BOS), at most ``max_query_length`` tokens,
+left-padded with PAD for generation. A response is ``" " + text`` tokenised without
+special tokens, followed by EOS. Query+response sequences are the unpadded query tokens
+followed by the response tokens, right-padded with PAD. PAD is never EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import string
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import datasets
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from .config import DataConfig, PipelineConfig, QueryFormat, SplitSpec
+from .io import atomic_directory, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+#: Fields a SFT row needs besides those its query template uses.
+SFT_RESPONSE_FIELDS = ("summary",)
+#: Fields a comparison needs besides those its query template uses.
+PREFERENCE_FIELDS = ("chosen", "rejected", "chosen_policy", "rejected_policy", "batch", "split")
+#: Text fields that must not be empty (after stripping whitespace).
+NON_EMPTY_FIELDS = ("post", "summary", "chosen", "rejected")
+
+
+class DataError(ValueError):
+    """Data that cannot be processed; the message names the file (or dataset) and row."""
+
+
+class BadRow(Exception):
+    """One row that fails validation. ``reason`` is a short key such as ``empty_field:post``."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+        self.detail = detail
+
+
+# ---------------------------------------------------------------- raw rows in
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+    """Yield ``(where, record)`` for each non-blank line of a JSONL file.
+
+    ``where`` is ``"FILE:LINE"``; ``record`` is the parsed object, or a :class:`BadRow`
+    when the line is not a JSON object.
+
+    Raises:
+        DataError: the file cannot be read as UTF-8 text.
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield where, BadRow("invalid_json", f"{exc.msg} at column {exc.colno}; is the file JSONL?")
+                    continue
+                if not isinstance(obj, dict):
+                    yield where, BadRow("not_an_object", f"a JSON {type(obj).__name__}, not an object")
+                    continue
+                yield where, obj
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not a UTF-8 text file ({exc})") from None
+
+
+def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> list[Path]:
+    """The JSONL files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``.
+
+    The second form lets one source split span several files, as the offline data's
+    ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split.
+
+    Raises:
+        DataError: no such file.
+    """
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise DataError(f"local data directory {root} does not exist (set RLHF_TLDR_DIR or data.local_dir)")
+    files = sorted(root.glob(f"{kind}_{split}.jsonl")) + sorted(root.glob(f"{kind}_{split}_*.jsonl"))
+    if not files:
+        present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*.jsonl"))) or "none"
+        raise DataError(f"no file {kind}_{split}.jsonl in {root} for {kind} split {split!r} (present: {present})")
+    return files
+
+
+def iter_hub_split(dataset: str, config: str | None, split: str) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, row)`` from ``datasets.load_dataset(dataset, config, split=split)``.
+
+    ``dataset`` may be a hub id or a local dataset directory in the hub layout.
+    """
+    ds = datasets.load_dataset(dataset, config, split=split)
+    for i, row in enumerate(ds):
+        yield f"{dataset}[{split}] row {i}", row
+
+
+def flatten_comparison(row: dict) -> dict:
+    """Map a hub ``openai/summarize_from_feedback`` comparison to the flat local format.
+
+    Hub rows hold ``info`` (post or CNN/DM article), two ``summaries`` and the labeler's
+    ``choice``; flat rows hold ``chosen``/``rejected`` texts and policies directly.
+    Flat rows are returned unchanged.
+
+    Raises:
+        BadRow: ``choice`` or ``summaries`` are malformed.
+    """
+    if "info" not in row and "summaries" not in row:
+        return row
+    info = row.get("info") or {}
+    summaries = row.get("summaries")
+    choice = row.get("choice")
+    if not isinstance(summaries, list) or len(summaries) != 2 or not all(isinstance(s, dict) for s in summaries):
+        raise BadRow("bad_summaries", "expected two summaries")
+    if isinstance(choice, bool) or choice not in (0, 1):
+        raise BadRow("bad_choice", f"choice={choice!r}")
+    post = info.get("post") if info.get("post") is not None else info.get("article")
+    extra = row.get("extra") or {}
+    return {
+        "id": info.get("id"),
+        "subreddit": info.get("subreddit"),
+        "title": info.get("title"),
+        "post": post,
+        "chosen": summaries[choice].get("text"),
+        "rejected": summaries[1 - choice].get("text"),
+        "chosen_policy": summaries[choice].get("policy"),
+        "rejected_policy": summaries[1 - choice].get("policy"),
+        "batch": row.get("batch"),
+        "confidence": extra.get("confidence"),
+        "split": row.get("split"),
+        "worker": row.get("worker"),
+        "choice": choice,
+    }
+
+
+def template_fields(template: str) -> list[str]:
+    """Field names used by a ``str.format`` template, in order."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def _text(rec: dict, name: str, required: bool) -> str:
+    if name not in rec:
+        if required:
+            raise BadRow(f"missing_field:{name}")
+        return ""
+    value = rec[name]
+    if value is None:
+        if required:
+            raise BadRow(f"null_field:{name}")
+        return ""
+    if not isinstance(value, str):
+        raise BadRow(f"non_string_field:{name}", f"got {type(value).__name__}")
+    if name in NON_EMPTY_FIELDS and required and not value.strip():
+        raise BadRow(f"empty_field:{name}")
+    return value
+
+
+def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
+    """Validate one raw row and return it in the flat normalised form.
+
+    ``kind`` is ``sft`` or ``preference``. Fields used by ``fmt.template`` and the
+    response fields are required strings (``post``, ``summary``, ``chosen``,
+    ``rejected`` also non-empty); ``id`` is a string or null; ``confidence`` an integer or
+    null. Responses are stripped; the post is kept as is.
+
+    Raises:
+        BadRow: with a reason such as ``missing_field:summary``, ``null_field:post``,
+            ``non_string_field:title`` or ``empty_field:post``.
+    """
+    if kind == "preference":
+        rec = flatten_comparison(rec)
+    query_fields = set(template_fields(fmt.template)) | {fmt.truncate_field}
+    out: dict[str, Any] = {}
+    rid = rec.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRow("non_string_field:id", f"got {type(rid).__name__}")
+    out["id"] = rid or ""
+    for name in ("subreddit", "title", "post"):
+        out[name] = _text(rec, name, required=name in query_fields)
+    response_fields = SFT_RESPONSE_FIELDS if kind == "sft" else PREFERENCE_FIELDS
+    for name in response_fields:
+        out[name] = _text(rec, name, required=True)
+    for name in ("summary", "chosen", "rejected"):
+        if name in out:
+            out[name] = out[name].strip()
+    if kind == "preference":
+        # Flat local files keep OpenAI's split name (valid1/valid2) in ``orig_split``.
+        if isinstance(rec.get("orig_split"), str) and rec["orig_split"]:
+            out["split"] = rec["orig_split"]
+        confidence = rec.get("confidence")
+        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, int)):
+            raise BadRow("non_integer_field:confidence", f"got {confidence!r}")
+        out["confidence"] = confidence
+    return out
+
+
+@dataclass
+class SplitLoad:
+    """Rows of one output split after validation, with what was dropped and why."""
+
+    rows: list[dict] = field(default_factory=list)
+    dropped: Counter = field(default_factory=Counter)
+    dropped_where: list[tuple[str, str]] = field(default_factory=list)
+
+
+def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryFormat) -> SplitLoad:
+    """Load, filter and validate the rows of one output split (hub or local, one code path).
+
+    Batch filters (``spec.batches``/``spec.exclude_batches``) apply before validation, so
+    bad rows of batches that are not used do not count. ``spec.max_rows`` keeps the first
+    N valid rows.
+
+    Raises:
+        DataError: a bad row when ``data_cfg.on_bad_row == "error"`` (naming the file or
+            dataset and the row), a missing file, or a split left with no rows.
+    """
+    source = data_cfg.resolved_source()
+    if source == "local":
+        local_dir = data_cfg.resolved_local_dir()
+        if not local_dir:
+            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
+        raw: Iterable[tuple[str, dict | BadRow]] = (
+            item for path in local_split_files(local_dir, kind, spec.source) for item in iter_jsonl(path)
+        )
+    else:
+        name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
+        config = None if kind == "sft" else data_cfg.preference_config
+        raw = iter_hub_split(name, config, spec.source)
+
+    result = SplitLoad()
+    for where, rec in raw:
+        try:
+            if isinstance(rec, BadRow):
+                raise rec
+            if kind == "preference" and (spec.batches is not None or spec.exclude_batches):
+                batch = rec.get("batch")
+                if not isinstance(batch, str):
+                    raise BadRow("missing_field:batch" if batch is None else "non_string_field:batch")
+                if (spec.batches is not None and batch not in spec.batches) or batch in spec.exclude_batches:
+                    continue
+            row = normalise_row(rec, kind, fmt)
+        except BadRow as bad:
+            if data_cfg.on_bad_row == "error":
+                raise DataError(
+                    f"{where}: bad {kind} row ({bad}); fix the row or set data.on_bad_row=skip to skip and count it"
+                ) from None
+            result.dropped[bad.reason] += 1
+            result.dropped_where.append((where, bad.reason))
+            continue
+        row["source_row"] = where
+        result.rows.append(row)
+        if spec.max_rows is not None and len(result.rows) >= spec.max_rows:
+            break
+    if not result.rows:
+        raise DataError(f"{kind} split from source {spec.source!r} ({source}) has no valid rows after filtering")
+    return result
+
+
+# ------------------------------------------------------------- tokenisation
+
+
+def format_query(row: dict, fmt: QueryFormat) -> str:
+    """``fmt.template`` filled from ``row``: for TL;DR
+    ``SUBREDDIT: r/{subreddit}\\n\\nTITLE: {title}\\n\\nPOST: {post}\\n\\nTL;DR:``, with no
+    trailing space (Huang et al. 2024, Detail 2)."""
+    return fmt.template.format(**{name: row.get(name) or "" for name in template_fields(fmt.template)})
+
+
+def truncate_query(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: QueryFormat) -> tuple[str, list[int], dict]:
+    """Format and tokenise a query, shortening ``fmt.truncate_field`` until it fits (Detail 2).
+
+    While the tokenised query (special tokens included) is longer than
+    ``fmt.max_query_length``, the post loses its last paragraph: everything from its
+    last newline on. Only when no newline remains are the post's trailing tokens cut.
+
+    Returns:
+        ``(query, query_token, counts)``: the query text; its token ids, unpadded, at most
+        ``max_query_length`` long; ``{"paragraphs_removed": int, "token_cut": bool}``.
+
+    Raises:
+        BadRow: ``query_too_long`` when the query exceeds the limit even with an empty post.
+    """
+    fields = dict(row)
+    limit = fmt.max_query_length
+    key = fmt.truncate_field
+    query = format_query(fields, fmt)
+    ids = tokenizer(query, add_special_tokens=True)["input_ids"]
+    paragraphs, token_cut = 0, False
+    while len(ids) > limit:
+        text = fields.get(key) or ""
+        cut = text.rfind("\n")
+        if cut >= 0:
+            fields[key] = text[:cut]
+            paragraphs += 1
+        else:
+            if not text:
+                raise BadRow("query_too_long", f"{len(ids)} tokens > {limit} even with an empty {key}")
+            text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            keep = min(len(text_ids) - (len(ids) - limit), len(text_ids) - 1)
+            fields[key] = tokenizer.decode(text_ids[: max(keep, 0)])
+            token_cut = True
+        query = format_query(fields, fmt)
+        ids = tokenizer(query, add_special_tokens=True)["input_ids"]
+    return query, ids, {"paragraphs_removed": paragraphs, "token_cut": token_cut}
+
+
+def tokenize_response(text: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of a completion: ``" " + text`` without special tokens, then EOS (Detail 3).
+
+    The query ends with ``TL;DR:`` and no space, so the completion brings its own leading
+    space.
+    """
+    return tokenizer(" " + text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def left_pad(ids: list[int], length: int, pad_id: int) -> list[int]:
+    """``ids`` preceded by ``pad_id`` to ``length`` tokens. Raises ValueError if too long."""
+    if len(ids) > length:
+        raise ValueError(f"sequence of {len(ids)} tokens does not fit in {length}")
+    return [pad_id] * (length - len(ids)) + list(ids)
+
+
+def right_pad(ids: list[int], length: int, pad_id: int) -> list[int]:
+    """``ids`` followed by ``pad_id`` to ``length`` tokens. Raises ValueError if too long."""
+    if len(ids) > length:
+        raise ValueError(f"sequence of {len(ids)} tokens does not fit in {length}")
+    return list(ids) + [pad_id] * (length - len(ids))
+
+
+def _length_summary(values: Iterable[int]) -> dict[str, float]:
+    values = list(values)
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "count": len(values)}
+
+
+def _map(ds: datasets.Dataset, fn, desc: str) -> datasets.Dataset:
+    # In-memory datasets: no cache files; an explicit fingerprint skips hashing the closure.
+    return ds.map(fn, desc=desc, load_from_cache_file=False, new_fingerprint=uuid.uuid4().hex)
+
+
+def _tokenize_split(
+    rows: list[dict], kind: str, tokenizer, fmt: QueryFormat, on_bad_row: str, desc: str
+) -> tuple[datasets.Dataset, Counter, list[tuple[str, str]]]:
+    dropped: Counter = Counter()
+    dropped_where: list[tuple[str, str]] = []
+    kept = []
+    for row in tqdm(rows, desc=f"{desc}: queries", disable=None, leave=False):
+        try:
+            query, query_ids, counts = truncate_query(row, tokenizer, fmt)
+        except BadRow as bad:
+            if on_bad_row == "error":
+                raise DataError(f"{row['source_row']}: bad {kind} row ({bad}); set data.on_bad_row=skip to skip it") from None
+            dropped[bad.reason] += 1
+            dropped_where.append((row["source_row"], bad.reason))
+            continue
+        row = dict(row, query=query, query_token_unpadded=query_ids, query_token_len=len(query_ids),
+                   paragraphs_removed=counts["paragraphs_removed"], token_cut=counts["token_cut"])
+        kept.append(row)
+    ds = datasets.Dataset.from_list(kept)
+    if kind == "sft":
+        def add_response(x):
+            ids = tokenize_response(x["summary"], tokenizer)
+            return {"reference_response": " " + x["summary"], "reference_response_token_unpadded": ids,
+                    "reference_response_token_len": len(ids)}
+    else:
+        def add_response(x):
+            chosen = tokenize_response(x["chosen"], tokenizer)
+            rejected = tokenize_response(x["rejected"], tokenizer)
+            return {"chosen_token_unpadded": chosen, "chosen_token_len": len(chosen),
+                    "rejected_token_unpadded": rejected, "rejected_token_len": len(rejected)}
+    return _map(ds, add_response, desc), dropped, dropped_where
+
+
+def prepare_data(
+    cfg: PipelineConfig,
+    out_dir: str | os.PathLike,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Build the SFT and preference datasets of ``cfg`` and write them to ``out_dir``.
+
+    Writes, atomically: ``sft/{split}`` and ``preference/{split}`` (``save_to_disk``),
+    ``tokenizer/`` (with its PAD), ``stats.json`` (token lengths, derived padded lengths,
+    truncation counts, rows dropped by reason) and ``token_lengths.png``.
+
+    Padded lengths (Detail 4) are the maxima seen in the data unless
+    ``cfg.data.max_sft_response_length`` / ``max_rm_response_length`` cap them; rows
+    over a cap are dropped and counted.
+
+    Returns:
+        The ``stats.json`` content.
+
+    Raises:
+        DataError: bad input (naming file and row) or an empty split.
+        FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
+    """
+    from .models import load_tokenizer
+    from .plots import plot_token_lengths
+
+    data_cfg = cfg.data
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model)
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    if pad_id is None or pad_id == eos_id:
+        raise DataError(f"tokenizer PAD id {pad_id} must exist and differ from EOS id {eos_id} (Detail 3)")
+    formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
+
+    dropped: dict[str, Counter] = {}
+    dropped_examples: list[dict] = []
+    tokenized: dict[str, dict[str, datasets.Dataset]] = {"sft": {}, "preference": {}}
+    tasks: dict[str, str] = {}
+    for kind, splits in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits)):
+        for name, spec in splits.items():
+            key = f"{kind}/{name}"
+            fmt = formats[spec.task]
+            loaded = load_split(data_cfg, kind, spec, fmt)
+            ds, tok_dropped, tok_where = _tokenize_split(
+                loaded.rows, kind, tokenizer, fmt, data_cfg.on_bad_row, f"tokenising {key}"
+            )
+            dropped[key] = loaded.dropped + tok_dropped
+            where = loaded.dropped_where + tok_where
+            dropped_examples += [{"split": key, "where": w, "reason": r} for w, r in where[:20]]
+            tokenized[kind][name] = ds
+            tasks[key] = spec.task
+
+    # Response-length caps (Detail 4): rows over a configured cap are dropped and counted.
+    for kind, column_names, cap in (
+        ("sft", ("reference_response_token_len",), data_cfg.max_sft_response_length),
+        ("preference", ("chosen_token_len", "rejected_token_len"), data_cfg.max_rm_response_length),
+    ):
+        if cap is None:
+            continue
+        for name, ds in tokenized[kind].items():
+            columns = [list(ds[c]) for c in column_names]
+            keep = [i for i in range(len(ds)) if all(col[i] <= cap for col in columns)]
+            if len(keep) < len(ds):
+                dropped[f"{kind}/{name}"]["response_too_long"] += len(ds) - len(keep)
+                tokenized[kind][name] = ds.select(keep)
+            if len(tokenized[kind][name]) == 0:
+                raise DataError(f"{kind}/{name}: every row is longer than the response cap {cap}")
+
+    # Derived padded lengths (Detail 4): the maxima over all splits of a set and task.
+    def longest(kind: str, task: str, columns: tuple[str, ...], extra: str | None = None) -> int:
+        best = 0
+        for name, ds in tokenized[kind].items():
+            if tasks[f"{kind}/{name}"] != task:
+                continue
+            for col in columns:
+                lengths = list(ds[col])
+                if extra is not None:
+                    lengths = [a + b for a, b in zip(lengths, ds[extra])]
+                best = max(best, max(lengths))
+        return best
+
+    padded: dict[str, Any] = {"query": {t: f.max_query_length for t, f in formats.items()}}
+    padded["sft_response"] = data_cfg.max_sft_response_length or longest(
+        "sft", "tldr", ("reference_response_token_len",)
+    )
+    padded["sft_query_response"] = longest("sft", "tldr", ("reference_response_token_len",), "query_token_len")
+    padded["rm_response"], padded["rm_query_response"] = {}, {}
+    for task in sorted({t for k, t in tasks.items() if k.startswith("preference/")}):
+        cols = ("chosen_token_len", "rejected_token_len")
+        padded["rm_response"][task] = data_cfg.max_rm_response_length or longest("preference", task, cols)
+        padded["rm_query_response"][task] = longest("preference", task, cols, "query_token_len")
+
+    def pad_sft(x):
+        q, r = x["query_token_unpadded"], x["reference_response_token_unpadded"]
+        return {
+            "query_token": left_pad(q, padded["query"]["tldr"], pad_id),
+            "reference_response_token": right_pad(r, padded["sft_response"], pad_id),
+            "query_reference_response_token": right_pad(q + r, padded["sft_query_response"], pad_id),
+        }
+
+    def make_pad_preference(task: str):
+        def pad_preference(x):
+            q, c, r = x["query_token_unpadded"], x["chosen_token_unpadded"], x["rejected_token_unpadded"]
+            resp_len, qr_len = padded["rm_response"][task], padded["rm_query_response"][task]
+            return {
+                "query_token": left_pad(q, padded["query"][task], pad_id),
+                "chosen_token": right_pad(c, resp_len, pad_id),
+                "rejected_token": right_pad(r, resp_len, pad_id),
+                "query_chosen_token": right_pad(q + c, qr_len, pad_id),
+                "query_rejected_token": right_pad(q + r, qr_len, pad_id),
+            }
+        return pad_preference
+
+    stats: dict[str, Any] = {
+        "source": data_cfg.resolved_source(),
+        "local_dir": data_cfg.resolved_local_dir() if data_cfg.resolved_source() == "local" else None,
+        "tokenizer": {
+            "name_or_path": tokenizer.name_or_path,
+            "size": len(tokenizer),
+            "pad_token": tokenizer.pad_token,
+            "pad_token_id": pad_id,
+            "eos_token": tokenizer.eos_token,
+            "eos_token_id": eos_id,
+            "bos_token_id": tokenizer.bos_token_id,
+        },
+        "padded_lengths": padded,
+        "splits": {},
+        "dropped": {k: dict(v) for k, v in dropped.items() if v},
+        "dropped_total": sum(sum(v.values()) for v in dropped.values()),
+        "dropped_examples": dropped_examples,
+    }
+    final: dict[str, datasets.DatasetDict] = {}
+    unpadded_cols = ["query_token_unpadded", "reference_response_token_unpadded", "chosen_token_unpadded",
+                     "rejected_token_unpadded"]
+    for kind in ("sft", "preference"):
+        out = {}
+        for name, ds in tokenized[kind].items():
+            key = f"{kind}/{name}"
+            task = tasks[key]
+            ds = _map(ds, pad_sft if kind == "sft" else make_pad_preference(task), f"padding {key}")
+            lengths = {"query": _length_summary(ds["query_token_len"])}
+            if kind == "sft":
+                lengths["reference_response"] = _length_summary(ds["reference_response_token_len"])
+            else:
+                lengths["chosen"] = _length_summary(ds["chosen_token_len"])
+                lengths["rejected"] = _length_summary(ds["rejected_token_len"])
+            split_stats = {
+                "rows": len(ds),
+                "task": task,
+                "lengths": lengths,
+                "truncation": {
+                    "paragraph": sum(1 for n in ds["paragraphs_removed"] if n > 0),
+                    "paragraphs_removed": sum(ds["paragraphs_removed"]),
+                    "token": sum(ds["token_cut"]),
+                },
+            }
+            if kind == "preference":
+                split_stats["batches"] = dict(Counter(ds["batch"]))
+            stats["splits"][key] = split_stats
+            out[name] = ds.remove_columns([c for c in unpadded_cols if c in ds.column_names])
+        final[kind] = datasets.DatasetDict(out)
+
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        for kind, dd in final.items():
+            dd.save_to_disk(str(tmp / kind))
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        plot_token_lengths(
+            {key: {col: list(final[key.split("/")[0]][key.split("/")[1]][f"{col}_token_len"])
+                   for col in (["query", "reference_response"] if key.startswith("sft/") else
+                               ["query", "chosen", "rejected"])}
+             for key in stats["splits"]},
+            tmp / "token_lengths.png",
+        )
+        write_json_atomic(tmp / "stats.json", stats)
+    log.info("data written to %s: %s", out_dir, {k: v["rows"] for k, v in stats["splits"].items()})
+    return stats
+
+
+def load_prepared(data_dir: str | os.PathLike) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
+    """Load ``(sft, preference, stats)`` written by :func:`prepare_data`.
+
+    Raises:
+        DataError: ``data_dir`` is not a complete data directory.
+    """
+    root = Path(data_dir)
+    if not (root / "stats.json").is_file():
+        raise DataError(f"{root} is not a prepared data directory (no stats.json); run `rlhf data` first")
+    stats = json.loads((root / "stats.json").read_text())
+    return datasets.load_from_disk(str(root / "sft")), datasets.load_from_disk(str(root / "preference")), stats

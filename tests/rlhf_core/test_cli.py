@@ -1,0 +1,62 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from rlhf_core.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_data_command_writes_the_output_contract(tmp_path, capsys):
+    out = tmp_path / "data"
+    assert main(["data", "--preset", "smoke", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"]["sft/train"] == 32
+    for rel in ("sft/train", "sft/validation", "sft/test", "preference/train", "preference/validation",
+                "preference/validation_cnndm", "tokenizer/tokenizer_config.json", "stats.json", "token_lengths.png"):
+        assert (out / rel).exists(), rel
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["padded_lengths"] == printed["padded_lengths"]
+    # existing output is not replaced without --overwrite
+    assert main(["data", "--preset", "smoke", "--out", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_bad_override_exits_2_naming_the_key(tmp_path, capsys):
+    assert main(["data", "--preset", "smoke", "ppo.kl_cof=0.1", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "ppo.kl_cof: unknown key" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_run_reuses_finished_stages(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--preset", "smoke", "--out", str(out)]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert first["data"]["reused"] is False and first["base_model"]["reused"] is False
+    assert (out / "base_model" / "model.safetensors").is_file() and (out / "data" / "stats.json").is_file()
+    stamp = (out / "data" / "stats.json").stat().st_mtime_ns
+    assert main(["run", "--preset", "smoke", "--out", str(out)]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second == {"data": {"reused": True}, "base_model": {"reused": True}}
+    assert (out / "data" / "stats.json").stat().st_mtime_ns == stamp
+    # a changed data setting re-runs data but keeps the base model
+    assert main(["run", "--preset", "smoke", "data.sft_splits.train.max_rows=8", "--out", str(out)]) == 0
+    third = json.loads(capsys.readouterr().out)
+    assert third["data"]["reused"] is False and third["base_model"]["reused"] is True
+    assert json.loads((out / "data" / "stats.json").read_text())["splits"]["sft/train"]["rows"] == 8
+    assert yaml.safe_load((out / "config.yaml").read_text())["data"]["sft_splits"]["train"]["max_rows"] == 8
+
+
+def test_console_script_prints_gpu_preset():
+    """The installed `rlhf` entry point loads and validates a GPU preset without a GPU."""
+    exe = Path(sys.executable).with_name("rlhf")
+    result = subprocess.run([str(exe), "config", "--preset", "llama-3.2-1b-h200", "ppo.kl_coef=0.07"],
+                            capture_output=True, text=True, env=os.environ, timeout=120)
+    assert result.returncode == 0, result.stderr
+    cfg = yaml.safe_load(result.stdout)
+    assert cfg["ppo"]["kl_coef"] == 0.07 and cfg["ppo"]["learning_rate"] == 1.5e-6
