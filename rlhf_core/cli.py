@@ -19,6 +19,7 @@ import yaml
 from .config import ConfigError, PipelineConfig, available_presets, load_config
 from .data import DataError
 from .models import ModelSourceError
+from .training import TrainingError
 
 log = logging.getLogger("rlhf")
 
@@ -29,15 +30,81 @@ def section_digest(cfg: PipelineConfig, *sections: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _stage_done(out: Path, digest: str) -> bool:
+STAGES = ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo")
+
+
+def _stage_marker(out: Path) -> dict:
     marker = out / "stage.json"
-    return marker.is_file() and json.loads(marker.read_text()).get("config_digest") == digest
+    return json.loads(marker.read_text()) if marker.is_file() else {}
 
 
-def _mark_stage(out: Path, digest: str, seconds: float) -> None:
+def _stage_functions(cfg: PipelineConfig, root: Path) -> dict:
+    """Each stage: (config sections it depends on, function of its output directory)."""
+    from .data import prepare_data
+    from .models import import_base_model
+    from .ppo_trainer import run_ppo
+    from .reward import evaluate_reward_model, normalize_reward_model, run_reward_training
+    from .sft import run_sft
+    from .tracking import JsonlTracker
+
+    def tracker(out: Path) -> JsonlTracker:
+        return JsonlTracker(out / "metrics.jsonl")
+
+    data, base = root / "data", root / "base_model"
+    upstream_rm = ("data", "model", "sft", "reward")
+    return {
+        "data": (("data", "model"), lambda out: prepare_data(cfg, out, overwrite=True)),
+        "base_model": (("model",), lambda out: import_base_model(cfg.model, out, overwrite=True)),
+        "sft": (("data", "model", "sft"), lambda out: run_sft(cfg.sft, data, base, out, tracker(out))),
+        "reward": (upstream_rm, lambda out: run_reward_training(cfg.reward, data, root / "sft" / "model", out, tracker(out))),
+        "reward_norm": (upstream_rm, lambda out: normalize_reward_model(
+            cfg.reward, data, root / "reward" / "model", out, tracker(out))),
+        "reward_eval": (upstream_rm, lambda out: evaluate_reward_model(
+            cfg.reward, data, root / "reward_norm" / "model", out, tracker(out))),
+        "ppo": (upstream_rm + ("ppo",), lambda out: run_ppo(
+            cfg.ppo, data, root / "sft" / "model", root / "reward_norm" / "model", out, tracker(out))),
+    }
+
+
+def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = False) -> dict:
+    """Run the stages up to ``until`` into ``root/<stage>``.
+
+    A stage finished earlier with the same configuration is reused; one interrupted with
+    the same configuration resumes from its checkpoints; one made with another
+    configuration is removed and run again.
+    """
+    import shutil
+
     from .io import write_json_atomic
 
-    write_json_atomic(out / "stage.json", {"config_digest": digest, "seconds": round(seconds, 3)})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+    functions = _stage_functions(cfg, root)
+    summary = {}
+    for name in STAGES[: STAGES.index(until) + 1]:
+        sections, run = functions[name]
+        out = root / name
+        digest = section_digest(cfg, *sections)
+        marker = _stage_marker(out)
+        if marker.get("config_digest") == digest and marker.get("status") == "done" and not overwrite:
+            log.info("stage %s: finished earlier with the same config, reused (%s)", name, out)
+            summary[name] = {"reused": True}
+            continue
+        if out.exists() and (marker.get("config_digest") != digest or overwrite):
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / "stage.json", {"config_digest": digest, "status": "running"})
+        log.info("stage %s: running into %s", name, out)
+        start = time.perf_counter()
+        result = run(out)
+        seconds = time.perf_counter() - start
+        write_json_atomic(out / "stage.json", {"config_digest": digest, "status": "done", "seconds": round(seconds, 3)})
+        summary[name] = {"reused": False, "seconds": round(seconds, 1)}
+        if isinstance(result, dict) and name not in ("data", "base_model"):
+            summary[name]["metrics"] = {k: v for k, v in result.items() if isinstance(v, (int, float))}
+        log.info("stage %s: done in %.1f s", name, seconds)
+    write_json_atomic(root / "summary.json", summary)
+    return summary
 
 
 def cmd_config(cfg: PipelineConfig, args: argparse.Namespace) -> int:
@@ -62,44 +129,22 @@ def cmd_model(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
-    """Run every available stage in order into ``--out``, reusing stages finished with the same config."""
-    from .data import prepare_data
-    from .io import write_json_atomic
-    from .models import import_base_model
-
-    root = Path(args.out)
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    stages = [
-        ("data", ("data", "model"), lambda out: prepare_data(cfg, out, overwrite=True)),
-        ("base_model", ("model",), lambda out: import_base_model(cfg.model, out, overwrite=True)),
-    ]
-    summary = {}
-    for name, sections, run in stages:
-        out = root / name
-        digest = section_digest(cfg, *sections)
-        if _stage_done(out, digest) and not args.overwrite:
-            log.info("stage %s: finished earlier with the same config, reused (%s)", name, out)
-            summary[name] = {"reused": True}
-            continue
-        log.info("stage %s: running into %s", name, out)
-        start = time.perf_counter()
-        run(out)
-        seconds = time.perf_counter() - start
-        _mark_stage(out, digest, seconds)
-        summary[name] = {"reused": False, "seconds": round(seconds, 1)}
-        log.info("stage %s: done in %.1f s", name, seconds)
-    write_json_atomic(root / "summary.json", summary)
-    print(json.dumps(summary, indent=2))
-    return 0
+def _until(stage: str):
+    def cmd(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+        summary = run_stages(cfg, Path(args.out), getattr(args, "until", None) or stage, overwrite=args.overwrite)
+        print(json.dumps(summary, indent=2))
+        return 0
+    return cmd
 
 
 COMMANDS = {
     "config": (cmd_config, "print the resolved configuration as YAML"),
-    "data": (cmd_data, "prepare the TL;DR SFT and preference datasets (Details 1-6)"),
-    "model": (cmd_model, "import the base model as a safetensors checkpoint with its tokenizer"),
-    "run": (cmd_run, "run the pipeline stages in order"),
+    "data": (cmd_data, "prepare the TL;DR SFT and preference datasets into --out (Details 1-6)"),
+    "model": (cmd_model, "import the base model into --out as safetensors with its tokenizer"),
+    "sft": (_until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"),
+    "rm": (_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run directory --out"),
+    "ppo": (_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
+    "run": (_until(STAGES[-1]), "run every stage in order in the run directory --out"),
 }
 
 
@@ -113,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name != "config":
             p.add_argument("--out", required=True, type=Path, help="output directory")
             p.add_argument("--overwrite", action="store_true", help="replace existing output")
+        if name == "run":
+            p.add_argument("--until", choices=STAGES, default=None, help="last stage to run")
     return parser
 
 
@@ -129,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.preset, args.overrides)
         return COMMANDS[args.command][0](cfg, args)
-    except (ConfigError, DataError, ModelSourceError, FileExistsError) as exc:
+    except (ConfigError, DataError, ModelSourceError, TrainingError, FileExistsError) as exc:
         print(f"rlhf {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -200,6 +200,7 @@ class RewardConfig(_Strict):
     max_steps: int | None = Field(None, gt=0)
     normalize: bool = True
     normalization_split: str = "train"
+    normalization_max_samples: int | None = Field(None, gt=0)
     eval_splits: list[str] = Field(default_factory=lambda: ["validation", "validation_cnndm"])
     eval_max_samples: int | None = Field(None, gt=0)
     calibration_bins: int = Field(10, gt=1)

@@ -44,3 +44,36 @@ def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.PathLike) -> Path:
+    """Reward-model calibration (Huang et al. 2024, Detail 18, Figure 5).
+
+    Args:
+        tables: ``{split: rows}`` with rows from :func:`rlhf_core.reward.calibration_table`
+            (``center``, ``accuracy``, ``count``).
+        path: the PNG to write.
+
+    Returns:
+        ``path``. The dashed curve is a calibrated model, ``1 / (1 + e^-delta)``.
+    """
+    import math
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    top = max([r["high"] for rows in tables.values() for r in rows] or [1.0])
+    xs = [top * i / 100 for i in range(101)]
+    ax.plot(xs, [1 / (1 + math.exp(-x)) for x in xs], "--", color="gray", label="calibrated: 1/(1+e^-Δ)")
+    for split, rows in tables.items():
+        if rows:
+            ax.plot([r["center"] for r in rows], [r["accuracy"] for r in rows], "o-",
+                    label=f"{split} (n={sum(r['count'] for r in rows)})")
+    ax.set_xlabel("|reward(chosen) − reward(rejected)|")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Reward model calibration")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -171,11 +171,13 @@ def test_query_text_and_tokens_agree(prepared):
 def test_queries_are_left_padded_to_max_query_length(prepared):
     tok, sft, pref, stats, _ = prepared
     pad = tok.pad_token_id
+    limit = stats["padded_lengths"]["query"]["tldr"]
+    assert limit == load_config("smoke").data.tldr_format.max_query_length
     for ds in (sft["train"], pref["train"]):
         for row in ds.select(range(8)):
             q = row["query_token"]
-            assert len(q) == 512
-            n_pad = 512 - row["query_token_len"]
+            assert len(q) == limit
+            n_pad = limit - row["query_token_len"]
             assert q[:n_pad] == [pad] * n_pad and pad not in q[n_pad:]
 
 
@@ -184,7 +186,7 @@ def test_sft_sequences_are_query_then_response_right_padded(prepared):
     pad, eos = tok.pad_token_id, tok.eos_token_id
     total = stats["padded_lengths"]["sft_query_response"]
     for row in sft["train"]:
-        q = row["query_token"][512 - row["query_token_len"]:]
+        q = row["query_token"][len(row["query_token"]) - row["query_token_len"]:]
         r = row["reference_response_token"][: row["reference_response_token_len"]]
         seq = row["query_reference_response_token"]
         assert len(seq) == total
@@ -225,7 +227,7 @@ def test_padded_lengths_are_derived_from_the_data(prepared):
     assert lengths["rm_response"]["tldr"] == max(max(list(ds["chosen_token_len"]) + list(ds["rejected_token_len"])) for ds in tldr)
     assert lengths["rm_response"]["cnndm"] == max(list(pref["validation_cnndm"]["chosen_token_len"])
                                                   + list(pref["validation_cnndm"]["rejected_token_len"]))
-    assert lengths["query"] == {"tldr": 512, "cnndm": 512}
+    assert lengths["query"] == {"tldr": 256, "cnndm": 256}  # the smoke preset's limits
 
 
 def test_length_statistics_are_reported(prepared):

@@ -1,0 +1,212 @@
+"""PPO's math as small pure functions (Huang et al. 2024, Details 23-25, Table 7).
+
+Shapes: ``(batch, response_length)`` unless stated; ``mask`` is a bool tensor, True on
+valid positions. The training loop in :mod:`rlhf_core.ppo_trainer` calls these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Log-probability written at invalid (post-EOS) positions; never used in a loss.
+INVALID_LOGPROB = 1.0
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is True (over ``axis``, or all).
+
+    Raises:
+        ValueError: ``mask`` selects nothing (the mean would be undefined).
+    """
+    mask = mask.to(values.dtype)
+    if axis is None:
+        count = mask.sum()
+        if count == 0:
+            raise ValueError("masked_mean: the mask selects no position")
+        return (values * mask).sum() / count
+    return (values * mask).sum(axis) / mask.sum(axis)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions (Bessel-corrected when ``unbiased``).
+
+    Raises:
+        ValueError: ``unbiased`` with fewer than two valid positions.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count < 2:
+            raise ValueError("masked_var: an unbiased variance needs at least two valid positions")
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with masked statistics (Details 24, 25).
+
+    With ``shift_mean=False`` the mean is added back, so only the scale changes (the
+    reward whitening of Detail 24). Positions outside ``mask`` are transformed too; callers
+    zero them.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def compute_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the valid positions of each response.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    with ``V`` and ``r`` taken as 0 outside ``mask`` (the episode ends at the last valid
+    position).
+
+    Args:
+        rewards, values: ``(batch, response_length)`` float.
+        mask: ``(batch, response_length)`` bool, True on valid positions (a prefix of each row).
+
+    Returns:
+        ``(advantages, returns)``, both ``(batch, response_length)``, 0 outside ``mask``;
+        ``returns = advantages + values``.
+    """
+    maskf = mask.to(values.dtype)
+    rewards, values = rewards * maskf, values * maskf
+    length = rewards.size(1)
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    reversed_adv = []
+    for t in reversed(range(length)):
+        next_values = values[:, t + 1] if t + 1 < length else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        reversed_adv.append(lastgaelam)
+    advantages = torch.stack(reversed_adv[::-1], dim=1) * maskf
+    returns = (advantages + values) * maskf
+    return advantages, returns
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log-probability of ``tokens`` under ``softmax(logits / temperature)`` (Detail 23: the sampling temperature).
+
+    Args:
+        logits: ``(batch, length, vocab)``; tokens: ``(batch, length)`` long.
+
+    Returns:
+        ``(batch, length)`` float32.
+    """
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position, in nats. ``(..., vocab)`` -> ``(...)``."""
+    logits = logits.float()
+    p = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+def response_mask(sequence_lengths: torch.Tensor, response_length: int, extra: int = 0) -> torch.Tensor:
+    """True on positions ``0 .. sequence_lengths + extra`` of each response.
+
+    Args:
+        sequence_lengths: ``(batch,)`` index of each response's last real token (its EOS,
+            or ``response_length - 1`` when there is none).
+        extra: 1 to include the position after the EOS (``score_position: after_eos``).
+
+    Returns:
+        ``(batch, response_length)`` bool.
+    """
+    positions = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
+    return positions <= (sequence_lengths + extra).unsqueeze(1)
+
+
+def apply_eos_trick(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, penalty: float) -> torch.Tensor:
+    """Replace the score of every response without an EOS by ``penalty`` (Detail 23).
+
+    Args:
+        scores: ``(batch,)`` reward-model scores; responses: ``(batch, response_length)``.
+    """
+    has_eos = (responses == eos_token_id).any(dim=1)
+    return torch.where(has_eos, scores, torch.full_like(scores, penalty))
+
+
+def per_token_rewards(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    scores: torch.Tensor,
+    sequence_lengths: torch.Tensor,
+    kl_coef: float,
+    score_position: str = "eos",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KL-penalised rewards: ``-kl_coef * (logprob - ref_logprob)`` per token, plus the score.
+
+    ``score_position="eos"`` adds the score at the response's last real token (its EOS);
+    ``"after_eos"`` adds it one position later, as the reference implementation does, where
+    the value function carries it back by one step (at the last position when there is
+    no room after it).
+
+    Args:
+        logprobs, ref_logprobs: ``(batch, response_length)`` of the sampled tokens.
+        scores: ``(batch,)``; sequence_lengths: ``(batch,)`` EOS index per response.
+
+    Returns:
+        ``(rewards, non_score_reward, mask)``: rewards and the KL part alone, 0 outside
+        ``mask``, the positions that carry rewards and values (bool).
+    """
+    length = logprobs.size(1)
+    token_mask = response_mask(sequence_lengths, length)
+    extra = 1 if score_position == "after_eos" else 0
+    if score_position not in ("eos", "after_eos"):
+        raise ValueError(f"score_position must be 'eos' or 'after_eos', not {score_position!r}")
+    mask = response_mask(sequence_lengths, length, extra)
+    non_score_reward = -kl_coef * (logprobs - ref_logprobs) * token_mask
+    rewards = non_score_reward.clone()
+    end = torch.clamp(sequence_lengths + extra, max=length - 1)
+    rewards[torch.arange(rewards.size(0), device=rewards.device), end] += scores
+    return rewards, non_score_reward, mask
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+) -> dict[str, torch.Tensor]:
+    """PPO's clipped surrogate loss over the valid response tokens.
+
+    Returns:
+        ``loss`` (scalar, to minimise), ``clipfrac`` (share of tokens where the clipped
+        term is the larger loss), ``approxkl`` (``0.5 * mean(log-ratio^2)``), ``ratio``
+        (``(batch, length)``).
+    """
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    losses = -advantages * ratio
+    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return {
+        "loss": masked_mean(torch.max(losses, losses_clipped), mask),
+        "clipfrac": masked_mean((losses_clipped > losses).float(), mask),
+        "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+        "ratio": ratio,
+    }
+
+
+def value_loss(
+    new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
+) -> dict[str, torch.Tensor]:
+    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over valid positions.
+
+    ``V_clip = old_values + clamp(new_values - old_values, -cliprange_value, cliprange_value)``.
+
+    Returns:
+        ``loss`` (scalar) and ``clipfrac`` (share of positions where the clipped error is larger).
+    """
+    clipped = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
+    losses = (new_values - returns) ** 2
+    losses_clipped = (clipped - returns) ** 2
+    return {
+        "loss": 0.5 * masked_mean(torch.max(losses, losses_clipped), mask),
+        "clipfrac": masked_mean((losses_clipped > losses).float(), mask),
+    }

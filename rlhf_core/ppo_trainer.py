@@ -1,0 +1,425 @@
+"""The PPO stage: RLHF fine-tuning of the SFT policy against the normalised reward model.
+
+Follows Huang et al. (2024), Section 7 and Appendix F (Details 20-25, Table 7). Four
+models: the policy and a frozen reference (both from SFT), the frozen reward model, and a
+value model initialised from the reward model (Detail 22). Each update:
+
+1. takes ``batch_size`` prompts from the shuffled SFT train split, reshuffled whenever it
+   is used up (Detail 21);
+2. samples exactly ``response_length`` tokens at ``temperature`` (Detail 23), with the
+   log-probabilities of policy and reference from logits divided by the temperature;
+3. truncates after the first EOS, fills with PAD, scores with the reward model at the EOS,
+   and gives responses without EOS the score ``non_eos_penalty`` (the EOS trick);
+4. forms per-token rewards (KL penalty plus the score), optionally whitens them
+   (Detail 24), computes GAE advantages and whitens them (Detail 25);
+5. runs ``ppo_epochs`` passes of clipped policy and value updates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, PreTrainedModel, get_scheduler
+
+from .config import PPOConfig
+from .data import load_prepared
+from .generation import decode_responses, first_true_indices, generate, trim_left_padding, truncate_after_eos
+from .io import atomic_directory, write_json_atomic
+from .models import load_causal_lm
+from .ppo import (
+    INVALID_LOGPROB,
+    apply_eos_trick,
+    compute_advantages,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    per_token_rewards,
+    policy_loss,
+    response_mask,
+    value_loss,
+)
+from .reward import ScalarModel, get_reward, padding_aware_inputs
+from .tracking import NullTracker, Tracker
+from .training import CheckpointManager, TrainingError, autocast, micro_batches, pick_device
+
+log = logging.getLogger(__name__)
+
+
+def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list[int]:
+    """Rows of the prompts of update ``update`` (0-based) (Detail 21).
+
+    Prompts are drawn without replacement from a permutation of the split; when it is used
+    up, a new permutation (seeded ``seed + pass``) continues. A pure function of its
+    arguments, so a resumed run needs only the update number.
+    """
+    start = update * batch_size
+    out: list[int] = []
+    perms: dict[int, list[int]] = {}
+    for position in range(start, start + batch_size):
+        epoch, offset = divmod(position, n_rows)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        out.append(perms[epoch][offset])
+    return out
+
+
+def response_logits(model: PreTrainedModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """Language-model logits at the positions that predict the response tokens only.
+
+    Args:
+        query_responses: ``(batch, context_length + response_length)``, query left-padded.
+
+    Returns:
+        ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
+    """
+    input_ids, attention_mask, position_ids = padding_aware_inputs(query_responses, pad_token_id)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+    return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
+
+
+def response_values(value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+    """Value of the state before each response token. ``(batch, response_length)`` float32."""
+    input_ids, attention_mask, position_ids = padding_aware_inputs(query_responses, pad_token_id)
+    return value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)[
+        :, context_length - 1 : -1
+    ]
+
+
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = math.sqrt(float((x * x).sum() * (y * y).sum()))
+    return float((x * y).sum()) / denom if denom > 0 else 0.0
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class PPOTrainer:
+    """Holds the four models and runs rollouts, updates and evaluations. See :func:`run_ppo`."""
+
+    def __init__(self, cfg: PPOConfig, data_dir: str | os.PathLike, sft_model_dir: str | os.PathLike,
+                 reward_model_dir: str | os.PathLike, device: torch.device | None = None):
+        self.cfg = cfg
+        self.device = device or pick_device()
+        sft, _, self.stats = load_prepared(data_dir)
+        self.sft = sft
+        self.tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+        self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
+        self.queries = torch.tensor(sft["train"]["query_token"])
+        torch.manual_seed(cfg.seed)
+        self.policy = load_causal_lm(sft_model_dir).to(self.device)
+        self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
+        self.reward_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False)
+        self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
+        if cfg.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+            self.value_model.gradient_checkpointing_enable()
+        self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
+        self.optimizer = torch.optim.AdamW(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
+        self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
+        self.scheduler = get_scheduler(cfg.scheduler, self.optimizer, num_warmup_steps=0,
+                                       num_training_steps=self.num_updates)
+
+    # ------------------------------------------------------------------ rollout
+
+    @torch.no_grad()
+    def rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sample, score and compute advantages for one batch of left-padded queries.
+
+        Returns tensors on the device: ``query_responses`` ``(B, C + R)``, ``responses``,
+        ``logprobs``, ``ref_logprobs``, ``values``, ``rewards``, ``non_score_reward``,
+        ``advantages``, ``returns`` ``(B, R)``, ``token_mask`` and ``value_mask`` ``(B, R)``
+        bool, ``scores``, ``raw_scores`` ``(B,)``, ``sequence_lengths`` ``(B,)``, and timings.
+        """
+        cfg, pad, eos, R = self.cfg, self.pad_id, self.eos_id, self.response_length
+        queries = trim_left_padding(queries, pad).to(self.device)
+        context = queries.size(1)
+        parts: dict[str, list[torch.Tensor]] = defaultdict(list)
+        t_gen = t_score = 0.0
+        self.policy.eval()
+        for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+            q = queries[mb]
+            t0 = time.perf_counter()
+            with autocast(self.device, cfg.bf16):
+                responses, logits = generate(self.policy, q, pad, R, cfg.temperature, eos_token_id=None,
+                                             return_logits=True)
+            logprobs = logprobs_from_logits(logits, responses, cfg.temperature)
+            del logits
+            t1 = time.perf_counter()
+            query_responses = torch.cat([q, responses], dim=1)
+            post = truncate_after_eos(responses, eos, pad)
+            with autocast(self.device, cfg.bf16):
+                ref_logprobs = logprobs_from_logits(response_logits(self.ref_policy, query_responses, pad, context),
+                                                    responses, cfg.temperature)
+                values = response_values(self.value_model, query_responses, pad, context)
+                _, raw_scores, _ = get_reward(self.reward_model, torch.cat([q, post], dim=1), pad, context)
+            t_gen += t1 - t0
+            t_score += time.perf_counter() - t1
+            for name, value in (("query_responses", query_responses), ("responses", responses), ("post", post),
+                                ("logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values.float()),
+                                ("raw_scores", raw_scores.float())):
+                parts[name].append(value)
+        batch = {k: torch.cat(v) for k, v in parts.items()}
+        post = batch.pop("post")
+        # index of the last real token (the EOS, or R - 1 without one); 0 if PAD was sampled first
+        sequence_lengths = torch.clamp(first_true_indices(post == pad) - 1, min=0)
+        scores = apply_eos_trick(batch["raw_scores"], post, eos, cfg.non_eos_penalty)
+        token_mask = response_mask(sequence_lengths, R)
+        logprobs = torch.masked_fill(batch["logprobs"], ~token_mask, INVALID_LOGPROB)
+        ref_logprobs = torch.masked_fill(batch["ref_logprobs"], ~token_mask, INVALID_LOGPROB)
+        rewards, non_score_reward, value_mask = per_token_rewards(
+            logprobs, ref_logprobs, scores, sequence_lengths, cfg.kl_coef, cfg.score_position)
+        values = batch["values"] * value_mask
+        if cfg.whiten_rewards:
+            rewards = masked_whiten(rewards, value_mask, shift_mean=False) * value_mask
+        advantages, returns = compute_advantages(rewards, values, value_mask, cfg.gamma, cfg.lam)
+        advantages = masked_whiten(advantages, token_mask) * token_mask
+        batch.update(
+            logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=rewards,
+            non_score_reward=non_score_reward, advantages=advantages, returns=returns, token_mask=token_mask,
+            value_mask=value_mask, scores=scores, sequence_lengths=sequence_lengths, context_length=torch.tensor(context),
+            time_generate=torch.tensor(t_gen), time_score=torch.tensor(t_score), has_eos=(post == eos).any(1),
+        )
+        return batch
+
+    # ------------------------------------------------------------------- update
+
+    def train_on(self, batch: dict[str, torch.Tensor], update: int) -> dict[str, float]:
+        """``ppo_epochs`` passes of clipped PPO over ``batch``; returns averaged statistics."""
+        cfg, pad = self.cfg, self.pad_id
+        context = int(batch["context_length"])
+        n = batch["responses"].size(0)
+        minibatch_size = max(1, n // cfg.num_minibatches)
+        sums: dict[str, float] = defaultdict(float)
+        ratios: list[torch.Tensor] = []
+        count = 0
+        self.policy.train()
+        self.value_model.train()
+        for epoch in range(cfg.ppo_epochs):
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + update * 101 + epoch))
+            for start in range(0, n, minibatch_size):
+                minibatch = perm[start : start + minibatch_size].tolist()
+                self.optimizer.zero_grad(set_to_none=True)
+                mb_sums: dict[str, float] = defaultdict(float)
+                for micro in micro_batches(minibatch, cfg.micro_batch_size):
+                    idx = torch.tensor(micro, device=self.device)
+                    qr, resp = batch["query_responses"][idx], batch["responses"][idx]
+                    token_mask, value_mask = batch["token_mask"][idx], batch["value_mask"][idx]
+                    with autocast(self.device, cfg.bf16):
+                        logits = response_logits(self.policy, qr, pad, context)
+                        vpred = response_values(self.value_model, qr, pad, context)
+                    new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature)
+                    new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
+                    vpred = vpred.float() * value_mask
+                    pl = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx], token_mask, cfg.cliprange)
+                    vl = value_loss(vpred, batch["values"][idx], batch["returns"][idx], value_mask, cfg.cliprange_value)
+                    loss = pl["loss"] + cfg.vf_coef * vl["loss"]
+                    if not torch.isfinite(loss):
+                        raise _NonFinite(f"non-finite loss {loss.item()} (policy {pl['loss'].item()}, value {vl['loss'].item()})")
+                    (loss * len(micro) / len(minibatch)).backward()
+                    with torch.no_grad():
+                        weight = len(micro) / len(minibatch)
+                        entropy = masked_mean(entropy_from_logits(logits.float() / cfg.temperature), token_mask)
+                        for key, value in (("loss/policy", pl["loss"]), ("loss/value", vl["loss"]),
+                                           ("policy/clipfrac", pl["clipfrac"]), ("policy/approxkl", pl["approxkl"]),
+                                           ("val/clipfrac", vl["clipfrac"]), ("policy/entropy", entropy)):
+                            mb_sums[key] += value.item() * weight
+                        ratios.append(pl["ratio"][token_mask].detach().float().cpu())
+                self.optimizer.step()
+                for key, value in mb_sums.items():
+                    sums[key] += value
+                count += 1
+        out = {k: v / count for k, v in sums.items()}
+        all_ratios = torch.cat(ratios)
+        out["val/ratio"] = all_ratios.mean().item()
+        out["val/ratio_var"] = all_ratios.var().item() if all_ratios.numel() > 1 else 0.0
+        return out
+
+    # --------------------------------------------------------------- evaluation
+
+    @torch.no_grad()
+    def evaluate(self, split: str = "validation") -> tuple[dict[str, float], list[dict]]:
+        """Near-greedy policy summaries on held-out prompts, scored by the reward model against the references."""
+        cfg, pad = self.cfg, self.pad_id
+        ds = self.sft[split]
+        ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
+        queries = torch.tensor(ds["query_token"])
+        reference = torch.tensor(ds["reference_response_token"])
+        policy_scores, reference_scores, texts = [], [], []
+        self.policy.eval()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(cfg.seed)  # the same evaluation samples every time, training's RNG untouched
+            for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+                self._evaluate_batch(queries[mb], reference[mb], policy_scores, reference_scores, texts)
+        sp, sr = torch.cat(policy_scores), torch.cat(reference_scores)
+        metrics = {
+            "eval/score_policy": sp.mean().item(),
+            "eval/score_reference": sr.mean().item(),
+            "eval/rm_win_rate_vs_reference": (sp > sr).float().mean().item(),
+        }
+        samples = [{"post": p, "reference": r.strip(), "policy": t, "score_policy": a, "score_reference": b}
+                   for p, r, t, a, b in zip(ds["post"], ds["reference_response"], texts, sp.tolist(), sr.tolist())]
+        return metrics, samples
+
+
+    def _evaluate_batch(self, queries, references, policy_scores, reference_scores, texts) -> None:
+        cfg, pad = self.cfg, self.pad_id
+        q = trim_left_padding(queries, pad).to(self.device)
+        context = q.size(1)
+        with autocast(self.device, cfg.bf16):
+            responses = generate(self.policy, q, pad, self.response_length, cfg.eval_temperature,
+                                 eos_token_id=self.eos_id)
+            post = truncate_after_eos(responses, self.eos_id, pad)
+            _, s_policy, _ = get_reward(self.reward_model, torch.cat([q, post], 1), pad, context)
+            _, s_ref, _ = get_reward(self.reward_model, torch.cat([q, references.to(self.device)], 1), pad, context)
+        s_policy = apply_eos_trick(s_policy.float(), post, self.eos_id, cfg.non_eos_penalty)
+        policy_scores.append(s_policy.cpu())
+        reference_scores.append(s_ref.float().cpu())
+        texts += decode_responses(self.tokenizer, post.cpu(), self.eos_id, pad)
+
+
+class _NonFinite(RuntimeError):
+    pass
+
+
+def _rollout_metrics(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    token_mask = batch["token_mask"]
+    kl = ((batch["logprobs"] - batch["ref_logprobs"]) * token_mask).sum(1)
+    non_score = batch["non_score_reward"].sum(1)
+    lengths = (batch["sequence_lengths"] + 1).float()
+    return {
+        "objective/scores": batch["scores"].mean().item(),
+        "objective/kl": kl.mean().item(),
+        "objective/entropy": (-batch["logprobs"] * token_mask).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": (batch["scores"] + non_score).mean().item(),
+        "returns/mean": masked_mean(batch["returns"], batch["value_mask"]).item(),
+        "returns/var": masked_var(batch["returns"], batch["value_mask"]).item(),
+        "advantages/mean": masked_mean(batch["advantages"], token_mask).item(),
+        "advantages/min": batch["advantages"][token_mask].min().item(),
+        "advantages/max": batch["advantages"][token_mask].max().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_score_corr": _pearson(lengths, batch["scores"]),
+        "response/no_eos_fraction": 1.0 - batch["has_eos"].float().mean().item(),
+    }
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def run_ppo(
+    cfg: PPOConfig,
+    data_dir: str | os.PathLike,
+    sft_model_dir: str | os.PathLike,
+    reward_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+) -> dict[str, float]:
+    """Run (or resume) PPO and write ``out_dir/model`` (the policy), ``out_dir/value_model``,
+    ``out_dir/samples.jsonl`` (the last evaluation) and ``out_dir/metrics.json``.
+
+    Checkpoints (policy, value, optimiser, schedule, RNG, update count) are written to
+    ``out_dir/checkpoints`` every ``cfg.checkpoint_every`` updates; a restarted run with the
+    same configuration continues from the newest.
+
+    Returns:
+        The metrics of the last update and the final evaluation (flat keys).
+
+    Raises:
+        TrainingError: non-finite scores, rewards or losses (naming the update, after a
+            checkpoint of the last good state), or a checkpoint of another configuration.
+    """
+    tracker = tracker or NullTracker()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trainer = PPOTrainer(cfg, data_dir, sft_model_dir, reward_model_dir)
+    digest = _digest(cfg.model_dump_json(), json.dumps(trainer.stats, sort_keys=True),
+                     str(Path(sft_model_dir).resolve()), str(Path(reward_model_dir).resolve()))
+    checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
+    resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
+    start = resumed["step"] if resumed else 0
+    tracker.log_params({f"ppo.{k}": v for k, v in cfg.model_dump().items()} | {"ppo.response_length_used": trainer.response_length})
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=trainer.num_updates, initial=start, desc="ppo", disable=not interactive, dynamic_ncols=True)
+    log_every = max(1, trainer.num_updates // 20)
+    last: dict[str, float] = {}
+    samples: list[dict] = []
+    begin = time.perf_counter()
+    n_rows = len(trainer.queries)
+    for update in range(start, trainer.num_updates):
+        idx = prompt_indices(n_rows, cfg.batch_size, update, cfg.seed)
+        batch = trainer.rollout(trainer.queries[idx])
+        try:
+            for name in ("scores", "rewards", "advantages", "values"):
+                if not torch.isfinite(batch[name]).all():
+                    raise _NonFinite(f"non-finite {name}")
+            t0 = time.perf_counter()
+            train_stats = trainer.train_on(batch, update)
+        except _NonFinite as exc:
+            checkpoints.save(update, trainer.models, trainer.optimizer, trainer.scheduler)
+            raise TrainingError(f"ppo: {exc} at update {update + 1}; parameters from before the failing step "
+                                f"saved in {checkpoints.root}") from None
+        t_train = time.perf_counter() - t0
+        lr = trainer.scheduler.get_last_lr()[0]
+        trainer.scheduler.step()
+        generated = batch["responses"].numel()
+        metrics = _rollout_metrics(batch) | train_stats | {
+            "lr": lr,
+            "episodes": float((update + 1) * cfg.batch_size),
+            "time/generate": float(batch["time_generate"]),
+            "time/score": float(batch["time_score"]),
+            "time/train": t_train,
+            "time/generate_tokens_per_s": generated / max(float(batch["time_generate"]), 1e-9),
+            "time/train_tokens_per_s": cfg.ppo_epochs * float(batch["token_mask"].sum()) / max(t_train, 1e-9),
+            "memory/peak_mb": _peak_memory_mb(trainer.device),
+        }
+        if (update + 1) % cfg.eval_every == 0 or update + 1 == trainer.num_updates:
+            eval_metrics, samples = trainer.evaluate()
+            metrics |= eval_metrics
+            tracker.log_table("ppo_samples", samples[:16])
+        tracker.log_metrics(metrics, step=update + 1)
+        last = metrics
+        bar.update(1)
+        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
+        if not interactive and ((update + 1) % log_every == 0 or update + 1 == trainer.num_updates):
+            log.info("ppo update %d/%d: score %.3f kl %.3f no-eos %.2f len %.1f (%.0f s)", update + 1,
+                     trainer.num_updates, metrics["objective/scores"], metrics["objective/kl"],
+                     metrics["response/no_eos_fraction"], metrics["response/length_mean"],
+                     metrics["time/generate"] + metrics["time/score"] + t_train)
+        if (update + 1) % cfg.checkpoint_every == 0 and update + 1 < trainer.num_updates:
+            checkpoints.save(update + 1, trainer.models, trainer.optimizer, trainer.scheduler)
+    bar.close()
+    if not samples:  # resumed after the last update: evaluate once more
+        eval_metrics, samples = trainer.evaluate()
+        last |= eval_metrics
+    trainer.policy.eval()
+    with atomic_directory(out_dir / "model", overwrite=True) as tmp:
+        trainer.policy.save_pretrained(tmp)
+        trainer.tokenizer.save_pretrained(tmp)
+    with atomic_directory(out_dir / "value_model", overwrite=True) as tmp:
+        trainer.value_model.save_pretrained(tmp)
+    with open(out_dir / "samples.jsonl", "w") as fh:
+        fh.writelines(json.dumps(s) + "\n" for s in samples)
+    last = dict(last, **{"ppo/updates": float(trainer.num_updates), "ppo/seconds": time.perf_counter() - begin})
+    write_json_atomic(out_dir / "metrics.json", last)
+    return last

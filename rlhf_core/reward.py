@@ -1,0 +1,421 @@
+"""The reward model: training, normalisation and evaluation (Huang et al. 2024, Details 10-18).
+
+A :class:`ScalarModel` is a transformer backbone (no language-model head) with a linear
+head giving one scalar per position. The reward of a sequence is the head's output at its
+EOS, found as the token before the first PAD of the response (Detail 12). The same class
+serves as PPO's value model, initialised from the reward model (Detail 22).
+
+Load a saved reward model with one call::
+
+    from rlhf_core.reward import ScalarModel
+    reward_model = ScalarModel.from_pretrained("runs/cpu-demo/reward_norm/model")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from .config import RewardConfig
+from .data import load_prepared
+from .generation import first_true_indices
+from .io import atomic_directory, write_json_atomic
+from .models import DTYPES, disable_dropout
+from .plots import plot_calibration
+from .tracking import NullTracker, Tracker
+from .training import (
+    CheckpointManager,
+    OptimConfig,
+    accumulation_steps,
+    autocast,
+    micro_batches,
+    pick_device,
+    train_loop,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ScalarModelConfig(PretrainedConfig):
+    """Config of a :class:`ScalarModel`: the backbone's config plus the head's size.
+
+    ``normalization_mean`` records the mean score subtracted from the head's bias by
+    :func:`normalize_reward_model` (Detail 15); it is bookkeeping only.
+    """
+
+    model_type = "rlhf_scalar"
+
+    def __init__(self, base_config: dict | None = None, hidden_size: int | None = None,
+                 normalization_mean: float = 0.0, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.base_config = base_config or {}
+        self.hidden_size = hidden_size
+        self.normalization_mean = normalization_mean
+
+
+def _backbone_config(config: ScalarModelConfig) -> PretrainedConfig:
+    base = dict(config.base_config)
+    return AutoConfig.for_model(base.pop("model_type"), **base)
+
+
+class ScalarModel(PreTrainedModel):
+    """Backbone + ``nn.Linear(hidden_size, 1)``: one scalar per token.
+
+    ``forward(input_ids, attention_mask, position_ids)`` returns ``(batch, length)``
+    float32 scalars. Dropout is off (Detail 7).
+    """
+
+    config_class = ScalarModelConfig
+    base_model_prefix = "backbone"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+
+    def __init__(self, config: ScalarModelConfig, backbone: nn.Module | None = None):
+        super().__init__(config)
+        self.backbone = backbone if backbone is not None else AutoModel.from_config(_backbone_config(config))
+        self.head = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+        disable_dropout(self)
+
+    def _init_weights(self, module: nn.Module) -> None:  # weights come from the backbone or a checkpoint
+        pass
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
+        return self.head(hidden).squeeze(-1).float()
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.backbone.gradient_checkpointing_enable(**kwargs)
+
+
+def init_head(head: nn.Linear, d_model: int, generator: torch.Generator | None = None) -> None:
+    """Weights ~ N(0, std = 1/sqrt(d_model + 1)), bias 0 (Huang et al. 2024, Detail 11)."""
+    with torch.no_grad():
+        head.weight.normal_(0.0, 1.0 / math.sqrt(d_model + 1), generator=generator)
+        head.bias.zero_()
+
+
+def reward_model_from_causal_lm(path: str | os.PathLike, seed: int = 0, dtype: str = "float32") -> ScalarModel:
+    """A new reward model: the backbone of the causal LM at ``path`` and a fresh head (Details 10, 11)."""
+    backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype])
+    base_config = backbone.config.to_dict()
+    config = ScalarModelConfig(base_config=base_config, hidden_size=backbone.config.hidden_size,
+                               pad_token_id=backbone.config.pad_token_id, eos_token_id=backbone.config.eos_token_id)
+    model = ScalarModel(config, backbone=backbone)
+    init_head(model.head, config.hidden_size, torch.Generator().manual_seed(seed))
+    return model.to(DTYPES[dtype])
+
+
+def padding_aware_inputs(query_responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention mask and position ids that make left padding invisible (Detail 14).
+
+    Args:
+        query_responses: ``(batch, length)`` ids, PAD anywhere (left of the query, right of
+            the response).
+
+    Returns:
+        ``(input_ids, attention_mask, position_ids)``, each ``(batch, length)``: PAD
+        replaced by 0, mask 1 on real tokens, positions counting real tokens from 0.
+    """
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return input_ids, attention_mask.long(), position_ids
+
+
+def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Scalars at every position, and the reward at each sequence's EOS (Details 12, 14).
+
+    The EOS index is the index before the first PAD after ``context_length``; with no PAD
+    it is the last position (whose score PPO's EOS trick replaces, Detail 23).
+
+    Args:
+        query_responses: ``(batch, length)`` token ids; the query may be left-padded when
+            ``context_length`` is its padded length, and the response right-padded.
+        context_length: where responses start (0 for right-padded query+response rows).
+
+    Returns:
+        ``(reward_logits (batch, length) float32, scores (batch,) float32,
+        sequence_lengths (batch,) long)``, where ``sequence_lengths`` is the EOS index.
+    """
+    input_ids, attention_mask, position_ids = padding_aware_inputs(query_responses, pad_token_id)
+    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    scores = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
+    return reward_logits, scores, sequence_lengths
+
+
+def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """``-log sigmoid(r_chosen - r_rejected)`` per pair (Detail 10). Shapes ``(batch,)`` -> ``(batch,)``."""
+    return -F.logsigmoid(chosen_scores - rejected_scores)
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _save(model: ScalarModel, tokenizer, path: Path) -> None:
+    with atomic_directory(path, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def run_reward_training(
+    cfg: RewardConfig,
+    data_dir: str | os.PathLike,
+    sft_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+) -> dict[str, float]:
+    """Train a reward model on the preference train split, initialised from the SFT model.
+
+    Writes ``out_dir/model`` (a :class:`ScalarModel` with the tokenizer) and
+    ``out_dir/metrics.json``; checkpoints in ``out_dir/checkpoints`` make it resumable.
+
+    Returns:
+        Flat metrics of the last step: ``train/loss``, ``train/accuracy``,
+        ``train/chosen_reward``, ``train/rejected_reward``, ``train/steps``, ``train/seconds``.
+    """
+    tracker = tracker or NullTracker()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _, pref, stats = load_prepared(data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    pad_id = tokenizer.pad_token_id
+    accumulation_steps(cfg.batch_size, cfg.micro_batch_size)
+    device = pick_device()
+    model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    train = pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
+
+    def step_fn(indices: list[int]) -> dict[str, float]:
+        rows = train[indices]
+        chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
+        n = len(indices)
+        sums = defaultdict(float)
+        for mb in micro_batches(list(range(n)), cfg.micro_batch_size):
+            pair = torch.cat([chosen_all[mb], rejected_all[mb]]).to(device)
+            with autocast(device, cfg.bf16):
+                _, scores, _ = get_reward(model, pair, pad_id)
+            chosen, rejected = scores[: len(mb)], scores[len(mb) :]
+            loss = preference_loss(chosen, rejected).sum()
+            (loss / n).backward()
+            sums["loss"] += loss.item()
+            sums["accuracy"] += (chosen > rejected).float().sum().item()
+            sums["chosen_reward"] += chosen.detach().sum().item()
+            sums["rejected_reward"] += rejected.detach().sum().item()
+        out = {k: v / n for k, v in sums.items()}
+        out["tokens"] = float((chosen_all != pad_id).sum() + (rejected_all != pad_id).sum())
+        return out
+
+    digest = _digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(sft_model_dir).resolve()))
+    tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()})
+    last = train_loop(model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
+                      checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
+    model.eval()
+    _save(model, tokenizer, out_dir / "model")
+    metrics = {k: v for k, v in last.items() if k.startswith("train/")}
+    metrics.update({"train/steps": float(last["steps"]), "train/seconds": last["seconds"]})
+    write_json_atomic(out_dir / "metrics.json", metrics)
+    return metrics
+
+
+@torch.no_grad()
+def score_sequences(model: ScalarModel, sequences: torch.Tensor, pad_token_id: int, batch_size: int,
+                    bf16: bool = False, desc: str | None = None) -> torch.Tensor:
+    """Rewards of right-padded query+response rows, in batches, without gradients.
+
+    Args:
+        sequences: ``(n, length)`` token ids.
+
+    Returns:
+        ``(n,)`` float32 scores (CPU).
+    """
+    device = next(model.parameters()).device
+    model.eval()
+    out = []
+    for start in range(0, len(sequences), batch_size):
+        batch = sequences[start : start + batch_size].to(device)
+        with autocast(device, bf16):
+            _, scores, _ = get_reward(model, batch, pad_token_id)
+        out.append(scores.float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def normalize_reward_model(
+    cfg: RewardConfig,
+    data_dir: str | os.PathLike,
+    reward_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+) -> dict[str, float]:
+    """Shift the reward so that SFT reference summaries score 0 on average (Detail 15).
+
+    Scores ``query + reference_response`` of the SFT split ``cfg.normalization_split``
+    (its first ``cfg.normalization_max_samples`` rows when set; the paper uses all),
+    subtracts their mean from the head's bias, scores them again, and writes the
+    normalised model to ``out_dir/model``.
+
+    Returns:
+        ``normalization/mean_before``, ``normalization/mean_after`` (within float error of
+        0), ``normalization/std``, ``normalization/count``.
+    """
+    tracker = tracker or NullTracker()
+    out_dir = Path(out_dir)
+    sft, _, _ = load_prepared(data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    device = pick_device()
+    model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
+    ds = sft[cfg.normalization_split]
+    ds = ds.select(range(min(len(ds), cfg.normalization_max_samples or len(ds))))
+    ds = ds.with_format("torch", columns=["query_reference_response_token"])
+    sequences = ds["query_reference_response_token"]
+    before = score_sequences(model, sequences, tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+    mean = before.double().mean().item()
+    with torch.no_grad():
+        model.head.bias -= mean
+    model.config.normalization_mean = model.config.normalization_mean + mean
+    after = score_sequences(model, sequences, tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+    metrics = {
+        "normalization/mean_before": mean,
+        "normalization/mean_after": after.double().mean().item(),
+        "normalization/std": before.double().std().item() if len(before) > 1 else 0.0,
+        "normalization/count": float(len(before)),
+    }
+    _save(model, tokenizer, out_dir / "model")
+    tracker.log_metrics(metrics)
+    write_json_atomic(out_dir / "metrics.json", metrics)
+    log.info("reward normalisation: mean %.4f -> %.2e over %d references", mean, metrics["normalization/mean_after"], len(before))
+    return metrics
+
+
+# ------------------------------------------------------------------ evaluation
+
+
+def accuracy_by_group(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
+                      groups: dict[str, list], prefix: str) -> dict[str, float]:
+    """Accuracy overall and within each value of each grouping (Detail 16).
+
+    Args:
+        chosen_scores, rejected_scores: ``(n,)`` rewards of the preferred and the other summary.
+        groups: ``{"batch": [n labels], "confidence": [...], "split": [...]}``.
+        prefix: key prefix, e.g. ``"eval"``.
+
+    Returns:
+        ``{f"{prefix}/accuracy": a, f"{prefix}/accuracy/{group}/{value}": a_v,
+        f"{prefix}/count/{group}/{value}": n_v, ...}``; a pair is correct when
+        ``chosen > rejected``.
+    """
+    correct = (chosen_scores > rejected_scores).float()
+    out = {f"{prefix}/accuracy": correct.mean().item(), f"{prefix}/count": float(len(correct))}
+    for group, labels in groups.items():
+        buckets: dict[str, list[int]] = defaultdict(list)
+        for i, label in enumerate(labels):
+            buckets[str(label)].append(i)
+        for value, idx in sorted(buckets.items()):
+            out[f"{prefix}/accuracy/{group}/{value}"] = correct[idx].mean().item()
+            out[f"{prefix}/count/{group}/{value}"] = float(len(idx))
+    return out
+
+
+def reward_statistics(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, prefix: str) -> dict[str, float]:
+    """max, mean, min and std of the chosen and rejected rewards (Table 5)."""
+    out = {}
+    for name, s in (("chosen", chosen_scores), ("rejected", rejected_scores)):
+        s = s.double()
+        out.update({f"{prefix}/reward/{name}/max": s.max().item(), f"{prefix}/reward/{name}/mean": s.mean().item(),
+                    f"{prefix}/reward/{name}/min": s.min().item(),
+                    f"{prefix}/reward/{name}/std": s.std().item() if len(s) > 1 else 0.0})
+    return out
+
+
+def calibration_table(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, bins: int) -> list[dict[str, float]]:
+    """Accuracy against the size of the score difference (Detail 18, Figure 5).
+
+    Pairs are binned by ``|r_chosen - r_rejected|`` into ``bins`` equal-width bins from 0
+    to the largest difference. A calibrated model's accuracy in a bin centred on ``d``
+    is ``1 / (1 + exp(-d))``.
+
+    Returns:
+        One row per non-empty bin: ``low``, ``high``, ``center``, ``count``, ``accuracy``,
+        ``ideal``.
+    """
+    delta = (chosen_scores - rejected_scores).double()
+    size = delta.abs()
+    top = max(size.max().item(), 1e-6)
+    edges = torch.linspace(0, top, bins + 1, dtype=torch.float64)
+    which = torch.clamp(torch.bucketize(size, edges, right=True) - 1, 0, bins - 1)
+    rows = []
+    for b in range(bins):
+        sel = which == b
+        if not sel.any():
+            continue
+        center = float((edges[b] + edges[b + 1]) / 2)
+        rows.append({"low": float(edges[b]), "high": float(edges[b + 1]), "center": center,
+                     "count": int(sel.sum()), "accuracy": float((delta[sel] > 0).double().mean()),
+                     "ideal": 1.0 / (1.0 + math.exp(-center))})
+    return rows
+
+
+def evaluate_reward_model(
+    cfg: RewardConfig,
+    data_dir: str | os.PathLike,
+    reward_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+) -> dict[str, float]:
+    """Accuracy per batch, confidence and split, reward statistics and calibration (Details 16-18).
+
+    Evaluates each preference split in ``cfg.eval_splits`` (at most
+    ``cfg.eval_max_samples`` rows each). Keys for the ``validation`` split start with
+    ``eval/``; other splits with ``eval/{split}/`` (e.g. ``eval/validation_cnndm/accuracy``).
+    Writes ``metrics.json``, ``calibration.json`` and ``calibration.png`` to ``out_dir``.
+
+    Returns:
+        The flat metrics.
+    """
+    tracker = tracker or NullTracker()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _, pref, _ = load_prepared(data_dir)
+    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    device = pick_device()
+    model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
+    metrics: dict[str, float] = {}
+    tables: dict[str, list] = {}
+    t0 = time.perf_counter()
+    for split in cfg.eval_splits:
+        if split not in pref:
+            raise KeyError(f"reward.eval_splits names {split!r}, not a preference split ({', '.join(pref)})")
+        ds = pref[split]
+        ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
+        torch_ds = ds.with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
+        chosen = score_sequences(model, torch_ds["query_chosen_token"], tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+        rejected = score_sequences(model, torch_ds["query_rejected_token"], tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+        prefix = "eval" if split == "validation" else f"eval/{split}"
+        groups = {"batch": list(ds["batch"]), "confidence": list(ds["confidence"]), "split": list(ds["split"])}
+        metrics.update(accuracy_by_group(chosen, rejected, groups, prefix))
+        metrics.update(reward_statistics(chosen, rejected, prefix))
+        tables[split] = calibration_table(chosen, rejected, cfg.calibration_bins)
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    write_json_atomic(out_dir / "calibration.json", tables)
+    plot_calibration(tables, out_dir / "calibration.png")
+    write_json_atomic(out_dir / "metrics.json", metrics)
+    tracker.log_metrics(metrics)
+    tracker.log_artifact(out_dir / "calibration.png")
+    log.info("reward model accuracy: %s", {k: round(v, 4) for k, v in metrics.items() if k.endswith("/accuracy")})
+    return metrics

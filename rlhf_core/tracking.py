@@ -1,0 +1,89 @@
+"""The one small interface through which stages report metrics, tables and files.
+
+``rlhf_core`` never imports MLflow: stages take any object with the :class:`Tracker`
+methods. :class:`JsonlTracker` (the command line's default) appends to a local file;
+the orchestration layer passes an MLflow-backed tracker.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tracker(Protocol):
+    """What a stage may report. Metric keys are flat strings such as ``eval/accuracy``."""
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Record configuration values (flat ``{"ppo.kl_coef": 0.05}``)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Record scalar metrics at an optional integer step."""
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Record a table (a list of rows with the same keys), e.g. generated samples."""
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Record a finished file (plot, report) produced by the stage."""
+
+
+class NullTracker:
+    """Discards everything."""
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        pass
+
+
+class JsonlTracker:
+    """Appends every record as one JSON line to ``path`` (``metrics.jsonl`` in a stage directory).
+
+    Each line is ``{"time": seconds since epoch, "kind": "params"|"metrics"|"table"|"artifact", ...}``.
+    Non-finite metric values are written as strings (``"nan"``, ``"inf"``).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._write({"kind": "params", "params": params})
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        clean = {k: (v if math.isfinite(v) else str(v)) for k, v in ((k, float(v)) for k, v in metrics.items())}
+        self._write({"kind": "metrics", "step": step, "metrics": clean})
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        self._write({"kind": "table", "name": name, "rows": rows})
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        self._write({"kind": "artifact", "path": str(path), "artifact_path": artifact_path})
+
+
+def read_metrics(path: str | os.PathLike) -> list[tuple[int | None, dict[str, float]]]:
+    """The ``(step, metrics)`` records of a :class:`JsonlTracker` file, in order."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if rec["kind"] == "metrics":
+                out.append((rec["step"], {k: float(v) for k, v in rec["metrics"].items()}))
+    return out

@@ -1,0 +1,231 @@
+"""The training loop shared by the SFT and reward-model stages: batching, optimiser,
+schedule, progress, and resumable mid-stage checkpoints.
+
+A stage supplies ``step_fn(indices) -> metrics`` that runs forward and backward passes over
+one global batch (in micro-batches, gradients accumulated and normalised over the whole
+global batch); :func:`train_loop` does the rest. Data order is a pure function of the
+seed and the epoch, so a checkpoint needs only the step number to resume mid-epoch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from .io import atomic_directory
+from .tracking import NullTracker, Tracker
+
+log = logging.getLogger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """Training cannot continue (non-finite loss, incompatible checkpoint)."""
+
+
+def pick_device() -> torch.device:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` when ``bf16`` is true, else a no-op context."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
+    """Micro-batches per optimiser step. Raises ValueError unless ``micro_batch_size`` divides ``batch_size``."""
+    if batch_size % micro_batch_size:
+        raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batch_size {micro_batch_size}")
+    return batch_size // micro_batch_size
+
+
+def batch_order(n_rows: int, batch_size: int, num_epochs: int, seed: int) -> list[list[int]]:
+    """Row indices of every global batch, epoch after epoch.
+
+    Each epoch is a fresh permutation drawn from ``seed + epoch``; the incomplete last
+    batch of an epoch is dropped (as the reference implementation does). With fewer rows
+    than ``batch_size``, each epoch is one batch of all rows.
+    """
+    order = []
+    for epoch in range(num_epochs):
+        perm = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        if n_rows < batch_size:
+            order.append(perm)
+            continue
+        order += [perm[i * batch_size : (i + 1) * batch_size] for i in range(n_rows // batch_size)]
+    return order
+
+
+def micro_batches(indices: list[int], micro_batch_size: int) -> Iterator[list[int]]:
+    """Consecutive slices of ``indices`` of at most ``micro_batch_size`` rows."""
+    for i in range(0, len(indices), micro_batch_size):
+        yield indices[i : i + micro_batch_size]
+
+
+@dataclass
+class OptimConfig:
+    """What :func:`train_loop` needs of a stage's config section."""
+
+    learning_rate: float
+    adam_eps: float
+    scheduler: str
+    batch_size: int
+    num_epochs: int
+    max_steps: int | None
+    checkpoint_every: int
+    seed: int
+
+    @classmethod
+    def from_section(cls, section: Any) -> "OptimConfig":
+        return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__})
+
+
+class CheckpointManager:
+    """Mid-stage checkpoints under ``root/step-NNNNNN/state.pt``, written atomically.
+
+    A checkpoint holds the model and optimiser state dicts, the scheduler state, the torch
+    and Python RNG states, the step, and the stage's config digest; only checkpoints with
+    the same digest are resumed. The newest ``keep`` are kept.
+    """
+
+    def __init__(self, root: str | os.PathLike, config_digest: str, keep: int = 2):
+        self.root = Path(root)
+        self.config_digest = config_digest
+        self.keep = keep
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob("step-*") if (p / "state.pt").is_file())
+
+    def save(self, step: int, model: torch.nn.Module, optimizer, scheduler, extra: dict | None = None) -> Path:
+        """Write the checkpoint taken after ``step`` optimiser steps."""
+        state = {
+            "step": step,
+            "config_digest": self.config_digest,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python_rng": random.getstate(),
+            "extra": extra or {},
+        }
+        target = self.root / f"step-{step:06d}"
+        with atomic_directory(target, overwrite=True) as tmp:
+            torch.save(state, tmp / "state.pt")
+        for old in self.checkpoints()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    def load_latest(self, model: torch.nn.Module, optimizer, scheduler) -> dict | None:
+        """Restore the newest checkpoint into ``model``/``optimizer``/``scheduler``.
+
+        Returns:
+            ``{"step": int, "extra": dict}``, or ``None`` when there is no checkpoint.
+
+        Raises:
+            TrainingError: the checkpoint was written with a different configuration.
+        """
+        found = self.checkpoints()
+        if not found:
+            return None
+        state = torch.load(found[-1] / "state.pt", map_location="cpu", weights_only=False)
+        if state["config_digest"] != self.config_digest:
+            raise TrainingError(
+                f"checkpoint {found[-1]} was written with a different configuration "
+                f"({state['config_digest']} != {self.config_digest}); remove {self.root} or use another output directory"
+            )
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        random.setstate(state["python_rng"])
+        log.info("resumed from %s (step %d)", found[-1], state["step"])
+        return {"step": state["step"], "extra": state["extra"]}
+
+
+def train_loop(
+    *,
+    model: torch.nn.Module,
+    n_rows: int,
+    optim: OptimConfig,
+    step_fn: Callable[[list[int]], dict[str, float]],
+    checkpoints: CheckpointManager,
+    tracker: Tracker | None = None,
+    desc: str = "train",
+    metric_prefix: str = "train/",
+) -> dict[str, float]:
+    """Run (or resume) the optimiser steps of one stage.
+
+    ``step_fn(indices)`` must run forward and backward over the rows ``indices`` of one
+    global batch and return scalar metrics, including ``loss`` and ``tokens`` (non-pad
+    tokens processed). This loop zeroes gradients, steps AdamW (``eps`` from the config)
+    and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens_per_s`` and
+    ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
+    checkpoints every ``optim.checkpoint_every`` steps.
+
+    Returns:
+        The metrics of the last step, plus ``steps`` and ``seconds``.
+
+    Raises:
+        TrainingError: a non-finite loss (after a checkpoint of the last good state was
+            written) or an incompatible checkpoint.
+    """
+    tracker = tracker or NullTracker()
+    order = batch_order(n_rows, optim.batch_size, optim.num_epochs, optim.seed)
+    total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=optim.learning_rate, eps=optim.adam_eps)
+    scheduler = get_scheduler(optim.scheduler, optimizer, num_warmup_steps=0, num_training_steps=total)
+    resumed = checkpoints.load_latest(model, optimizer, scheduler)
+    start = resumed["step"] if resumed else 0
+    model.train()
+    interactive = sys.stderr.isatty()
+    bar = tqdm(total=total, initial=start, desc=desc, disable=not interactive, dynamic_ncols=True)
+    log_every = max(1, total // 20)
+    begin = time.perf_counter()
+    last: dict[str, float] = {}
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        metrics = step_fn(order[step])
+        if not math.isfinite(metrics["loss"]):
+            checkpoints.save(step, model, optimizer, scheduler)  # parameters are still the last good ones
+            raise TrainingError(f"{desc}: non-finite loss {metrics['loss']} at step {step + 1}; "
+                                f"last good state saved in {checkpoints.root}")
+        optimizer.step()
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        seconds = time.perf_counter() - t0
+        last = {f"{metric_prefix}{k}": v for k, v in metrics.items() if k != "tokens"}
+        last.update({"lr": lr, "tokens_per_s": metrics.get("tokens", 0.0) / max(seconds, 1e-9), "step": step + 1})
+        tracker.log_metrics(last, step=step + 1)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        if not interactive and ((step + 1) % log_every == 0 or step + 1 == total):
+            log.info("%s step %d/%d loss %.4f lr %.3g %.0f tok/s", desc, step + 1, total, metrics["loss"], lr,
+                     last["tokens_per_s"])
+        if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total:
+            checkpoints.save(step + 1, model, optimizer, scheduler)
+    bar.close()
+    last.update({"steps": total, "seconds": time.perf_counter() - begin})
+    return last

@@ -1,0 +1,133 @@
+"""PPO's math against hand-worked values (Details 23-25)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.ppo import (
+    apply_eos_trick,
+    compute_advantages,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    per_token_rewards,
+    policy_loss,
+    response_mask,
+    value_loss,
+)
+from rlhf_core.ppo_trainer import prompt_indices
+
+T, F_ = True, False
+
+
+def test_masked_mean_and_var_ignore_invalid_positions():
+    values = torch.tensor([[2.0, 4.0, 6.0, 100.0]])
+    mask = torch.tensor([[T, T, T, F_]])
+    assert masked_mean(values, mask).item() == 4.0
+    assert masked_var(values, mask).item() == pytest.approx(4.0)  # unbiased: (4 + 0 + 4) / 2
+    assert masked_var(values, mask, unbiased=False).item() == pytest.approx(8 / 3)
+    assert masked_mean(values, mask, axis=1).tolist() == [4.0]
+    with pytest.raises(ValueError):
+        masked_mean(values, torch.zeros_like(mask))
+
+
+def test_masked_whiten_with_and_without_mean_shift():
+    values = torch.tensor([[2.0, 4.0, 6.0, 100.0]])
+    mask = torch.tensor([[T, T, T, F_]])
+    torch.testing.assert_close(masked_whiten(values, mask)[0, :3], torch.tensor([-1.0, 0.0, 1.0]))
+    # Detail 24: whitening rewards keeps their mean
+    torch.testing.assert_close(masked_whiten(values, mask, shift_mean=False)[0, :3], torch.tensor([3.0, 4.0, 5.0]))
+
+
+def test_gae_hand_worked_example():
+    rewards = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7]])
+    adv, ret = compute_advantages(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=0.95)
+    # delta_2 = 1 - 0.7; delta_1 = 0.7 - 0.6; delta_0 = 0.6 - 0.5; A_t = delta_t + 0.95 A_{t+1}
+    torch.testing.assert_close(adv, torch.tensor([[0.1 + 0.95 * (0.1 + 0.95 * 0.3), 0.1 + 0.95 * 0.3, 0.3]]))
+    torch.testing.assert_close(ret, adv + values)
+
+
+def test_gae_stops_at_the_end_of_the_valid_positions():
+    rewards = torch.tensor([[0.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.6, 9.0]])
+    mask = torch.tensor([[T, T, F_]])
+    adv, ret = compute_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    a1 = 1.0 - 0.6
+    a0 = (0.9 * 0.6 - 0.5) + 0.9 * 0.5 * a1
+    torch.testing.assert_close(adv, torch.tensor([[a0, a1, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, a1 + 0.6, 0.0]]))
+
+
+def test_rewards_put_kl_on_tokens_and_score_at_eos():
+    logprobs = torch.tensor([[-1.0, -2.0, -1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.0, -1.0, 1.0], [-2.0, -2.0, -2.0, -2.0]])
+    scores = torch.tensor([3.0, 7.0])
+    seq = torch.tensor([2, 3])  # EOS at 2 in row 0; row 1 has no room after its last token
+    rewards, non_score, mask = per_token_rewards(logprobs, ref, scores, seq, kl_coef=0.1, score_position="eos")
+    kl = torch.tensor([[0.5, -1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    expected_ns = -0.1 * kl * torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    torch.testing.assert_close(non_score, expected_ns)
+    torch.testing.assert_close(rewards, expected_ns + torch.tensor([[0, 0, 3.0, 0], [0, 0, 0, 7.0]]))
+    assert mask.tolist() == [[T, T, T, F_], [T, T, T, T]]
+
+    rewards, _, mask = per_token_rewards(logprobs, ref, scores, seq, kl_coef=0.1, score_position="after_eos")
+    torch.testing.assert_close(rewards, expected_ns + torch.tensor([[0, 0, 0, 3.0], [0, 0, 0, 7.0]]))
+    assert mask.tolist() == [[T, T, T, T], [T, T, T, T]]
+    with pytest.raises(ValueError):
+        per_token_rewards(logprobs, ref, scores, seq, kl_coef=0.1, score_position="last")
+
+
+def test_eos_trick():
+    responses = torch.tensor([[5, 9, 0], [5, 6, 7]])
+    assert apply_eos_trick(torch.tensor([2.0, 3.0]), responses, eos_token_id=9, penalty=-1.0).tolist() == [2.0, -1.0]
+
+
+def test_response_mask():
+    assert response_mask(torch.tensor([0, 2]), 4).tolist() == [[T, F_, F_, F_], [T, T, T, F_]]
+    assert response_mask(torch.tensor([0, 2]), 4, extra=1).tolist() == [[T, T, F_, F_], [T, T, T, T]]
+
+
+def test_policy_loss_clipping_on_a_constructed_batch():
+    old = torch.zeros(1, 4)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 9.0]]))
+    adv = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
+    mask = torch.tensor([[T, T, T, F_]])
+    out = policy_loss(new, old, adv, mask, cliprange=0.2)
+    # losses -A*r: [-1.5, -0.5, 1.1]; clipped: [-1.2, -0.8, 1.1]; max: [-1.2, -0.5, 1.1]
+    assert out["loss"].item() == pytest.approx((-1.2 - 0.5 + 1.1) / 3)
+    assert out["clipfrac"].item() == pytest.approx(1 / 3)
+    assert out["approxkl"].item() == pytest.approx(0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3)
+
+
+def test_value_loss_clipping_on_a_constructed_batch():
+    out = value_loss(torch.tensor([[0.5, 0.1, 7.0]]), torch.zeros(1, 3), torch.ones(1, 3),
+                     torch.tensor([[T, T, F_]]), cliprange_value=0.2)
+    # unclipped errors [0.25, 0.81]; clipped prediction [0.2, 0.1] -> errors [0.64, 0.81]
+    assert out["loss"].item() == pytest.approx(0.5 * (0.64 + 0.81) / 2)
+    assert out["clipfrac"].item() == pytest.approx(0.5)
+
+
+def test_logprobs_use_the_sampling_temperature():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7)
+    tokens = torch.randint(0, 7, (2, 3))
+    got = logprobs_from_logits(logits, tokens, temperature=0.7)
+    expected = F.log_softmax(logits / 0.7, -1).gather(2, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(got, expected)
+    uniform = entropy_from_logits(torch.zeros(4, 8))
+    torch.testing.assert_close(uniform, torch.full((4,), math.log(8)))
+
+
+def test_prompts_are_drawn_without_replacement_and_reshuffled():
+    """Detail 21: each pass over the split sees every prompt once, in a new order."""
+    n, b = 5, 2
+    stream = [i for u in range(5) for i in prompt_indices(n, b, u, seed=3)]
+    first, second = stream[:5], stream[5:10]
+    assert sorted(first) == list(range(5)) and sorted(second) == list(range(5))
+    assert first != second
+    assert prompt_indices(n, b, 2, seed=3) == [first[4], second[0]]

@@ -1,0 +1,193 @@
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from rlhf_core.config import load_config
+from rlhf_core.data import load_prepared, prepare_data
+from rlhf_core.models import import_base_model
+from rlhf_core.reward import (
+    ScalarModel,
+    accuracy_by_group,
+    calibration_table,
+    evaluate_reward_model,
+    get_reward,
+    init_head,
+    normalize_reward_model,
+    preference_loss,
+    reward_model_from_causal_lm,
+    run_reward_training,
+    score_sequences,
+)
+from rlhf_core.training import TrainingError
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    cfg = load_config("smoke")
+    root = tmp_path_factory.mktemp("rm")
+    prepare_data(cfg, root / "data")
+    import_base_model(cfg.model, root / "base")
+    sft, pref, stats = load_prepared(root / "data")
+    return cfg, root, sft, pref, stats
+
+
+def test_head_initialisation_statistics():
+    """Detail 11: weights ~ N(0, 1/sqrt(d_model + 1)), bias 0."""
+    d = 4096
+    head = nn.Linear(d, 1)
+    init_head(head, d, torch.Generator().manual_seed(0))
+    std = head.weight.std().item()
+    assert abs(std - 1 / math.sqrt(d + 1)) < 0.03 / math.sqrt(d + 1)
+    assert abs(head.weight.mean().item()) < 3 / math.sqrt(d) / math.sqrt(d + 1)
+    assert head.bias.item() == 0.0
+
+
+def test_reward_model_starts_from_the_causal_lm_backbone(smoke):
+    cfg, root, *_ = smoke
+    rm = reward_model_from_causal_lm(root / "base", seed=3)
+    lm = AutoModelForCausalLM.from_pretrained(root / "base")
+    lm_params = dict(lm.base_model.named_parameters())
+    for name, p in rm.backbone.named_parameters():
+        assert torch.equal(p, lm_params[name]), name
+    assert rm.head.bias.item() == 0.0
+    assert not hasattr(rm, "lm_head")
+
+
+def test_reward_is_read_at_the_eos(smoke):
+    """Detail 12: the score is the head output at the token before the first PAD."""
+    cfg, root, sft, _, stats = smoke
+    pad = stats["tokenizer"]["pad_token_id"]
+    rm = reward_model_from_causal_lm(root / "base").eval()
+    rows = torch.tensor(sft["train"]["query_reference_response_token"][:4])
+    with torch.no_grad():
+        logits, scores, lengths = get_reward(rm, rows, pad)
+    for i in range(4):
+        n_real = int((rows[i] != pad).sum())
+        assert lengths[i] == n_real - 1
+        assert rows[i, lengths[i]] == stats["tokenizer"]["eos_token_id"]
+        assert scores[i] == logits[i, n_real - 1]
+        with torch.no_grad():  # the same as scoring the unpadded sequence alone
+            alone = rm(input_ids=rows[i : i + 1, :n_real], attention_mask=torch.ones(1, n_real, dtype=torch.long))
+        torch.testing.assert_close(scores[i], alone[0, -1], rtol=1e-4, atol=1e-5)
+    no_pad = rows[:1, : int((rows[0] != pad).sum()) - 3]  # cut before the EOS: no PAD left
+    with torch.no_grad():
+        _, _, lengths = get_reward(rm, no_pad, pad)
+    assert lengths.item() == no_pad.size(1) - 1
+
+
+def test_left_and_right_padding_give_the_same_reward(smoke):
+    """Detail 14: left-padded query + right-padded response scores as the right-padded sequence."""
+    cfg, root, sft, _, stats = smoke
+    pad = stats["tokenizer"]["pad_token_id"]
+    rm = reward_model_from_causal_lm(root / "base").eval()
+    ds = sft["train"].select(range(6))
+    right = torch.tensor(ds["query_reference_response_token"])
+    left = torch.cat([torch.tensor(ds["query_token"]), torch.tensor(ds["reference_response_token"])], dim=1)
+    assert (left[:, 0] == pad).any()  # really left-padded
+    with torch.no_grad():
+        _, right_scores, _ = get_reward(rm, right, pad)
+        _, left_scores, left_lengths = get_reward(rm, left, pad, context_length=len(ds[0]["query_token"]))
+    assert (left[torch.arange(6), left_lengths] == stats["tokenizer"]["eos_token_id"]).all()
+    torch.testing.assert_close(left_scores, right_scores, rtol=1e-4, atol=1e-5)
+
+
+def test_preference_loss():
+    loss = preference_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]))
+    torch.testing.assert_close(loss, torch.tensor([math.log(1 + math.exp(-1)), math.log(2)]))
+
+
+def test_accuracy_by_group():
+    chosen = torch.tensor([1.0, 2.0, 0.0, 5.0, -1.0])
+    rejected = torch.tensor([0.0, 3.0, 1.0, 4.0, -2.0])  # correct: T F F T T
+    out = accuracy_by_group(chosen, rejected, {"batch": ["b1", "b1", "b2", "b2", "b2"], "confidence": [9, 9, 1, 1, 9]},
+                            "eval")
+    assert out["eval/accuracy"] == pytest.approx(0.6)
+    assert out["eval/accuracy/batch/b1"] == pytest.approx(0.5)
+    assert out["eval/accuracy/batch/b2"] == pytest.approx(2 / 3)
+    assert out["eval/accuracy/confidence/9"] == pytest.approx(2 / 3)
+    assert out["eval/accuracy/confidence/1"] == pytest.approx(0.5)
+    assert out["eval/count/batch/b2"] == 3
+
+
+def test_calibration_table():
+    chosen = torch.tensor([0.1, 0.2, -0.1, 3.0, 2.9])
+    rejected = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
+    rows = calibration_table(chosen, rejected, bins=3)
+    assert [r["count"] for r in rows] == [3, 2]
+    assert rows[0]["accuracy"] == pytest.approx(2 / 3) and rows[1]["accuracy"] == 1.0
+    assert rows[1]["ideal"] == pytest.approx(1 / (1 + math.exp(-rows[1]["center"])))
+
+
+def test_training_normalisation_and_evaluation(smoke, tmp_path):
+    cfg, root, sft, _, stats = smoke
+    pad = stats["tokenizer"]["pad_token_id"]
+    rm_cfg = cfg.reward
+    # SFT output is any causal LM directory; the base model stands in for it here
+    train = run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "rm")
+    assert train["train/steps"] == 4 and math.isfinite(train["train/loss"])
+    trained = ScalarModel.from_pretrained(tmp_path / "rm" / "model")
+    assert trained.head.weight.abs().sum() > 0
+
+    norm = normalize_reward_model(rm_cfg, root / "data", tmp_path / "rm" / "model", tmp_path / "norm")
+    seqs = torch.tensor(sft[rm_cfg.normalization_split]["query_reference_response_token"])
+    before = score_sequences(trained, seqs, pad, 8)
+    after_model = ScalarModel.from_pretrained(tmp_path / "norm" / "model")
+    after = score_sequences(after_model, seqs, pad, 8)
+    assert norm["normalization/mean_before"] == pytest.approx(before.double().mean().item(), abs=1e-5)
+    assert abs(after.double().mean().item()) < 1e-3 and abs(norm["normalization/mean_after"]) < 1e-3
+    assert after_model.head.bias.item() == pytest.approx(trained.head.bias.item() - norm["normalization/mean_before"], abs=1e-5)
+    assert after_model.config.normalization_mean == pytest.approx(norm["normalization/mean_before"])
+
+    metrics = evaluate_reward_model(rm_cfg, root / "data", tmp_path / "norm" / "model", tmp_path / "eval")
+    assert 0 <= metrics["eval/accuracy"] <= 1
+    assert "eval/accuracy/batch/batch18" in metrics and "eval/validation_cnndm/accuracy" in metrics
+    assert any(k.startswith("eval/accuracy/confidence/") for k in metrics)
+    assert any(k.startswith("eval/accuracy/split/valid") for k in metrics)
+    assert metrics["eval/count"] == 16
+    assert (tmp_path / "eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+    table = json.loads((tmp_path / "eval" / "calibration.json").read_text())
+    assert sum(r["count"] for r in table["validation"]) == 16
+
+
+class CrashAfter:
+    """A tracker that fails when step ``n`` is reported: a crash part way through a stage."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def log_params(self, params):
+        pass
+
+    def log_metrics(self, metrics, step=None):
+        if step == self.n:
+            raise RuntimeError("simulated crash")
+
+    def log_table(self, name, rows):
+        pass
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+
+def test_reward_training_resumes_to_the_same_weights(smoke, tmp_path):
+    cfg, root, *_ = smoke
+    rm_cfg = cfg.reward.model_copy(update={"checkpoint_every": 2})
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "crashed", tracker=CrashAfter(3))
+    assert (tmp_path / "crashed" / "checkpoints" / "step-000002").is_dir()
+    assert not (tmp_path / "crashed" / "model").exists()
+    run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "crashed")
+    run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "clean")
+    a = ScalarModel.from_pretrained(tmp_path / "crashed" / "model").state_dict()
+    b = ScalarModel.from_pretrained(tmp_path / "clean" / "model").state_dict()
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+    # a checkpoint from another configuration is refused, not silently mixed in
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "other", tracker=CrashAfter(3))
+    with pytest.raises(TrainingError, match="different configuration"):
+        run_reward_training(rm_cfg.model_copy(update={"learning_rate": 0.5}), root / "data", root / "base", tmp_path / "other")

@@ -1,0 +1,145 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from rlhf_core.config import RandomInitConfig, SFTConfig, load_config
+from rlhf_core.data import load_prepared, prepare_data
+from rlhf_core.models import build_random_model, import_base_model
+from rlhf_core.sft import make_loss_mask, masked_token_loss, rouge_l, run_sft, sft_loss_sum
+from rlhf_core.tracking import JsonlTracker, read_metrics
+
+PAD, EOS = 0, 9
+TINY = RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2)
+
+
+def test_loss_mask_keeps_eos_and_drops_pad():
+    ids = torch.tensor([[3, 4, 5, 6, EOS, PAD, PAD], [3, 4, 5, 6, 7, 8, EOS]])
+    mask = make_loss_mask(ids, PAD)
+    assert mask.tolist() == [[True] * 5 + [False] * 2, [True] * 7]
+    response_only = make_loss_mask(ids, PAD, torch.tensor([3, 2]))
+    assert response_only.tolist() == [[False] * 3 + [True] * 2 + [False] * 2, [False] * 2 + [True] * 5]
+
+
+def test_masked_token_loss_is_cross_entropy_on_targets_only():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11)
+    ids = torch.tensor([[1, 2, EOS, PAD, PAD], [1, 2, 3, 4, EOS]])
+    mask = make_loss_mask(ids, PAD)
+    total, n = masked_token_loss(logits, ids, mask)
+    manual = [F.cross_entropy(logits[b, t - 1][None], ids[b, t][None]) for b in range(2) for t in range(1, 5) if mask[b, t]]
+    assert n == len(manual) == 6
+    torch.testing.assert_close(total, torch.stack(manual).sum())
+    # what the model predicts at padding does not matter
+    logits2 = logits.clone()
+    logits2[0, 2:] = 100.0
+    torch.testing.assert_close(masked_token_loss(logits2, ids, mask)[0], total)
+
+
+def test_sft_loss_sum_matches_full_logits(smol_tokenizer):
+    tok = smol_tokenizer
+    model = build_random_model(tok, TINY)
+    rows = [tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: some post\n\nTL;DR:")["input_ids"] + [tok.eos_token_id],
+            tok("SUBREDDIT: r/b\n\nTITLE: t\n\nPOST: x\n\nTL;DR: y")["input_ids"] + [tok.eos_token_id]]
+    width = max(map(len, rows)) + 3
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+    mask = make_loss_mask(ids, tok.pad_token_id)
+    fast, n_fast = sft_loss_sum(model, ids, mask, tok.pad_token_id)
+    logits = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits
+    full, n_full = masked_token_loss(logits, ids, mask)
+    assert n_fast == n_full == sum(len(r) - 1 for r in rows)
+    torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-4)
+
+
+def test_rouge_l():
+    assert rouge_l(["the cat sat"], ["the cat sat"]) == [1.0]
+    assert rouge_l(["dogs bark"], ["the cat sat"]) == [0.0]
+    assert 0 < rouge_l(["the cat ran"], ["the cat sat"])[0] < 1
+
+
+@pytest.fixture(scope="module")
+def smoke_inputs(tmp_path_factory):
+    cfg = load_config("smoke")
+    root = tmp_path_factory.mktemp("sft")
+    prepare_data(cfg, root / "data")
+    import_base_model(cfg.model, root / "base")
+    return cfg, root
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_gradient_accumulation_equals_one_big_batch(smoke_inputs, tmp_path):
+    cfg, root = smoke_inputs
+    base = cfg.sft.model_copy(update={"max_steps": 1, "eval_max_samples": 1})
+    run_sft(base.model_copy(update={"micro_batch_size": 8}), root / "data", root / "base", tmp_path / "big")
+    run_sft(base.model_copy(update={"micro_batch_size": 2}), root / "data", root / "base", tmp_path / "small")
+    big, small = _weights(tmp_path / "big" / "model"), _weights(tmp_path / "small" / "model")
+    init = _weights(root / "base")
+    assert any(not torch.equal(big[k], init[k]) for k in big)
+    for k in big:
+        torch.testing.assert_close(big[k], small[k], rtol=1e-4, atol=1e-6)
+
+
+def test_sft_stage_learns_and_reports(smoke_inputs, tmp_path):
+    cfg, root = smoke_inputs
+    sft_cfg = cfg.sft.model_copy(update={"max_steps": 6, "batch_size": 4, "micro_batch_size": 4, "eval_max_samples": 4})
+    metrics = run_sft(sft_cfg, root / "data", root / "base", tmp_path / "sft", tracker=JsonlTracker(tmp_path / "m.jsonl"))
+    losses = [m["train/loss"] for _, m in read_metrics(tmp_path / "m.jsonl") if "train/loss" in m]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert 0.0 <= metrics["eval/rougeL"] <= 1.0 and 0.0 <= metrics["eval/rougeL_base"] <= 1.0
+    assert metrics["eval/samples"] == 4
+    samples = [json.loads(l) for l in (tmp_path / "sft" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 and set(samples[0]) >= {"post", "reference", "base", "sft"}
+    assert json.loads((tmp_path / "sft" / "metrics.json").read_text()) == metrics
+    assert (tmp_path / "sft" / "model" / "tokenizer_config.json").is_file()
+
+
+def test_response_only_loss_option(smoke_inputs, tmp_path):
+    cfg, root = smoke_inputs
+    common = {"max_steps": 1, "eval_max_samples": 1}
+    a = run_sft(cfg.sft.model_copy(update=common), root / "data", root / "base", tmp_path / "seq")
+    b = run_sft(cfg.sft.model_copy(update={**common, "loss_on": "response"}), root / "data", root / "base", tmp_path / "resp")
+    assert a["train/loss"] != b["train/loss"]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    """Kill `rlhf sft` with SIGKILL after a mid-stage checkpoint; the resumed run ends with identical weights."""
+    overrides = ["sft.max_steps=6", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.checkpoint_every=2",
+                 "sft.eval_max_samples=1"]
+    exe = str(Path(sys.executable).with_name("rlhf"))
+    killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
+    proc = subprocess.Popen([exe, "sft", "--preset", "smoke", *overrides, "--out", str(killed_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
+    checkpoint = killed_dir / "sft" / "checkpoints" / "step-000002" / "state.pt"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the stage finished before it could be killed"
+    assert checkpoint.exists() and not (killed_dir / "sft" / "model").exists()
+    logs = {}
+    for out in (killed_dir, clean_dir):
+        result = subprocess.run([exe, "sft", "--preset", "smoke", *overrides, "--out", str(out)],
+                                capture_output=True, text=True, env=os.environ, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[out] = result.stderr
+    assert "resumed from" in logs[killed_dir] and "resumed from" not in logs[clean_dir]
+    assert "stage data: finished earlier with the same config, reused" in logs[killed_dir]
+    resumed, clean = _weights(killed_dir / "sft" / "model"), _weights(clean_dir / "sft" / "model")
+    assert resumed.keys() == clean.keys()
+    for k in clean:
+        assert torch.equal(resumed[k], clean[k]), k
+    losses_killed = [m["train/loss"] for s, m in read_metrics(killed_dir / "sft" / "metrics.jsonl") if "train/loss" in m]
+    assert len(losses_killed) >= 6  # steps after the checkpoint were run again after the kill
