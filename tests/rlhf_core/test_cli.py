@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rlhf_core.cli import main
@@ -35,21 +36,43 @@ def test_bad_override_exits_2_naming_the_key(tmp_path, capsys):
 
 def test_run_reuses_finished_stages(tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(["run", "--preset", "smoke", "--out", str(out)]) == 0
+    until = ["--until", "base_model"]
+    assert main(["run", "--preset", "smoke", *until, "--out", str(out)]) == 0
     first = json.loads(capsys.readouterr().out)
     assert first["data"]["reused"] is False and first["base_model"]["reused"] is False
     assert (out / "base_model" / "model.safetensors").is_file() and (out / "data" / "stats.json").is_file()
     stamp = (out / "data" / "stats.json").stat().st_mtime_ns
-    assert main(["run", "--preset", "smoke", "--out", str(out)]) == 0
+    assert main(["run", "--preset", "smoke", *until, "--out", str(out)]) == 0
     second = json.loads(capsys.readouterr().out)
     assert second == {"data": {"reused": True}, "base_model": {"reused": True}}
     assert (out / "data" / "stats.json").stat().st_mtime_ns == stamp
     # a changed data setting re-runs data but keeps the base model
-    assert main(["run", "--preset", "smoke", "data.sft_splits.train.max_rows=8", "--out", str(out)]) == 0
+    assert main(["run", "--preset", "smoke", *until, "data.sft_splits.train.max_rows=8", "--out", str(out)]) == 0
     third = json.loads(capsys.readouterr().out)
     assert third["data"]["reused"] is False and third["base_model"]["reused"] is True
     assert json.loads((out / "data" / "stats.json").read_text())["splits"]["sft/train"]["rows"] == 8
     assert yaml.safe_load((out / "config.yaml").read_text())["data"]["sft_splits"]["train"]["max_rows"] == 8
+
+
+@pytest.mark.slow
+def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
+    """Every stage on the smoke preset; then a PPO-only change re-runs PPO alone."""
+    out = tmp_path / "run"
+    assert main(["run", "--preset", "smoke", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert list(summary) == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"]
+    assert 0 <= summary["sft"]["metrics"]["eval/rougeL"] <= 1
+    assert abs(summary["reward_norm"]["metrics"]["normalization/mean_after"]) < 1e-3
+    assert 0 <= summary["reward_eval"]["metrics"]["eval/accuracy"] <= 1
+    assert "objective/kl" in summary["ppo"]["metrics"]
+    for stage in summary:
+        assert json.loads((out / stage / "stage.json").read_text())["status"] == "done"
+    for rel in ("sft/model/model.safetensors", "reward_norm/model/model.safetensors", "reward_eval/calibration.png",
+                "ppo/model/model.safetensors", "ppo/value_model/model.safetensors", "ppo/metrics.jsonl"):
+        assert (out / rel).is_file(), rel
+    assert main(["run", "--preset", "smoke", "ppo.kl_coef=0.1", "--out", str(out)]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [s for s, v in again.items() if not v["reused"]] == ["ppo"]
 
 
 def test_console_script_prints_gpu_preset():

@@ -147,10 +147,11 @@ def test_training_normalisation_and_evaluation(smoke, tmp_path):
     assert "eval/accuracy/batch/batch18" in metrics and "eval/validation_cnndm/accuracy" in metrics
     assert any(k.startswith("eval/accuracy/confidence/") for k in metrics)
     assert any(k.startswith("eval/accuracy/split/valid") for k in metrics)
-    assert metrics["eval/count"] == 16
+    expected = min(len(smoke[3]["validation"]), rm_cfg.eval_max_samples)
+    assert metrics["eval/count"] == expected == 8
     assert (tmp_path / "eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
     table = json.loads((tmp_path / "eval" / "calibration.json").read_text())
-    assert sum(r["count"] for r in table["validation"]) == 16
+    assert sum(r["count"] for r in table["validation"]) == expected
 
 
 class CrashAfter:
