@@ -574,6 +574,13 @@ def prepare_data(
     return stats
 
 
+def load_data_tokenizer(data_dir: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer saved by :func:`prepare_data` (with its PAD token)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+
+
 def load_prepared(data_dir: str | os.PathLike) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
     """Load ``(sft, preference, stats)`` written by :func:`prepare_data`.
 

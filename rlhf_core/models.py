@@ -248,6 +248,16 @@ def build_random_model(tokenizer: PreTrainedTokenizerBase, cfg: RandomInitConfig
     return disable_dropout(model)
 
 
+def save_pretrained_atomic(model: PreTrainedModel, path: str | os.PathLike,
+                           tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+    """``save_pretrained`` of ``model`` (and ``tokenizer``) into ``path``, replacing it atomically."""
+    with atomic_directory(path, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+    return Path(path)
+
+
 def load_causal_lm(path: str | os.PathLike, dtype: str = "float32") -> PreTrainedModel:
     """Load a causal LM saved by :func:`import_base_model` (or any ``save_pretrained`` dir), dropout off."""
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])

@@ -17,7 +17,6 @@ value model initialised from the reward model (Detail 22). Each update:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -31,13 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, PreTrainedModel, get_scheduler
+from transformers import PreTrainedModel, get_scheduler
 
 from .config import PPOConfig
-from .data import load_prepared
+from .data import load_data_tokenizer, load_prepared
 from .generation import decode_responses, first_true_indices, generate, trim_left_padding, truncate_after_eos
-from .io import atomic_directory, write_json_atomic
-from .models import load_causal_lm
+from .io import write_json_atomic
+from .models import load_causal_lm, save_pretrained_atomic
 from .ppo import (
     INVALID_LOGPROB,
     apply_eos_trick,
@@ -54,7 +53,7 @@ from .ppo import (
 )
 from .reward import ScalarModel, get_reward, padding_aware_inputs
 from .tracking import NullTracker, Tracker
-from .training import CheckpointManager, TrainingError, autocast, micro_batches, pick_device
+from .training import CheckpointManager, TrainingError, autocast, config_digest, micro_batches, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class PPOTrainer:
         self.device = device or pick_device()
         sft, _, self.stats = load_prepared(data_dir)
         self.sft = sft
-        self.tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+        self.tokenizer = load_data_tokenizer(data_dir)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
         self.queries = torch.tensor(sft["train"]["query_token"])
@@ -259,7 +258,7 @@ class PPOTrainer:
     @torch.no_grad()
     def evaluate(self, split: str = "validation") -> tuple[dict[str, float], list[dict]]:
         """Near-greedy policy summaries on held-out prompts, scored by the reward model against the references."""
-        cfg, pad = self.cfg, self.pad_id
+        cfg = self.cfg
         ds = self.sft[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
         queries = torch.tensor(ds["query_token"])
@@ -323,10 +322,6 @@ def _rollout_metrics(batch: dict[str, torch.Tensor]) -> dict[str, float]:
     }
 
 
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
 def run_ppo(
     cfg: PPOConfig,
     data_dir: str | os.PathLike,
@@ -353,7 +348,7 @@ def run_ppo(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = PPOTrainer(cfg, data_dir, sft_model_dir, reward_model_dir)
-    digest = _digest(cfg.model_dump_json(), json.dumps(trainer.stats, sort_keys=True),
+    digest = config_digest(cfg.model_dump_json(), json.dumps(trainer.stats, sort_keys=True),
                      str(Path(sft_model_dir).resolve()), str(Path(reward_model_dir).resolve()))
     checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
     resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
@@ -413,11 +408,8 @@ def run_ppo(
         eval_metrics, samples = trainer.evaluate()
         last |= eval_metrics
     trainer.policy.eval()
-    with atomic_directory(out_dir / "model", overwrite=True) as tmp:
-        trainer.policy.save_pretrained(tmp)
-        trainer.tokenizer.save_pretrained(tmp)
-    with atomic_directory(out_dir / "value_model", overwrite=True) as tmp:
-        trainer.value_model.save_pretrained(tmp)
+    save_pretrained_atomic(trainer.policy, out_dir / "model", trainer.tokenizer)
+    save_pretrained_atomic(trainer.value_model, out_dir / "value_model")
     with open(out_dir / "samples.jsonl", "w") as fh:
         fh.writelines(json.dumps(s) + "\n" for s in samples)
     last = dict(last, **{"ppo/updates": float(trainer.num_updates), "ppo/seconds": time.perf_counter() - begin})

@@ -13,7 +13,6 @@ Load a saved reward model with one call::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -26,13 +25,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModel, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 from .config import RewardConfig
-from .data import load_prepared
+from .data import load_data_tokenizer, load_prepared
 from .generation import first_true_indices
-from .io import atomic_directory, write_json_atomic
-from .models import DTYPES, disable_dropout
+from .io import write_json_atomic
+from .models import DTYPES, disable_dropout, save_pretrained_atomic
 from .plots import plot_calibration
 from .tracking import NullTracker, Tracker
 from .training import (
@@ -40,6 +39,7 @@ from .training import (
     OptimConfig,
     accumulation_steps,
     autocast,
+    config_digest,
     micro_batches,
     pick_device,
     train_loop,
@@ -163,16 +163,6 @@ def preference_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) 
     return -F.logsigmoid(chosen_scores - rejected_scores)
 
 
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def _save(model: ScalarModel, tokenizer, path: Path) -> None:
-    with atomic_directory(path, overwrite=True) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-
-
 def run_reward_training(
     cfg: RewardConfig,
     data_dir: str | os.PathLike,
@@ -193,7 +183,7 @@ def run_reward_training(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, pref, stats = load_prepared(data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    tokenizer = load_data_tokenizer(data_dir)
     pad_id = tokenizer.pad_token_id
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size)
     device = pick_device()
@@ -222,12 +212,12 @@ def run_reward_training(
         out["tokens"] = float((chosen_all != pad_id).sum() + (rejected_all != pad_id).sum())
         return out
 
-    digest = _digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(sft_model_dir).resolve()))
+    digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(sft_model_dir).resolve()))
     tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()})
     last = train_loop(model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
                       checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
     model.eval()
-    _save(model, tokenizer, out_dir / "model")
+    save_pretrained_atomic(model, out_dir / "model", tokenizer)
     metrics = {k: v for k, v in last.items() if k.startswith("train/")}
     metrics.update({"train/steps": float(last["steps"]), "train/seconds": last["seconds"]})
     write_json_atomic(out_dir / "metrics.json", metrics)
@@ -277,7 +267,7 @@ def normalize_reward_model(
     tracker = tracker or NullTracker()
     out_dir = Path(out_dir)
     sft, _, _ = load_prepared(data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    tokenizer = load_data_tokenizer(data_dir)
     device = pick_device()
     model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
     ds = sft[cfg.normalization_split]
@@ -296,7 +286,7 @@ def normalize_reward_model(
         "normalization/std": before.double().std().item() if len(before) > 1 else 0.0,
         "normalization/count": float(len(before)),
     }
-    _save(model, tokenizer, out_dir / "model")
+    save_pretrained_atomic(model, out_dir / "model", tokenizer)
     tracker.log_metrics(metrics)
     write_json_atomic(out_dir / "metrics.json", metrics)
     log.info("reward normalisation: mean %.4f -> %.2e over %d references", mean, metrics["normalization/mean_after"], len(before))
@@ -392,7 +382,7 @@ def evaluate_reward_model(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, pref, _ = load_prepared(data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    tokenizer = load_data_tokenizer(data_dir)
     device = pick_device()
     model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
     metrics: dict[str, float] = {}

@@ -9,7 +9,6 @@ one large batch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,19 +18,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from rouge_score import rouge_scorer
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import SFTConfig
-from .data import load_prepared
+from .data import load_data_tokenizer, load_prepared
 from .generation import decode_responses, generate, trim_left_padding
-from .io import atomic_directory, write_json_atomic
-from .models import load_causal_lm
+from .io import write_json_atomic
+from .models import load_causal_lm, save_pretrained_atomic
 from .tracking import NullTracker, Tracker
 from .training import (
     CheckpointManager,
     OptimConfig,
     accumulation_steps,
     autocast,
+    config_digest,
     micro_batches,
     pick_device,
     train_loop,
@@ -135,10 +135,6 @@ def sample_summaries(
     return texts
 
 
-def _digest(*parts: str) -> str:
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
 def run_sft(
     cfg: SFTConfig,
     data_dir: str | os.PathLike,
@@ -165,7 +161,7 @@ def run_sft(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     sft_data, _, stats = load_prepared(data_dir)
-    tokenizer = AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
+    tokenizer = load_data_tokenizer(data_dir)
     pad_id = tokenizer.pad_token_id
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size)
     device = pick_device()
@@ -192,16 +188,14 @@ def run_sft(
             total += loss_sum.item()
         return {"loss": total / n_targets, "tokens": float((input_ids != pad_id).sum())}
 
-    digest = _digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(base_model_dir).resolve()))
+    digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(base_model_dir).resolve()))
     tracker.log_params({f"sft.{k}": v for k, v in cfg.model_dump().items()})
     train_metrics = train_loop(
         model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
         checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="sft",
     )
     model.eval()
-    with atomic_directory(out_dir / "model", overwrite=True) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    save_pretrained_atomic(model, out_dir / "model", tokenizer)
 
     # Evaluation: near-greedy samples on held-out prompts, ROUGE-L against the references.
     eval_ds = sft_data[cfg.eval_split]
@@ -212,10 +206,10 @@ def run_sft(
     max_new = stats["padded_lengths"]["sft_response"]
     t0 = time.perf_counter()
     sft_texts = sample_summaries(model, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed)
-    del model
+    model = None  # free the SFT model before loading the base model
     base = load_causal_lm(base_model_dir).to(device)
     base_texts = sample_summaries(base, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed)
-    del base
+    base = None
     sft_rouge, base_rouge = rouge_l(sft_texts, references), rouge_l(base_texts, references)
     samples = [
         {"post": p, "reference": r, "base": b, "sft": s, "rougeL_base": rb, "rougeL_sft": rs}

@@ -10,6 +10,7 @@ seed and the epoch, so a checkpoint needs only the step number to resume mid-epo
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot continue (non-finite loss, incompatible checkpoint)."""
+
+
+def config_digest(*parts: str) -> str:
+    """A short SHA-256 digest (16 hex characters) of text parts; checkpoints store it to refuse a mismatched resume."""
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def pick_device() -> torch.device:

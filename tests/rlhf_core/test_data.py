@@ -2,7 +2,6 @@
 
 import json
 import statistics
-from pathlib import Path
 
 import datasets
 import pytest
@@ -10,7 +9,6 @@ import pytest
 from rlhf_core.config import QueryFormat, load_config
 from rlhf_core.data import (
     BadRow,
-    DataError,
     format_query,
     left_pad,
     load_prepared,

@@ -52,7 +52,7 @@ def test_bad_row_error_names_file_row_and_field(tmp_path, local_dir, sft_rows, l
     out = tmp_path / "out"
     with pytest.raises(DataError) as err:
         prepare_data(cfg_for(local_dir), out, tokenizer=llama_tokenizer)
-    assert f"sft_train.jsonl:3" in str(err.value) and reason in str(err.value)
+    assert "sft_train.jsonl:3" in str(err.value) and reason in str(err.value)
     assert not out.exists() and not list(tmp_path.glob(".out.*"))  # nothing half-written
 
 

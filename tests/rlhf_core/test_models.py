@@ -14,7 +14,6 @@ from rlhf_core.models import (
     ensure_pad_token,
     import_base_model,
     load_causal_lm,
-    load_tokenizer,
     resolve_source,
 )
 from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF

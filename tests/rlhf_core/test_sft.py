@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from rlhf_core.config import RandomInitConfig, SFTConfig, load_config
-from rlhf_core.data import load_prepared, prepare_data
+from rlhf_core.config import RandomInitConfig, load_config
+from rlhf_core.data import prepare_data
 from rlhf_core.models import build_random_model, import_base_model
 from rlhf_core.sft import make_loss_mask, masked_token_loss, rouge_l, run_sft, sft_loss_sum
 from rlhf_core.tracking import JsonlTracker, read_metrics
