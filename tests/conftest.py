@@ -80,3 +80,35 @@ def tokenizer(request, llama_tokenizer, smol_tokenizer):
 @pytest.fixture
 def smoke_cfg():
     return load_config("smoke")
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory):
+    """A real S3 API server (moto) on 127.0.0.1 with one bucket; AWS variables point at it."""
+    import boto3
+
+    from tests.servers import start_moto
+
+    server = start_moto(tmp_path_factory.mktemp("moto"))
+    env = {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket="rlhf-test")
+    yield {"endpoint": server.url, "bucket": "rlhf-test"}
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server (SQLite backend, local artifacts) on 127.0.0.1."""
+    from tests.servers import start_mlflow
+
+    server = start_mlflow(tmp_path_factory.mktemp("mlflow"))
+    yield server.url
+    server.stop()

@@ -1,0 +1,1 @@
+"""Orchestration glue around ``rlhf_core``: artifact storage, MLflow tracking and Prefect tasks."""

@@ -1,0 +1,98 @@
+"""An MLflow-backed :class:`rlhf_core.tracking.Tracker`.
+
+Metrics are buffered and sent with ``log_batch`` (at most every ``flush_seconds`` or
+``flush_size`` values, and on :meth:`MLflowTracker.close`), so a training loop never waits
+on the tracking server step by step. Tables and files are logged as run artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+#: MLflow's limit on a parameter value's length.
+MAX_PARAM_LENGTH = 6000
+#: Config key names (last dotted part) whose values are never sent to MLflow.
+SECRET_NAMES = {"api_key", "secret", "password", "hf_token", "access_token", "aws_secret_access_key"}
+SECRET_SUFFIXES = ("_api_key", "_secret", "_password", "_access_token")
+
+
+def _is_secret(key: str) -> bool:
+    last = key.rsplit(".", 1)[-1].lower()
+    return last in SECRET_NAMES or last.endswith(SECRET_SUFFIXES)
+
+
+class MLflowTracker:
+    """Sends a stage's params, metrics, tables and files to one MLflow run.
+
+    Args:
+        run_id: the (already created) MLflow run.
+        client: an ``MlflowClient``; default: one for ``MLFLOW_TRACKING_URI``.
+    """
+
+    def __init__(self, run_id: str, client: MlflowClient | None = None, flush_seconds: float = 5.0, flush_size: int = 200):
+        self.run_id = run_id
+        self.client = client or MlflowClient()
+        self.flush_seconds = flush_seconds
+        self.flush_size = flush_size
+        self._buffer: list[Metric] = []
+        self._last_flush = time.monotonic()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Log params as strings (values cut to MLflow's limit); secret-looking keys are left out."""
+        items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in params.items() if not _is_secret(k)]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100], synchronous=True)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Buffer finite metrics at ``step`` (non-finite values are skipped: MLflow rejects them)."""
+        now_ms = int(time.time() * 1000)
+        for key, value in metrics.items():
+            value = float(value)
+            if math.isfinite(value):
+                self._buffer.append(Metric(key, value, now_ms, step or 0))
+        if len(self._buffer) >= self.flush_size or time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send buffered metrics now."""
+        while self._buffer:
+            chunk, self._buffer = self._buffer[:1000], self._buffer[1000:]
+            self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+        self._last_flush = time.monotonic()
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Log rows as ``tables/{name}.json`` (MLflow's table format: columns and data)."""
+        self.flush()
+        columns = list(rows[0]) if rows else []
+        payload = {"columns": columns, "data": [[row.get(c) for c in columns] for row in rows]}
+        self.client.log_dict(self.run_id, payload, f"tables/{name}.json")
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Log a file or directory as run artifacts."""
+        self.flush()
+        path = Path(path)
+        if path.is_dir():
+            self.client.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_json(self, data: Any, artifact_file: str) -> None:
+        """Log a JSON-serialisable object as an artifact file."""
+        with tempfile.TemporaryDirectory() as tmp:
+            target = Path(tmp) / Path(artifact_file).name
+            target.write_text(json.dumps(data, indent=2, default=str))
+            parent = str(Path(artifact_file).parent)
+            self.client.log_artifact(self.run_id, str(target), None if parent == "." else parent)
+
+    def close(self) -> None:
+        """Flush what is buffered."""
+        self.flush()

@@ -1,0 +1,153 @@
+"""Stage artifacts under ``RLHF_ARTIFACT_ROOT``: a local directory or an ``s3://bucket/prefix`` URI.
+
+A stage's artifact is a directory tree stored under a key such as ``sft/3f2a...``. It counts
+as present only when its ``MANIFEST.json`` (every file's relative path, size and SHA-256,
+plus a digest of them all) is there, and the manifest is written last: on a local disk the
+tree is built under a temporary name and renamed into place; on S3, where there is no
+rename, the files are uploaded first and the manifest after them. A crash part way through
+an upload therefore never leaves something that looks complete.
+
+S3 endpoint and credentials come from the usual AWS variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``) through ``s3fs``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+MANIFEST = "MANIFEST.json"
+
+
+class ArtifactError(RuntimeError):
+    """An artifact that is missing, incomplete, or whose files do not match its manifest."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def build_manifest(local_dir: str | os.PathLike) -> dict:
+    """``{"files": {relpath: {"size", "sha256"}}, "digest": sha256 of the sorted entries}`` for a tree."""
+    root = Path(local_dir)
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST:
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"files": files, "digest": digest}
+
+
+class ArtifactStore:
+    """Put and get stage directories under one root (local path or ``s3://``).
+
+    Args:
+        root: the store's root; default ``$RLHF_ARTIFACT_ROOT``, else ``./artifacts``.
+    """
+
+    def __init__(self, root: str | None = None):
+        self.root = (root or os.environ.get("RLHF_ARTIFACT_ROOT") or "artifacts").rstrip("/")
+        self.fs, self.base = fsspec.core.url_to_fs(self.root)
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+
+    def uri(self, key: str) -> str:
+        """The full URI of ``key`` (``s3://bucket/prefix/key`` or an absolute local path)."""
+        if self.is_local:
+            return str(Path(self.base, key).resolve())
+        return f"{self.root}/{key}"
+
+    def _path(self, key: str) -> str:
+        return f"{self.base}/{key}"
+
+    def manifest(self, key: str) -> dict | None:
+        """The manifest of a complete artifact, or ``None`` when absent or incomplete."""
+        path = f"{self._path(key)}/{MANIFEST}"
+        if not self.fs.exists(path):
+            return None
+        with self.fs.open(path, "r") as fh:
+            return json.load(fh)
+
+    def exists(self, key: str) -> bool:
+        """True when the artifact is complete (its manifest is present)."""
+        return self.manifest(key) is not None
+
+    def put_dir(self, local_dir: str | os.PathLike, key: str) -> dict:
+        """Store a local directory as artifact ``key``, replacing an incomplete one.
+
+        Returns:
+            ``{"uri": ..., "digest": ...}``.
+
+        Raises:
+            ArtifactError: ``local_dir`` is not a directory.
+        """
+        local = Path(local_dir)
+        if not local.is_dir():
+            raise ArtifactError(f"{local} is not a directory")
+        manifest = build_manifest(local)
+        target = self._path(key)
+        if self.is_local:
+            tmp = Path(f"{target}.partial-{uuid.uuid4().hex[:8]}")
+            shutil.copytree(local, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            if Path(target).exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        else:
+            if self.fs.exists(target):
+                self.fs.rm(target, recursive=True)
+            for rel in manifest["files"]:
+                self.fs.put_file(str(local / rel), f"{target}/{rel}")
+            with self.fs.open(f"{target}/{MANIFEST}", "w") as fh:  # last: marks the artifact complete
+                fh.write(json.dumps(manifest, indent=1, sort_keys=True))
+        return {"uri": self.uri(key), "digest": manifest["digest"]}
+
+    def get_dir(self, key: str, local_dir: str | os.PathLike, verify: bool = True) -> Path:
+        """Copy artifact ``key`` into ``local_dir`` (created) and check every file's SHA-256.
+
+        Raises:
+            ArtifactError: the artifact is incomplete, or a file does not match its manifest.
+        """
+        manifest = self.manifest(key)
+        if manifest is None:
+            raise ArtifactError(f"artifact {self.uri(key)} is missing or incomplete (no {MANIFEST})")
+        local = Path(local_dir)
+        local.mkdir(parents=True, exist_ok=True)
+        for rel, meta in manifest["files"].items():
+            dest = local / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(f"{self._path(key)}/{rel}", str(dest))
+            if verify and _sha256(dest) != meta["sha256"]:
+                raise ArtifactError(f"artifact {self.uri(key)}: {rel} does not match its manifest")
+        return local
+
+    def local_path(self, key: str, cache_dir: str | os.PathLike) -> Path:
+        """A local directory holding artifact ``key``: the store itself when local, else a verified download."""
+        if self.is_local:
+            if not self.exists(key):
+                raise ArtifactError(f"artifact {self.uri(key)} is missing or incomplete (no {MANIFEST})")
+            return Path(self._path(key))
+        manifest = self.manifest(key)
+        if manifest is None:
+            raise ArtifactError(f"artifact {self.uri(key)} is missing or incomplete (no {MANIFEST})")
+        target = Path(cache_dir) / key
+        marker = target / MANIFEST
+        if marker.is_file() and json.loads(marker.read_text())["digest"] == manifest["digest"]:
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        self.get_dir(key, target)
+        marker.write_text(json.dumps(manifest))
+        return target

@@ -1,0 +1,77 @@
+"""Real servers on 127.0.0.1 for tests: MLflow, an S3 API (moto) and Prefect. Each is started
+as a subprocess on a free port and stopped by the PID it was started with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+QUIET_ENV = {
+    "DO_NOT_TRACK": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A subprocess serving HTTP on 127.0.0.1:port; ``stop()`` ends exactly that process group."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, health_path: str = "/",
+                 env: dict | None = None, timeout: float = 120.0):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        full_env = {**os.environ, **QUIET_ENV, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url + health_path, timeout=2) as response:
+                    if response.status < 500:
+                        return
+            except Exception:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"{name} did not answer on {self.url} within {timeout} s: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def start_moto(log_dir: Path) -> Server:
+    port = free_port()
+    return Server("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, log_dir,
+                  health_path="/moto-api/")
+
+
+def start_mlflow(root: Path) -> Server:
+    port = free_port()
+    root.mkdir(parents=True, exist_ok=True)
+    cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+           "--workers", "1"]
+    return Server("mlflow", cmd, port, root, health_path="/health", timeout=180)

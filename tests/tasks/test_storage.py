@@ -1,0 +1,80 @@
+"""The artifact store on a local disk and on a real S3 API server (moto on 127.0.0.1)."""
+
+import json
+
+import boto3
+import pytest
+
+from tasks.storage import MANIFEST, ArtifactError, ArtifactStore, build_manifest
+
+
+def make_tree(root):
+    (root / "sub").mkdir(parents=True)
+    (root / "model.safetensors").write_bytes(bytes(range(256)) * 1000)
+    (root / "sub" / "stats.json").write_text(json.dumps({"rows": 3}))
+    return root
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return ArtifactStore(str(tmp_path / "store"))
+    s3 = request.getfixturevalue("moto_s3")
+    return ArtifactStore(f"s3://{s3['bucket']}/runs-{tmp_path.name}")
+
+
+def test_round_trip_is_byte_identical(store, tmp_path):
+    src = make_tree(tmp_path / "src")
+    record = store.put_dir(src, "sft/abc")
+    assert record["digest"] == build_manifest(src)["digest"]
+    assert store.exists("sft/abc") and store.manifest("sft/abc")["digest"] == record["digest"]
+    out = store.get_dir("sft/abc", tmp_path / "out")
+    assert (out / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
+    assert json.loads((out / "sub" / "stats.json").read_text()) == {"rows": 3}
+    cached = store.local_path("sft/abc", tmp_path / "cache")
+    assert (cached / "sub" / "stats.json").is_file()
+    if store.is_local:
+        assert record["uri"] == str((tmp_path / "store" / "sft" / "abc").resolve())
+    else:
+        assert record["uri"].startswith("s3://rlhf-test/")
+
+
+def test_missing_artifact_is_an_error(store, tmp_path):
+    assert not store.exists("nothing/here")
+    with pytest.raises(ArtifactError, match="missing or incomplete"):
+        store.get_dir("nothing/here", tmp_path / "x")
+
+
+def test_upload_without_manifest_does_not_count(moto_s3, tmp_path):
+    """An upload cut off before its manifest (written last) is not a complete artifact."""
+    store = ArtifactStore(f"s3://{moto_s3['bucket']}/partial")
+    client = boto3.client("s3", endpoint_url=moto_s3["endpoint"])
+    client.put_object(Bucket=moto_s3["bucket"], Key="partial/ppo/k1/model.safetensors", Body=b"half")
+    assert not store.exists("ppo/k1")
+    with pytest.raises(ArtifactError):
+        store.local_path("ppo/k1", tmp_path / "cache")
+    src = make_tree(tmp_path / "src")
+    store.put_dir(src, "ppo/k1")  # a later complete upload replaces the fragment
+    keys = {o["Key"] for o in client.list_objects_v2(Bucket=moto_s3["bucket"], Prefix="partial/ppo/k1/")["Contents"]}
+    assert keys == {f"partial/ppo/k1/{n}" for n in ("model.safetensors", "sub/stats.json", MANIFEST)}
+
+
+def test_corrupted_file_is_detected(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.put_dir(make_tree(tmp_path / "src"), "k")
+    (tmp_path / "store" / "k" / "sub" / "stats.json").write_text("tampered")
+    with pytest.raises(ArtifactError, match="does not match"):
+        store.get_dir("k", tmp_path / "out")
+
+
+def test_local_put_is_atomic(tmp_path, monkeypatch):
+    store = ArtifactStore(str(tmp_path / "store"))
+    import shutil
+
+    def broken_copy(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(shutil, "copytree", broken_copy)
+    with pytest.raises(OSError):
+        store.put_dir(make_tree(tmp_path / "src"), "k")
+    assert not store.exists("k") and not (tmp_path / "store" / "k").exists()
