@@ -96,3 +96,43 @@ class MLflowTracker:
     def close(self) -> None:
         """Flush what is buffered."""
         self.flush()
+
+
+def tracking_client() -> MlflowClient:
+    """A client for ``MLFLOW_TRACKING_URI``, or for a local SQLite store ``./mlflow.db`` when unset."""
+    import mlflow
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
+    mlflow.set_tracking_uri(uri)
+    return MlflowClient(tracking_uri=uri)
+
+
+def experiment_id(client: MlflowClient, name: str) -> str:
+    """The id of experiment ``name``, created (artifacts under ``./mlartifacts`` for a local store) if missing."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if client.tracking_uri.startswith("sqlite:"):
+        location = Path("mlartifacts").resolve().as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
+def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tuple[str, MlflowClient]:
+    """Create the stage's MLflow run, nested under the pipeline's run, with its config sections as params."""
+    from rlhf_core.config import flatten
+
+    client = tracking_client()
+    if parent_run_id is not None:
+        exp = client.get_run(parent_run_id).info.experiment_id
+    else:
+        exp = experiment_id(client, cfg.tracking.experiment_name)
+    tags = {"rlhf.stage": stage, "rlhf.artifact_key": key}
+    if parent_run_id is not None:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run = client.create_run(exp, run_name=stage, tags=tags)
+    tracker = MLflowTracker(run.info.run_id, client=client)
+    from .stages import STAGE_SECTIONS
+
+    tracker.log_params({k: v for s in STAGE_SECTIONS[stage] for k, v in flatten(getattr(cfg, s), f"{s}.").items()})
+    return run.info.run_id, client

@@ -38,13 +38,16 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def build_manifest(local_dir: str | os.PathLike) -> dict:
-    """``{"files": {relpath: {"size", "sha256"}}, "digest": sha256 of the sorted entries}`` for a tree."""
+def build_manifest(local_dir: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict:
+    """``{"files": {relpath: {"size", "sha256"}}, "digest": sha256 of the sorted entries}`` for a tree.
+
+    Top-level entries named in ``exclude`` are left out.
+    """
     root = Path(local_dir)
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel == MANIFEST:
+        if rel == MANIFEST or rel.split("/", 1)[0] in exclude:
             continue
         files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
@@ -84,8 +87,10 @@ class ArtifactStore:
         """True when the artifact is complete (its manifest is present)."""
         return self.manifest(key) is not None
 
-    def put_dir(self, local_dir: str | os.PathLike, key: str) -> dict:
+    def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
         """Store a local directory as artifact ``key``, replacing an incomplete one.
+
+        ``exclude`` names top-level entries left out (e.g. ``checkpoints``).
 
         Returns:
             ``{"uri": ..., "digest": ...}``.
@@ -96,11 +101,12 @@ class ArtifactStore:
         local = Path(local_dir)
         if not local.is_dir():
             raise ArtifactError(f"{local} is not a directory")
-        manifest = build_manifest(local)
+        manifest = build_manifest(local, exclude)
         target = self._path(key)
         if self.is_local:
             tmp = Path(f"{target}.partial-{uuid.uuid4().hex[:8]}")
-            shutil.copytree(local, tmp, ignore=shutil.ignore_patterns(MANIFEST))
+            top_level = set(exclude) | {MANIFEST}
+            shutil.copytree(local, tmp, ignore=lambda d, names: [n for n in names if Path(d) == local and n in top_level])
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             if Path(target).exists():
                 shutil.rmtree(target)

@@ -1,0 +1,1 @@
+"""Prefect flows composing the ``tasks`` stages into the RLHF pipeline."""

@@ -1,0 +1,89 @@
+"""The ``rlhf`` flow: every stage in order, cached and resumable, tracked in MLflow.
+
+Deployed as ``rlhf/full-pipeline`` (``infra/prefect.yaml``); also runnable in-process with
+Prefect's ephemeral mode: ``python -m flows.pipeline --preset smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from rlhf_core.config import flatten, load_config
+from tasks.mlflow_tracking import MLflowTracker, experiment_id, tracking_client
+from tasks.stages import StageRecord, run_stage
+
+#: Model registry names and the alias given to the newest version.
+POLICY_MODEL = "rlhf-tldr-policy"
+REWARD_MODEL = "rlhf-tldr-reward-model"
+ALIAS = "latest-pipeline"
+
+
+def register(client, name: str, record: StageRecord, alias: str = ALIAS) -> str:
+    """Register ``record``'s ``model`` directory as a new version of ``name`` and point ``alias`` at it."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass  # already registered
+    version = client.create_model_version(name, source=f"{record.uri}/model", run_id=record.mlflow_run_id,
+                                          tags={"rlhf.digest": record.digest})
+    client.set_registered_model_alias(name, alias, version.version)
+    return version.version
+
+
+@flow(name="rlhf", log_prints=True)
+def rlhf(preset: str = "cpu-demo", overrides: list[str] | None = None) -> dict:
+    """Run the pipeline for ``preset`` with ``key=value`` ``overrides``; returns each stage's record."""
+    logger = get_run_logger()
+    cfg = load_config(preset, overrides or [])
+    c = cfg.model_dump()
+    client = tracking_client()
+    exp = experiment_id(client, cfg.tracking.experiment_name)
+    parent = client.create_run(exp, run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
+                               tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "rlhf.preset": preset})
+    parent_id = parent.info.run_id
+    tracker = MLflowTracker(parent_id, client=client)
+    tracker.log_params(flatten(cfg))
+    try:
+        data = run_stage("data", c, [], parent_id)
+        base = run_stage("base_model", c, [], parent_id)
+        sft = run_stage("sft", c, [data, base], parent_id)
+        reward = run_stage("reward", c, [data, sft], parent_id)
+        norm = run_stage("reward_norm", c, [data, reward], parent_id)
+        evaluation = run_stage("reward_eval", c, [data, norm], parent_id)
+        ppo = run_stage("ppo", c, [data, sft, norm], parent_id)
+        records = {r["stage"]: StageRecord.model_validate(r) for r in (data, base, sft, reward, norm, evaluation, ppo)}
+        for stage, record in records.items():
+            client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
+            tracker.log_metrics({f"{stage}/{k}": v for k, v in record.metrics.items()})
+        versions = {POLICY_MODEL: register(client, POLICY_MODEL, records["ppo"]),
+                    REWARD_MODEL: register(client, REWARD_MODEL, records["reward_norm"])}
+        tracker.close()
+        client.set_terminated(parent_id, "FINISHED")
+    except BaseException:
+        tracker.close()
+        client.set_terminated(parent_id, "FAILED")
+        raise
+    logger.info("registered %s", versions)
+    return {"mlflow_run_id": parent_id, "stages": {k: v.model_dump() for k, v in records.items()},
+            "registered": versions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run the rlhf flow in-process (Prefect's ephemeral mode).")
+    parser.add_argument("--preset", default="cpu-demo")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    result = rlhf(preset=args.preset, overrides=args.overrides)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Prefect tasks, one per pipeline stage, each wrapping a pure ``rlhf_core`` stage function.
+
+A task's cache key digests its stage name, its own config sections, the digests of its
+upstream artifacts and the version of the ``rlhf_core`` code. A task returns a small
+:class:`StageRecord` (artifact key, URI and digest, MLflow run id, key metrics), never a
+model. Its artifact is written to the :class:`~tasks.storage.ArtifactStore` (manifest last)
+before the task returns, so Prefect's cache entry, written after the return, never points
+at a half-written artifact. The stage itself runs in a local work directory named by the
+cache key; its mid-stage checkpoints live there, so a stage that failed part way resumes
+from its last checkpoint when the pipeline runs again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+from prefect import task
+from prefect.context import TaskRunContext
+from pydantic import BaseModel
+
+import rlhf_core
+from rlhf_core.config import PipelineConfig
+
+from .storage import ArtifactStore
+
+#: Config sections each stage depends on (its own and its upstream stages').
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "data": ("data", "model"),
+    "base_model": ("model",),
+    "sft": ("sft",),
+    "reward": ("reward",),
+    "reward_norm": ("reward",),
+    "reward_eval": ("reward",),
+    "ppo": ("ppo",),
+}
+
+
+class StageRecord(BaseModel):
+    """What a stage task returns: small, JSON-serialisable, cacheable."""
+
+    stage: str
+    key: str
+    uri: str
+    digest: str
+    mlflow_run_id: str | None = None
+    metrics: dict[str, float] = {}
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """SHA-256 (16 hex) of the ``rlhf_core`` sources, so a code change invalidates cached stages."""
+    root = Path(rlhf_core.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]) -> str:
+    """The cache key of ``stage``: its config sections, upstream digests and the code version."""
+    payload = {
+        "stage": stage,
+        "config": {s: getattr(cfg, s).model_dump() for s in STAGE_SECTIONS[stage]},
+        "upstream": [u.digest for u in upstream],
+        "code": code_version(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    cfg = PipelineConfig.model_validate(parameters["config"])
+    upstream = [StageRecord.model_validate(u) for u in parameters.get("upstream") or []]
+    return f"rlhf-{parameters['stage']}-{stage_cache_key(parameters['stage'], cfg, upstream)}"
+
+
+def work_root() -> Path:
+    """Local scratch for running stages and their checkpoints: ``$RLHF_WORK_DIR`` or ``./.rlhf-work``."""
+    return Path(os.environ.get("RLHF_WORK_DIR") or ".rlhf-work").resolve()
+
+
+def _stage_function(stage: str, cfg: PipelineConfig, inputs: list[Path]) -> Callable[[Path, Any], dict]:
+    from rlhf_core.data import prepare_data
+    from rlhf_core.models import import_base_model
+    from rlhf_core.ppo_trainer import run_ppo
+    from rlhf_core.reward import evaluate_reward_model, normalize_reward_model, run_reward_training
+    from rlhf_core.sft import run_sft
+
+    def model(path: Path) -> Path:
+        return path / "model"
+
+    if stage == "data":
+        return lambda out, tracker: prepare_data(cfg, out, overwrite=True)
+    if stage == "base_model":
+        return lambda out, tracker: import_base_model(cfg.model, out, overwrite=True)
+    if stage == "sft":
+        data, base = inputs
+        return lambda out, tracker: run_sft(cfg.sft, data, base, out, tracker)
+    if stage == "reward":
+        data, sft = inputs
+        return lambda out, tracker: run_reward_training(cfg.reward, data, model(sft), out, tracker)
+    if stage == "reward_norm":
+        data, reward = inputs
+        return lambda out, tracker: normalize_reward_model(cfg.reward, data, model(reward), out, tracker)
+    if stage == "reward_eval":
+        data, reward_norm = inputs
+        return lambda out, tracker: evaluate_reward_model(cfg.reward, data, model(reward_norm), out, tracker)
+    if stage == "ppo":
+        data, sft, reward_norm = inputs
+        return lambda out, tracker: run_ppo(cfg.ppo, data, model(sft), model(reward_norm), out, tracker)
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+@task(name="rlhf-stage", cache_key_fn=_cache_key_fn, persist_result=True, task_run_name="{stage}")
+def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, parent_run_id: str | None = None) -> dict:
+    """Run one stage (or resume it from its checkpoints) and store its artifact.
+
+    Args:
+        stage: one of :data:`STAGE_SECTIONS`.
+        config: the pipeline config as a dict (``PipelineConfig.model_dump()``).
+        upstream: the records of the stages it reads, in the order the stage expects.
+        parent_run_id: the pipeline's MLflow run; the stage logs to a nested run under it.
+
+    Returns:
+        A :class:`StageRecord` as a dict.
+    """
+    from .mlflow_tracking import MLflowTracker, start_stage_run
+
+    cfg = PipelineConfig.model_validate(config)
+    records = [StageRecord.model_validate(u) for u in upstream or []]
+    key = f"{stage}/{stage_cache_key(stage, cfg, records)}"
+    store = ArtifactStore()
+    inputs = [store.local_path(r.key, work_root() / "downloads") for r in records]
+    out = work_root() / key
+    out.mkdir(parents=True, exist_ok=True)
+    run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
+    tracker = MLflowTracker(run_id, client=client)
+    try:
+        result = _stage_function(stage, cfg, inputs)(out, tracker) or {}
+        tracker.close()
+        for name in ("metrics.json", "stats.json", "samples.jsonl", "token_lengths.png", "calibration.png",
+                     "calibration.json", "import.json"):
+            if (out / name).is_file():
+                tracker.log_artifact(out / name)
+        stored = store.put_dir(out, key, exclude=("checkpoints", "metrics.jsonl"))
+        client.set_tag(run_id, "rlhf.artifact_uri", stored["uri"])
+        client.set_terminated(run_id, "FINISHED")
+    except BaseException:
+        tracker.close()
+        client.set_terminated(run_id, "FAILED")
+        raise
+    metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return StageRecord(stage=stage, key=key, uri=stored["uri"], digest=stored["digest"], mlflow_run_id=run_id,
+                       metrics=metrics).model_dump()

@@ -1,0 +1,92 @@
+"""The `rlhf` flow in-process (Prefect's ephemeral mode), a local MLflow store and artifact root."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+REPO = Path(__file__).resolve().parents[2]
+FAST = ["sft.max_steps=2", "sft.eval_max_samples=2", "reward.max_steps=2", "reward.eval_max_samples=4",
+        "ppo.eval_max_samples=2"]
+
+
+def flow_env(root: Path) -> dict:
+    return {**os.environ, "PREFECT_HOME": str(root / "prefect"), "RLHF_ARTIFACT_ROOT": str(root / "artifacts"),
+            "RLHF_WORK_DIR": str(root / "work"), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
+            "PREFECT_LOGGING_LEVEL": "INFO"}
+
+
+def run_flow(root: Path, *overrides: str, timeout: int = 900) -> tuple[dict, str]:
+    result = subprocess.run([sys.executable, "-m", "flows.pipeline", "--preset", "smoke", *FAST, *overrides],
+                            cwd=root, env=flow_env(root), capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    out = result.stdout
+    return json.loads(out[out.index("{\n"):out.rindex("}") + 1]), result.stdout + result.stderr
+
+
+def states(log: str) -> dict[str, str]:
+    found = {}
+    for line in log.splitlines():
+        if "Task run '" in line and "Finished in state" in line:
+            name = line.split("Task run '", 1)[1].split("'", 1)[0]
+            found[name] = line.split("Finished in state ", 1)[1].split("(", 1)[0]
+    return found
+
+
+@pytest.mark.slow
+def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_path):
+    first, log = run_flow(tmp_path)
+    assert states(log) == {s: "Completed" for s in first["stages"]}
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.data.params["ppo.kl_coef"] == "0.05" and "ppo/objective/kl" in parent.data.metrics
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(r.info.run_name for r in children) == sorted(first["stages"])
+    sft_run = next(r for r in children if r.info.run_name == "sft")
+    assert "eval/rougeL" in sft_run.data.metrics and len(client.get_metric_history(sft_run.info.run_id, "train/loss")) == 2
+    assert client.get_model_version_by_alias("rlhf-tldr-policy", "latest-pipeline").source.endswith("/model")
+
+    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1")
+    s = states(log)
+    assert s.pop("ppo") == "Completed" and set(s.values()) == {"Cached"}
+    for stage in ("data", "sft", "reward_norm"):
+        assert second["stages"][stage] == first["stages"][stage]  # same artifact, same digest
+    assert second["stages"]["ppo"]["key"] != first["stages"]["ppo"]["key"]
+
+
+@pytest.mark.slow
+def test_killed_flow_resumes_with_finished_stages_cached(tmp_path):
+    extra = ["ppo.total_episodes=48", "ppo.checkpoint_every=2", "ppo.eval_every=100"]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.pipeline", "--preset", "smoke", *FAST, *extra],
+                            cwd=tmp_path, env=flow_env(tmp_path), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 900
+    checkpoint = None
+    while proc.poll() is None and time.time() < deadline:
+        found = list((tmp_path / "work" / "ppo").glob("*/checkpoints/step-000002/state.pt"))
+        if found:
+            checkpoint = found[0]
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert checkpoint is not None, "PPO never reached its first checkpoint"
+    manifests = {p.parent.parent.name: p.read_text() for p in (tmp_path / "artifacts").glob("*/*/MANIFEST.json")}
+    assert set(manifests) == {"data", "base_model", "sft", "reward", "reward_norm", "reward_eval"}
+
+    result, log = run_flow(tmp_path, *extra)
+    s = states(log)
+    assert s.pop("ppo") == "Completed" and set(s.values()) == {"Cached"}
+    assert "resumed from" in log and "step-000002" in log
+    after = {p.parent.parent.name: p.read_text() for p in (tmp_path / "artifacts").glob("*/*/MANIFEST.json")}
+    for stage, text in manifests.items():
+        assert after[stage] == text  # byte-identical artifacts
+    assert result["stages"]["ppo"]["metrics"]["ppo/updates"] == 12
