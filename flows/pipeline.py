@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from prefect import flow, get_run_logger
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="cpu-demo")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = rlhf(preset=args.preset, overrides=args.overrides)
     print(json.dumps(result, indent=2))
     return 0
