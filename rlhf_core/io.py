@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:

@@ -7,7 +7,6 @@ al. 2024, Detail 7) and every tokenizer through :func:`ensure_pad_token` (Detail
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib.util
 import logging
 import os
@@ -28,7 +27,7 @@ from transformers import (
 )
 
 from .config import ModelConfig, RandomInitConfig
-from .io import atomic_directory, write_json_atomic
+from .io import atomic_directory, file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -103,17 +102,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf")
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def gguf_cache_dir(source: Source) -> Path:
     """The cache directory of one GGUF file, keyed by its SHA-256."""
-    return cache_root() / "gguf" / f"{source.gguf_path.stem}-{_file_digest(source.gguf_path)[:16]}"
+    return cache_root() / "gguf" / f"{source.gguf_path.stem}-{file_sha256(source.gguf_path)[:16]}"
 
 
 def _gguf_tokenizer_dir(source: Source) -> Path:

@@ -23,19 +23,13 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from rlhf_core.io import file_sha256
+
 MANIFEST = "MANIFEST.json"
 
 
 class ArtifactError(RuntimeError):
     """An artifact that is missing, incomplete, or whose files do not match its manifest."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def build_manifest(local_dir: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict:
@@ -49,7 +43,7 @@ def build_manifest(local_dir: str | os.PathLike, exclude: tuple[str, ...] = ()) 
         rel = path.relative_to(root).as_posix()
         if rel == MANIFEST or rel.split("/", 1)[0] in exclude:
             continue
-        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
     digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
     return {"files": files, "digest": digest}
 
@@ -135,7 +129,7 @@ class ArtifactStore:
             dest = local / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(f"{self._path(key)}/{rel}", str(dest))
-            if verify and _sha256(dest) != meta["sha256"]:
+            if verify and file_sha256(dest) != meta["sha256"]:
                 raise ArtifactError(f"artifact {self.uri(key)}: {rel} does not match its manifest")
         return local
 
