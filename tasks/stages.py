@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -131,6 +132,7 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     """
     from .mlflow_tracking import MLflowTracker, start_stage_run
 
+    logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
     records = [StageRecord.model_validate(u) for u in upstream or []]
     key = f"{stage}/{stage_cache_key(stage, cfg, records)}"

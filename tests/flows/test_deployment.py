@@ -1,0 +1,130 @@
+"""End to end on loopback: `make stack-up`'s script starts a real Prefect server, MLflow server
+and process worker and deploys `rlhf/full-pipeline`; the smoke preset then runs through
+`prefect deployment run`, is killed during PPO, and resumes with finished stages cached.
+The artifact root is a local directory, then an S3 bucket on a real S3 API server (moto)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks.storage import ArtifactStore
+from tests.servers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+OVERRIDES = ["sft.max_steps=1", "sft.eval_max_samples=2", "reward.max_steps=1", "reward.eval_max_samples=4",
+             "ppo.batch_size=4", "ppo.micro_batch_size=4", "ppo.total_episodes=24", "ppo.checkpoint_every=1",
+             "ppo.eval_every=100", "ppo.eval_max_samples=2"]
+STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"]
+
+
+@pytest.fixture(params=["local", "s3"])
+def stack(request, tmp_path):
+    env = {**os.environ, "STACK_DIR": str(tmp_path / "stack"), "PREFECT_PORT": str(free_port()),
+           "MLFLOW_PORT": str(free_port()), "VENV": str(BIN.parent), "RLHF_WORK_DIR": str(tmp_path / "work")}
+    if request.param == "s3":
+        s3 = request.getfixturevalue("moto_s3")
+        env = {**env, **{k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                     "AWS_DEFAULT_REGION")},
+               "RLHF_ARTIFACT_ROOT": f"s3://{s3['bucket']}/e2e-{tmp_path.name}"}
+    else:
+        env["RLHF_ARTIFACT_ROOT"] = str(tmp_path / "artifacts")
+    up = subprocess.run([str(REPO / "infra" / "stack.sh"), "up"], env=env, capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stdout + up.stderr
+    env["PREFECT_API_URL"] = f"http://127.0.0.1:{env['PREFECT_PORT']}/api"
+    env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{env['MLFLOW_PORT']}"
+    yield env
+    subprocess.run([str(REPO / "infra" / "stack.sh"), "down"], env=env, capture_output=True, timeout=120)
+    pids = list((tmp_path / "stack").glob("*.pid"))
+    assert not pids, f"stack-down left {pids}"
+
+
+def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+    cmd = [str(BIN / "prefect"), "deployment", "run", "rlhf/full-pipeline", "--param", "preset=smoke",
+           "--params", json.dumps({"overrides": OVERRIDES + list(extra)})]
+    if not watch:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd + ["--watch", "--watch-timeout", "1200"], env=env, capture_output=True, text=True,
+                          timeout=1300)
+
+
+def task_states(output: str) -> dict[str, str]:
+    states = {}
+    for state, name in re.findall(r"prefect\.task-run\.(\w+) \* ([\w-]+)", output):
+        if name in STAGES:  # events of a pending task carry its default name, rlhf-stage-...
+            states[name] = state
+    return states
+
+
+def manifests(env: dict) -> dict[str, str]:
+    store = ArtifactStore(env["RLHF_ARTIFACT_ROOT"])
+    found = {}
+    for path in store.fs.glob(f"{store.base}/*/*/MANIFEST.json"):
+        stage = path.rsplit("/", 3)[-3]
+        with store.fs.open(path, "r") as fh:
+            found[stage] = fh.read()
+    return found
+
+
+def kill_flow_run(env: dict) -> None:
+    worker = psutil.Process(int((Path(env["STACK_DIR"]) / "worker.pid").read_text()))
+    victims = worker.children(recursive=True)
+    assert victims, "no flow-run process under the worker"
+    for proc in victims:
+        proc.kill()
+    psutil.wait_procs(victims, timeout=30)
+
+
+@pytest.mark.slow
+def test_deployment_runs_caches_resumes_and_tracks(stack):
+    env = stack
+    started = deployment_run(env, watch=False)
+    assert started.returncode == 0, started.stdout + started.stderr
+    work = Path(env["RLHF_WORK_DIR"])
+    deadline = time.time() + 900
+    while not list(work.glob("ppo/*/checkpoints/step-000002/state.pt")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert list(work.glob("ppo/*/checkpoints/step-000002/state.pt")), "PPO never checkpointed"
+    kill_flow_run(env)
+    before = manifests(env)
+    assert set(before) == set(STAGES) - {"ppo"}
+
+    resumed = deployment_run(env)
+    assert resumed.returncode == 0 and "Completed" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    states = task_states(resumed.stdout)
+    assert states == {**{s: "Cached" for s in STAGES[:-1]}, "ppo": "Completed"}
+    after = manifests(env)
+    for stage, text in before.items():
+        assert after[stage] == text, f"{stage} artifact changed"  # byte-identical (same SHA-256s)
+    worker_log = (Path(env["STACK_DIR"]) / "worker.log").read_text()
+    assert re.search(r"resumed from .*ppo/\w+/checkpoints/step-00000[2-6]", worker_log)
+
+    client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("rlhf-tldr")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    finished = {r.info.run_name: r for r in children if r.info.status == "FINISHED"}
+    assert set(finished) == set(STAGES)
+    assert "eval/rougeL" in finished["sft"].data.metrics and "objective/kl" in finished["ppo"].data.metrics
+    assert len(client.get_metric_history(finished["ppo"].info.run_id, "objective/scores")) >= 2
+    assert {p.info.status for p in parents} >= {"FINISHED"}
+    done = next(p for p in parents if p.info.status == "FINISHED")
+    assert done.data.tags["rlhf.stage_run.sft"] == finished["sft"].info.run_id
+    assert done.data.tags["prefect.flow_run_id"]
+    assert done.data.tags["rlhf.artifact.ppo"].startswith("s3://" if env["RLHF_ARTIFACT_ROOT"].startswith("s3") else "/")
+    for name in ("rlhf-tldr-policy", "rlhf-tldr-reward-model"):
+        version = client.get_model_version_by_alias(name, "latest-pipeline")
+        assert version.run_id in {r.info.run_id for r in children}
+
+    changed = deployment_run(env, "ppo.kl_coef=0.1")
+    assert changed.returncode == 0, changed.stdout[-3000:]
+    assert task_states(changed.stdout) == {**{s: "Cached" for s in STAGES[:-1]}, "ppo": "Completed"}
