@@ -26,13 +26,20 @@ ALIAS = "latest-pipeline"
 
 
 def register(client, name: str, record: StageRecord, alias: str = ALIAS) -> str:
-    """Register ``record``'s ``model`` directory as a new version of ``name`` and point ``alias`` at it."""
+    """Register ``record``'s ``model`` directory as a version of ``name`` and point ``alias`` at it.
+
+    A model already registered with the same artifact digest (a cached stage) keeps its version.
+    """
     from mlflow.exceptions import MlflowException
 
     try:
         client.create_registered_model(name)
     except MlflowException:
         pass  # already registered
+    for existing in client.search_model_versions(f"name='{name}'"):
+        if existing.tags.get("rlhf.digest") == record.digest:  # a cached stage: same model, same version
+            client.set_registered_model_alias(name, alias, existing.version)
+            return existing.version
     source = f"{record.uri}/model"
     if "://" not in record.uri:
         # MLflow accepts a local source only inside the run's own artifacts: copy the model there.

@@ -60,3 +60,6 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     for stage in ("data", "sft", "reward_norm"):
         assert second["stages"][stage] == first["stages"][stage]  # same artifact, same digest
     assert second["stages"]["ppo"]["key"] != first["stages"]["ppo"]["key"]
+    # the reward model was cached: same registered version; the new policy is a new version
+    assert second["registered"]["rlhf-tldr-reward-model"] == first["registered"]["rlhf-tldr-reward-model"]
+    assert int(second["registered"]["rlhf-tldr-policy"]) == int(first["registered"]["rlhf-tldr-policy"]) + 1
