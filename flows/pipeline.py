@@ -16,6 +16,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from rlhf_core.config import flatten, load_config
+from rlhf_core.pipeline import STAGES
 from tasks.mlflow_tracking import MLflowTracker, experiment_id, tracking_client
 from tasks.stages import StageRecord, run_stage
 
@@ -65,14 +66,10 @@ def rlhf(preset: str = "cpu-demo", overrides: list[str] | None = None) -> dict:
     tracker = MLflowTracker(parent_id, client=client)
     tracker.log_params(flatten(cfg))
     try:
-        data = run_stage("data", c, [], parent_id)
-        base = run_stage("base_model", c, [], parent_id)
-        sft = run_stage("sft", c, [data, base], parent_id)
-        reward = run_stage("reward", c, [data, sft], parent_id)
-        norm = run_stage("reward_norm", c, [data, reward], parent_id)
-        evaluation = run_stage("reward_eval", c, [data, norm], parent_id)
-        ppo = run_stage("ppo", c, [data, sft, norm], parent_id)
-        records = {r["stage"]: StageRecord.model_validate(r) for r in (data, base, sft, reward, norm, evaluation, ppo)}
+        raw: dict[str, dict] = {}
+        for name, stage in STAGES.items():
+            raw[name] = run_stage(name, c, [raw[dep] for dep in stage.inputs], parent_id)
+        records = {name: StageRecord.model_validate(r) for name, r in raw.items()}
         for stage, record in records.items():
             client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
             client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")

@@ -19,6 +19,7 @@ import yaml
 from .config import ConfigError, PipelineConfig, available_presets, load_config
 from .data import DataError
 from .models import ModelSourceError
+from .pipeline import STAGES, upstream_sections
 from .training import TrainingError
 
 log = logging.getLogger("rlhf")
@@ -30,40 +31,9 @@ def section_digest(cfg: PipelineConfig, *sections: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-STAGES = ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo")
-
-
 def _stage_marker(out: Path) -> dict:
     marker = out / "stage.json"
     return json.loads(marker.read_text()) if marker.is_file() else {}
-
-
-def _stage_functions(cfg: PipelineConfig, root: Path) -> dict:
-    """Each stage: (config sections it depends on, function of its output directory)."""
-    from .data import prepare_data
-    from .models import import_base_model
-    from .ppo_trainer import run_ppo
-    from .reward import evaluate_reward_model, normalize_reward_model, run_reward_training
-    from .sft import run_sft
-    from .tracking import JsonlTracker
-
-    def tracker(out: Path) -> JsonlTracker:
-        return JsonlTracker(out / "metrics.jsonl")
-
-    data, base = root / "data", root / "base_model"
-    upstream_rm = ("data", "model", "sft", "reward")
-    return {
-        "data": (("data", "model"), lambda out: prepare_data(cfg, out, overwrite=True)),
-        "base_model": (("model",), lambda out: import_base_model(cfg.model, out, overwrite=True)),
-        "sft": (("data", "model", "sft"), lambda out: run_sft(cfg.sft, data, base, out, tracker(out))),
-        "reward": (upstream_rm, lambda out: run_reward_training(cfg.reward, data, root / "sft" / "model", out, tracker(out))),
-        "reward_norm": (upstream_rm, lambda out: normalize_reward_model(
-            cfg.reward, data, root / "reward" / "model", out, tracker(out))),
-        "reward_eval": (upstream_rm, lambda out: evaluate_reward_model(
-            cfg.reward, data, root / "reward_norm" / "model", out, tracker(out))),
-        "ppo": (upstream_rm + ("ppo",), lambda out: run_ppo(
-            cfg.ppo, data, root / "sft" / "model", root / "reward_norm" / "model", out, tracker(out))),
-    }
 
 
 def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = False) -> dict:
@@ -76,15 +46,16 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     import shutil
 
     from .io import write_json_atomic
+    from .tracking import JsonlTracker
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    functions = _stage_functions(cfg, root)
+    names = list(STAGES)
     summary = {}
-    for name in STAGES[: STAGES.index(until) + 1]:
-        sections, run = functions[name]
+    for name in names[: names.index(until) + 1]:
+        stage = STAGES[name]
         out = root / name
-        digest = section_digest(cfg, *sections)
+        digest = section_digest(cfg, *upstream_sections(name))
         marker = _stage_marker(out)
         if marker.get("config_digest") == digest and marker.get("status") == "done" and not overwrite:
             log.info("stage %s: finished earlier with the same config, reused (%s)", name, out)
@@ -96,7 +67,7 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
         write_json_atomic(out / "stage.json", {"config_digest": digest, "status": "running"})
         log.info("stage %s: running into %s", name, out)
         start = time.perf_counter()
-        result = run(out)
+        result = stage.run(cfg, [root / dep for dep in stage.inputs], out, JsonlTracker(out / "metrics.jsonl"))
         seconds = time.perf_counter() - start
         write_json_atomic(out / "stage.json", {"config_digest": digest, "status": "done", "seconds": round(seconds, 3)})
         summary[name] = {"reused": False, "seconds": round(seconds, 1)}
@@ -144,7 +115,7 @@ COMMANDS = {
     "sft": (_until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"),
     "rm": (_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run directory --out"),
     "ppo": (_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
-    "run": (_until(STAGES[-1]), "run every stage in order in the run directory --out"),
+    "run": (_until(list(STAGES)[-1]), "run every stage in order in the run directory --out"),
 }
 
 
@@ -159,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", required=True, type=Path, help="output directory")
             p.add_argument("--overwrite", action="store_true", help="replace existing output")
         if name == "run":
-            p.add_argument("--until", choices=STAGES, default=None, help="last stage to run")
+            p.add_argument("--until", choices=list(STAGES), default=None, help="last stage to run")
     return parser
 
 

@@ -132,7 +132,7 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp, run_name=stage, tags=tags)
     tracker = MLflowTracker(run.info.run_id, client=client)
-    from .stages import STAGE_SECTIONS
+    from rlhf_core.pipeline import STAGES
 
-    tracker.log_params({k: v for s in STAGE_SECTIONS[stage] for k, v in flatten(getattr(cfg, s), f"{s}.").items()})
+    tracker.log_params({k: v for s in STAGES[stage].sections for k, v in flatten(getattr(cfg, s), f"{s}.").items()})
     return run.info.run_id, client

@@ -18,7 +18,7 @@ import logging
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect import task
 from prefect.context import TaskRunContext
@@ -26,20 +26,9 @@ from pydantic import BaseModel
 
 import rlhf_core
 from rlhf_core.config import PipelineConfig
+from rlhf_core.pipeline import STAGES
 
 from .storage import ArtifactStore
-
-#: Config sections each stage depends on (its own and its upstream stages').
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "data": ("data", "model"),
-    "base_model": ("model",),
-    "sft": ("sft",),
-    "reward": ("reward",),
-    "reward_norm": ("reward",),
-    "reward_eval": ("reward",),
-    "ppo": ("ppo",),
-}
-
 
 class StageRecord(BaseModel):
     """What a stage task returns: small, JSON-serialisable, cacheable."""
@@ -67,7 +56,7 @@ def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]
     """The cache key of ``stage``: its config sections, upstream digests and the code version."""
     payload = {
         "stage": stage,
-        "config": {s: getattr(cfg, s).model_dump() for s in STAGE_SECTIONS[stage]},
+        "config": {s: getattr(cfg, s).model_dump() for s in STAGES[stage].sections},
         "upstream": [u.digest for u in upstream],
         "code": code_version(),
     }
@@ -85,44 +74,12 @@ def work_root() -> Path:
     return Path(os.environ.get("RLHF_WORK_DIR") or ".rlhf-work").resolve()
 
 
-def _stage_function(stage: str, cfg: PipelineConfig, inputs: list[Path]) -> Callable[[Path, Any], dict]:
-    from rlhf_core.data import prepare_data
-    from rlhf_core.models import import_base_model
-    from rlhf_core.ppo_trainer import run_ppo
-    from rlhf_core.reward import evaluate_reward_model, normalize_reward_model, run_reward_training
-    from rlhf_core.sft import run_sft
-
-    def model(path: Path) -> Path:
-        return path / "model"
-
-    if stage == "data":
-        return lambda out, tracker: prepare_data(cfg, out, overwrite=True)
-    if stage == "base_model":
-        return lambda out, tracker: import_base_model(cfg.model, out, overwrite=True)
-    if stage == "sft":
-        data, base = inputs
-        return lambda out, tracker: run_sft(cfg.sft, data, base, out, tracker)
-    if stage == "reward":
-        data, sft = inputs
-        return lambda out, tracker: run_reward_training(cfg.reward, data, model(sft), out, tracker)
-    if stage == "reward_norm":
-        data, reward = inputs
-        return lambda out, tracker: normalize_reward_model(cfg.reward, data, model(reward), out, tracker)
-    if stage == "reward_eval":
-        data, reward_norm = inputs
-        return lambda out, tracker: evaluate_reward_model(cfg.reward, data, model(reward_norm), out, tracker)
-    if stage == "ppo":
-        data, sft, reward_norm = inputs
-        return lambda out, tracker: run_ppo(cfg.ppo, data, model(sft), model(reward_norm), out, tracker)
-    raise ValueError(f"unknown stage {stage!r}")
-
-
 @task(name="rlhf-stage", cache_key_fn=_cache_key_fn, persist_result=True, task_run_name="{stage}")
 def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, parent_run_id: str | None = None) -> dict:
     """Run one stage (or resume it from its checkpoints) and store its artifact.
 
     Args:
-        stage: one of :data:`STAGE_SECTIONS`.
+        stage: a name in :data:`rlhf_core.pipeline.STAGES`.
         config: the pipeline config as a dict (``PipelineConfig.model_dump()``).
         upstream: the records of the stages it reads, in the order the stage expects.
         parent_run_id: the pipeline's MLflow run; the stage logs to a nested run under it.
@@ -143,7 +100,7 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
     tracker = MLflowTracker(run_id, client=client)
     try:
-        result = _stage_function(stage, cfg, inputs)(out, tracker) or {}
+        result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
         tracker.close()
         for name in ("metrics.json", "stats.json", "samples.jsonl", "token_lengths.png", "calibration.png",
                      "calibration.json", "import.json"):
