@@ -1,16 +1,11 @@
 """The ``rlhf`` flow: every stage in order, cached and resumable, tracked in MLflow.
 
 Deployed as ``rlhf/full-pipeline`` (``infra/prefect.yaml``); also runnable in-process with
-Prefect's ephemeral mode: ``python -m flows.pipeline --preset smoke``.
+Prefect's ephemeral mode with ``rlhf run`` (:mod:`flows.cli`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
-import sys
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -18,7 +13,8 @@ from prefect.runtime import flow_run
 from rlhf_core.config import flatten, load_config
 from rlhf_core.pipeline import STAGES
 from tasks.mlflow_tracking import MLflowTracker, experiment_id, tracking_client
-from tasks.stages import StageRecord, run_stage
+from tasks.stages import StageRecord, run_stage, work_root
+from tasks.storage import ArtifactStore
 
 #: Model registry names and the alias given to the newest version.
 POLICY_MODEL = "rlhf-tldr-policy"
@@ -52,30 +48,51 @@ def register(client, name: str, record: StageRecord, alias: str = ALIAS) -> str:
     return version.version
 
 
-@flow(name="rlhf", log_prints=True)
-def rlhf(preset: str = "cpu-demo", overrides: list[str] | None = None) -> dict:
-    """Run the pipeline for ``preset`` with ``key=value`` ``overrides``; returns each stage's record."""
+@flow(name="rlhf")
+def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, until: str | None = None) -> dict:
+    """Run the pipeline for ``preset`` with ``key=value`` ``overrides``, up to stage ``until``
+    (default: every stage); returns each stage's record and the registered model versions.
+    """
     logger = get_run_logger()
     cfg = load_config(preset, overrides or [])
+    names = list(STAGES)
+    if until is not None and until not in STAGES:
+        raise ValueError(f"until={until!r} is not a stage ({', '.join(names)})")
+    names = names[: names.index(until) + 1] if until else names
     c = cfg.model_dump()
     client = tracking_client()
     exp = experiment_id(client, cfg.tracking.experiment_name)
     parent = client.create_run(exp, run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
-                               tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "rlhf.preset": preset})
+                               tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "rlhf.preset": str(preset)})
     parent_id = parent.info.run_id
     tracker = MLflowTracker(parent_id, client=client)
     tracker.log_params(flatten(cfg))
     try:
+        store = ArtifactStore()
         raw: dict[str, dict] = {}
-        for name, stage in STAGES.items():
-            raw[name] = run_stage(name, c, [raw[dep] for dep in stage.inputs], parent_id)
+        for name in names:
+            stage = STAGES[name]
+            upstream = [raw[dep] for dep in stage.inputs]
+            record = run_stage(name, c, upstream, parent_id)
+            if not store.is_intact(record["key"], record["digest"]):
+                # A cache entry whose artifact was deleted or damaged since: run the stage again.
+                logger.warning("stage %s: the artifact of its cache entry (%s) is missing or incomplete; "
+                               "running it again", name, record["uri"])
+                record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
+            raw[name] = record
         records = {name: StageRecord.model_validate(r) for name, r in raw.items()}
         for stage, record in records.items():
             client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
             client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")
             tracker.log_metrics({f"{stage}/{k}": v for k, v in record.metrics.items()})
-        versions = {POLICY_MODEL: register(client, POLICY_MODEL, records["ppo"]),
-                    REWARD_MODEL: register(client, REWARD_MODEL, records["reward_norm"])}
+        if "evaluation" in records:  # the run's report, readable from the parent run in the MLflow UI
+            report_dir = store.local_path(records["evaluation"].key, work_root() / "downloads")
+            for name in ("report.html", "report.md", "length_control.png", "training_curves.png", "calibration.png",
+                         "token_shift.html"):
+                if (report_dir / name).is_file():
+                    client.log_artifact(parent_id, str(report_dir / name), "report")
+        versions = {model: register(client, model, records[stage])
+                    for model, stage in ((POLICY_MODEL, "ppo"), (REWARD_MODEL, "reward_norm")) if stage in records}
         tracker.close()
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:
@@ -85,20 +102,3 @@ def rlhf(preset: str = "cpu-demo", overrides: list[str] | None = None) -> dict:
     logger.info("registered %s", versions)
     return {"mlflow_run_id": parent_id, "stages": {k: v.model_dump() for k, v in records.items()},
             "registered": versions}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run the rlhf flow in-process (Prefect's ephemeral mode).")
-    parser.add_argument("--preset", default="cpu-demo")
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args(argv)
-    # A first start of the ephemeral server migrates its database: slow on a small, busy machine.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = rlhf(preset=args.preset, overrides=args.overrides)
-    print(json.dumps(result, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -37,14 +37,24 @@ wait_http() {  # name, url, seconds
   echo "$1 did not answer on $2" >&2; tail -30 "$STACK_DIR/$1.log" >&2; return 1
 }
 
+descendants() {  # pid: every process below it (a worker's flow runs have their own sessions)
+  local child
+  for child in $(pgrep -P "$1" 2> /dev/null); do echo "$child"; descendants "$child"; done
+}
+
 stop_one() {
   local pidfile="$STACK_DIR/$1.pid"
   [ -f "$pidfile" ] || return 0
-  local pid; pid=$(cat "$pidfile")
+  local pid tree; pid=$(cat "$pidfile")
   if kill -0 "$pid" 2> /dev/null; then
+    tree=$(descendants "$pid")
     kill -TERM -- "-$pid" 2> /dev/null || kill -TERM "$pid" 2> /dev/null || true
+    # shellcheck disable=SC2086
+    [ -z "$tree" ] || kill -TERM $tree 2> /dev/null || true
     for _ in $(seq 1 20); do kill -0 "$pid" 2> /dev/null || break; sleep 0.5; done
     kill -KILL -- "-$pid" 2> /dev/null || true
+    # shellcheck disable=SC2086
+    [ -z "$tree" ] || kill -KILL $tree 2> /dev/null || true
   fi
   rm -f "$pidfile"
 }

@@ -1,7 +1,9 @@
-"""The ``rlhf`` command: one sub-command per pipeline stage, plus ``run`` for all of them.
+"""The ``rlhf`` command: one sub-command per pipeline stage, plus ``stages`` for all of them.
 
 Every sub-command takes ``--preset NAME`` (a file in ``configs/``) and ``key=value``
-overrides, e.g. ``rlhf data --preset smoke data.on_bad_row=skip --out runs/x/data``.
+overrides, e.g. ``rlhf data --preset smoke data.on_bad_row=skip --out runs/x/data``. These
+sub-commands write plain directories and need neither Prefect nor MLflow; the installed
+``rlhf`` script (``flows/cli.py``) adds ``rlhf run``, the orchestrated, tracked pipeline.
 """
 
 from __future__ import annotations
@@ -12,22 +14,24 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
 from .config import ConfigError, PipelineConfig, available_presets, load_config
 from .data import DataError
 from .models import ModelSourceError
-from .pipeline import STAGES, upstream_sections
+from .pipeline import STAGES, upstream_config
 from .training import TrainingError
 
 log = logging.getLogger("rlhf")
 
 
-def section_digest(cfg: PipelineConfig, *sections: str) -> str:
-    """SHA-256 (hex, 16 chars) of the named config sections, for reusing finished stages."""
-    payload = json.dumps({s: getattr(cfg, s).model_dump() for s in sections}, sort_keys=True)
+def config_digest(cfg: PipelineConfig, stage: str) -> str:
+    """SHA-256 (hex, 16 chars) of the settings ``stage`` and its upstream stages depend on."""
+    payload = json.dumps(upstream_config(cfg, stage), sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -55,7 +59,7 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     for name in names[: names.index(until) + 1]:
         stage = STAGES[name]
         out = root / name
-        digest = section_digest(cfg, *upstream_sections(name))
+        digest = config_digest(cfg, name)
         marker = _stage_marker(out)
         if marker.get("config_digest") == digest and marker.get("status") == "done" and not overwrite:
             log.info("stage %s: finished earlier with the same config, reused (%s)", name, out)
@@ -108,35 +112,55 @@ def _until(stage: str):
     return cmd
 
 
-COMMANDS = {
-    "config": (cmd_config, "print the resolved configuration as YAML"),
-    "data": (cmd_data, "prepare the TL;DR SFT and preference datasets into --out (Details 1-6)"),
-    "model": (cmd_model, "import the base model into --out as safetensors with its tokenizer"),
-    "sft": (_until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"),
-    "rm": (_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run directory --out"),
-    "ppo": (_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
-    "run": (_until(list(STAGES)[-1]), "run every stage in order in the run directory --out"),
+@dataclass(frozen=True)
+class Command:
+    """A sub-command: its function, help line, and whether it takes ``--out`` and ``--until``."""
+
+    run: Callable[[PipelineConfig, argparse.Namespace], int]
+    help: str
+    out: str = "required"  # "required", "optional" or "none"
+    until: bool = False
+
+
+COMMANDS: dict[str, Command] = {
+    "config": Command(cmd_config, "print the resolved configuration as YAML", out="none"),
+    "data": Command(cmd_data, "prepare the TL;DR SFT and preference datasets into --out (Details 1-6)"),
+    "model": Command(cmd_model, "import the base model into --out as safetensors with its tokenizer"),
+    "sft": Command(_until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"),
+    "rm": Command(_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run directory --out"),
+    "ppo": Command(_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
+    "stages": Command(_until(list(STAGES)[-1]), "run every stage in order in the run directory --out, "
+                      "without Prefect or MLflow (stage.json marks finished stages)", until=True),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__.splitlines()[0])
+def build_parser(commands: dict[str, Command] | None = None) -> argparse.ArgumentParser:
+    """The argument parser for ``commands`` (default :data:`COMMANDS`)."""
+    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF with PPO for Reddit TL;DR: one sub-command per stage.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    for name, command in (commands or COMMANDS).items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
         p.add_argument("--preset", default=None, help=f"preset name ({', '.join(available_presets())}) or YAML path")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
-        if name != "config":
-            p.add_argument("--out", required=True, type=Path, help="output directory")
-            p.add_argument("--overwrite", action="store_true", help="replace existing output")
-        if name == "run":
+        if command.out != "none":
+            p.add_argument("--out", required=command.out == "required", type=Path, default=None,
+                           help="output directory" + ("" if command.out == "required" else " (default runs/<preset>)"))
+            if command.out == "required":
+                p.add_argument("--overwrite", action="store_true", help="replace existing output")
+        if command.until:
             p.add_argument("--until", choices=list(STAGES), default=None, help="last stage to run")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``rlhf`` console script; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+#: Errors reported as one line (exit code 2) instead of a traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelSourceError, TrainingError, FileExistsError)
+
+
+def main(argv: list[str] | None = None, commands: dict[str, Command] | None = None,
+         user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Entry point of the ``rlhf`` commands; returns the process exit code."""
+    commands = commands or COMMANDS
+    args = build_parser(commands).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not sys.stderr.isatty():  # progress bars in a terminal, plain log lines otherwise
         import datasets
@@ -146,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     try:
         cfg = load_config(args.preset, args.overrides)
-        return COMMANDS[args.command][0](cfg, args)
-    except (ConfigError, DataError, ModelSourceError, TrainingError, FileExistsError) as exc:
+        return commands[args.command].run(cfg, args)
+    except USER_ERRORS + user_errors as exc:
         print(f"rlhf {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

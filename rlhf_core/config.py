@@ -247,15 +247,38 @@ class PPOConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    """Judge evaluation of base, SFT and PPO summaries against the references."""
+    """Judge evaluation of base, SFT and PPO summaries against the references (Huang et al. 2024,
+    Figure 1, Figure 8, Appendix I).
+
+    ``judge: offline`` uses a local causal LM (``judge_model``: a model source; default the
+    pipeline's own base model); ``judge: anthropic`` the Anthropic Messages API
+    (``judge_model``: a model id, required; key from ``ANTHROPIC_API_KEY`` or the Prefect
+    Secret block ``api_key_secret``).
+    """
 
     judge: Literal["offline", "anthropic"] = "offline"
     judge_model: str | None = None
+    api_key_secret: str = "anthropic-api-key"
     split: str = "validation"
     max_samples: int | None = Field(None, gt=0)
     max_comparisons: int | None = Field(None, gt=0)
+    concurrency: int = Field(4, gt=0)
+    temperature: float = Field(0.01, gt=0)
+    batch_size: int = Field(8, gt=0)
+    bf16: bool = False
+    length_bins: int = Field(6, gt=0)
+    diversity_prompts: int = Field(8, ge=0)
+    diversity_samples: int = Field(4, gt=1)
+    token_shift_samples: int = Field(4, ge=0)
+    report_samples: int = Field(16, ge=0)
     title_copy_threshold: float = Field(0.8, gt=0, le=1)
     seed: int = 1
+
+    @model_validator(mode="after")
+    def _judge_model_for_api(self):
+        if self.judge == "anthropic" and not self.judge_model:
+            raise ValueError("eval.judge_model must name a model when eval.judge is anthropic")
+        return self
 
 
 class TrackingConfig(_Strict):

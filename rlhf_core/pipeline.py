@@ -5,6 +5,7 @@ tasks (``tasks/stages.py``) both run stages from this one table.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -18,15 +19,23 @@ class Stage:
     """One stage.
 
     ``inputs`` names the stages whose output directories it reads, in the order ``run``
-    takes them; ``sections`` are the config sections it depends on itself (upstream
-    sections reach it through its inputs). ``run(cfg, input_dirs, out_dir, tracker)``
-    writes the stage's output into ``out_dir`` and returns its metrics or record.
+    takes them. ``keys`` are the config values it depends on itself: a whole section
+    (``"sft"``) or one field (``"reward.eval_max_samples"``); ``ignore`` names fields of
+    those sections it does not read (so changing an evaluation setting does not re-train).
+    Upstream settings reach a stage through its inputs. ``run(cfg, input_dirs, out_dir,
+    tracker)`` writes the stage's output into ``out_dir`` and returns its metrics or record.
     """
 
     name: str
     inputs: tuple[str, ...]
-    sections: tuple[str, ...]
+    keys: tuple[str, ...]
     run: Callable[[PipelineConfig, list[Path], Path, Tracker], dict[str, Any]]
+    ignore: tuple[str, ...] = ()
+
+    @property
+    def sections(self) -> tuple[str, ...]:
+        """The config sections the stage reads from (whole or in part)."""
+        return tuple(dict.fromkeys(k.split(".", 1)[0] for k in self.keys))
 
 
 def _data(cfg, inputs, out, tracker):
@@ -76,24 +85,64 @@ def _ppo(cfg, inputs, out, tracker):
     return run_ppo(cfg.ppo, data, sft / "model", reward_norm / "model", out, tracker)
 
 
+#: Fields of the ``reward`` section that only the evaluation and normalisation stages read.
+REWARD_EVAL_KEYS = ("reward.eval_splits", "reward.eval_max_samples", "reward.calibration_bins")
+REWARD_NORM_KEYS = ("reward.normalize", "reward.normalization_split", "reward.normalization_max_samples")
+#: Settings that change how a model is run but not what it computes beyond float rounding.
+REWARD_RUN_KEYS = ("reward.micro_batch_size", "reward.bf16")
+
+def _evaluation(cfg, inputs, out, tracker):
+    from .evaluation import run_evaluation
+
+    data, base, sft, reward, reward_norm, reward_eval, ppo = inputs
+    # Judgements are shared by every run of the stage beside this one: never paid for twice.
+    cache = Path(os.environ.get("RLHF_JUDGE_CACHE") or out.parent / "judge_cache.jsonl")
+    return run_evaluation(cfg, data, base, sft, {"reward": reward, "reward_norm": reward_norm,
+                                                 "reward_eval": reward_eval}, ppo, out, tracker, cache)
+
+
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
         Stage("data", (), ("data", "model"), _data),
         Stage("base_model", (), ("model",), _base_model),
         Stage("sft", ("data", "base_model"), ("sft",), _sft),
-        Stage("reward", ("data", "sft"), ("reward",), _reward),
-        Stage("reward_norm", ("data", "reward"), ("reward",), _reward_norm),
-        Stage("reward_eval", ("data", "reward_norm"), ("reward",), _reward_eval),
+        Stage("reward", ("data", "sft"), ("reward",), _reward, ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS),
+        Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm),
+        Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval),
         Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo),
+        Stage("evaluation", ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
+              ("eval", "ppo.temperature"), _evaluation),
     )
 }
 
 
-def upstream_sections(name: str) -> tuple[str, ...]:
-    """The config sections ``name`` depends on, its own and those of every stage before it, sorted."""
+def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
+    """The config values stage ``name`` depends on itself, as ``{key: value}`` (JSON-serialisable).
+
+    Raises:
+        KeyError: ``name`` is not a stage.
+    """
     stage = STAGES[name]
-    found = set(stage.sections)
-    for dep in stage.inputs:
-        found |= set(upstream_sections(dep))
-    return tuple(sorted(found))
+    values: dict[str, Any] = {}
+    for key in stage.keys:
+        section, _, field = key.partition(".")
+        dumped = getattr(cfg, section).model_dump(mode="json")
+        if field:
+            values[key] = dumped[field]
+        else:
+            values[key] = {k: v for k, v in dumped.items() if f"{section}.{k}" not in stage.ignore}
+    return values
+
+
+def lineage(name: str) -> tuple[str, ...]:
+    """``name`` and every stage it reads from, directly or not, in pipeline order."""
+    found = {name}
+    for dep in STAGES[name].inputs:
+        found |= set(lineage(dep))
+    return tuple(s for s in STAGES if s in found)
+
+
+def upstream_config(cfg: PipelineConfig, name: str) -> dict[str, dict[str, Any]]:
+    """``{stage: stage_config(cfg, stage)}`` for ``name`` and everything upstream of it."""
+    return {s: stage_config(cfg, s) for s in lineage(name)}

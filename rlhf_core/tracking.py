@@ -87,3 +87,26 @@ def read_metrics(path: str | os.PathLike) -> list[tuple[int | None, dict[str, fl
             if rec["kind"] == "metrics":
                 out.append((rec["step"], {k: float(v) for k, v in rec["metrics"].items()}))
     return out
+
+
+class TeeTracker:
+    """Sends every record to each of ``trackers`` in turn (e.g. MLflow and a local ``metrics.jsonl``)."""
+
+    def __init__(self, *trackers: Tracker):
+        self.trackers = trackers
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        for t in self.trackers:
+            t.log_metrics(metrics, step=step)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        for t in self.trackers:
+            t.log_table(name, rows)
+
+    def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        for t in self.trackers:
+            t.log_artifact(path, artifact_path)

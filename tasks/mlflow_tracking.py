@@ -108,13 +108,18 @@ def tracking_client() -> MlflowClient:
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
-    """The id of experiment ``name``, created (artifacts under ``./mlartifacts`` for a local store) if missing."""
+    """The id of experiment ``name``, created if missing.
+
+    For a local SQLite store the experiment's artifacts go to ``mlartifacts/`` beside the
+    database file (``sqlite:///runs/x/mlflow.db`` -> ``runs/x/mlartifacts``).
+    """
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     location = None
-    if client.tracking_uri.startswith("sqlite:"):
-        location = Path("mlartifacts").resolve().as_uri()
+    if client.tracking_uri.startswith("sqlite:///"):
+        db = Path(client.tracking_uri[len("sqlite:///"):])
+        location = (db.resolve().parent / "mlartifacts").as_uri()
     return client.create_experiment(name, artifact_location=location)
 
 
@@ -132,7 +137,7 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp, run_name=stage, tags=tags)
     tracker = MLflowTracker(run.info.run_id, client=client)
-    from rlhf_core.pipeline import STAGES
+    from rlhf_core.pipeline import stage_config
 
-    tracker.log_params({k: v for s in STAGES[stage].sections for k, v in flatten(getattr(cfg, s), f"{s}.").items()})
+    tracker.log_params(flatten(stage_config(cfg, stage)))
     return run.info.run_id, client

@@ -1,7 +1,8 @@
 """Prefect tasks, one per pipeline stage, each wrapping a pure ``rlhf_core`` stage function.
 
-A task's cache key digests its stage name, its own config sections, the digests of its
-upstream artifacts and the version of the ``rlhf_core`` code. A task returns a small
+A task's cache key digests its stage name, the settings it reads
+(:func:`rlhf_core.pipeline.stage_config`), the digests of its upstream artifacts, the version
+of the ``rlhf_core`` code and the artifact root. A task returns a small
 :class:`StageRecord` (artifact key, URI and digest, MLflow run id, key metrics), never a
 model. Its artifact is written to the :class:`~tasks.storage.ArtifactStore` (manifest last)
 before the task returns, so Prefect's cache entry, written after the return, never points
@@ -26,7 +27,8 @@ from pydantic import BaseModel
 
 import rlhf_core
 from rlhf_core.config import PipelineConfig
-from rlhf_core.pipeline import STAGES
+from rlhf_core.pipeline import STAGES, stage_config
+from rlhf_core.tracking import JsonlTracker, TeeTracker
 
 from .storage import ArtifactStore
 
@@ -53,12 +55,15 @@ def code_version() -> str:
 
 
 def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]) -> str:
-    """The cache key of ``stage``: its config sections, upstream digests and the code version."""
+    """The cache key of ``stage``: the settings it reads, its upstream digests, the code version and
+    the artifact root (``RLHF_ARTIFACT_ROOT``)."""
     payload = {
         "stage": stage,
-        "config": {s: getattr(cfg, s).model_dump() for s in STAGES[stage].sections},
+        "config": stage_config(cfg, stage),
         "upstream": [u.digest for u in upstream],
         "code": code_version(),
+        # a cache entry is only as good as the store its artifact lives in
+        "store": ArtifactStore().uri(""),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -67,6 +72,29 @@ def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     cfg = PipelineConfig.model_validate(parameters["config"])
     upstream = [StageRecord.model_validate(u) for u in parameters.get("upstream") or []]
     return f"rlhf-{parameters['stage']}-{stage_cache_key(parameters['stage'], cfg, upstream)}"
+
+
+def provide_judge_key(secret_block: str) -> None:
+    """Make the Anthropic API key available to the judge as ``ANTHROPIC_API_KEY``.
+
+    A key already in the environment wins; otherwise it is read from the Prefect Secret block
+    ``secret_block``. The key is never logged.
+
+    Raises:
+        JudgeConfigError: neither the variable nor the block exists.
+    """
+    if os.environ.get("ANTHROPIC_API_KEY"):
+        return
+    from prefect.blocks.system import Secret
+
+    from rlhf_core.judging import JudgeConfigError
+
+    try:
+        key = Secret.load(secret_block).get()
+    except ValueError:
+        raise JudgeConfigError(f"the Anthropic judge needs ANTHROPIC_API_KEY or a Prefect Secret block named "
+                               f"{secret_block!r} (eval.api_key_secret); neither exists") from None
+    os.environ["ANTHROPIC_API_KEY"] = str(key)
 
 
 def work_root() -> Path:
@@ -91,6 +119,8 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
 
     logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
+    if stage == "evaluation" and cfg.eval.judge == "anthropic":
+        provide_judge_key(cfg.eval.api_key_secret)
     records = [StageRecord.model_validate(u) for u in upstream or []]
     key = f"{stage}/{stage_cache_key(stage, cfg, records)}"
     store = ArtifactStore()
@@ -98,19 +128,22 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
-    tracker = MLflowTracker(run_id, client=client)
+    mlflow_tracker = MLflowTracker(run_id, client=client)
+    # metrics.jsonl travels with the artifact (the report draws training curves from it); on a
+    # resumed stage it holds every attempt's records in order.
+    tracker = TeeTracker(mlflow_tracker, JsonlTracker(out / "metrics.jsonl"))
     try:
         result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
-        tracker.close()
+        mlflow_tracker.close()
         for name in ("metrics.json", "stats.json", "samples.jsonl", "token_lengths.png", "calibration.png",
                      "calibration.json", "import.json"):
             if (out / name).is_file():
-                tracker.log_artifact(out / name)
-        stored = store.put_dir(out, key, exclude=("checkpoints", "metrics.jsonl"))
+                mlflow_tracker.log_artifact(out / name)
+        stored = store.put_dir(out, key, exclude=("checkpoints",))
         client.set_tag(run_id, "rlhf.artifact_uri", stored["uri"])
         client.set_terminated(run_id, "FINISHED")
     except BaseException:
-        tracker.close()
+        mlflow_tracker.close()
         client.set_terminated(run_id, "FAILED")
         raise
     metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -81,6 +81,17 @@ class ArtifactStore:
         """True when the artifact is complete (its manifest is present)."""
         return self.manifest(key) is not None
 
+    def is_intact(self, key: str, digest: str) -> bool:
+        """True when artifact ``key`` is complete, has manifest digest ``digest``, and every file
+        its manifest lists is present with the listed size (file contents are not re-hashed)."""
+        manifest = self.manifest(key)
+        if manifest is None or manifest["digest"] != digest:
+            return False
+        prefix = self._path(key).rstrip("/") + "/"
+        sizes = {path.split(prefix, 1)[-1]: info.get("size")
+                 for path, info in self.fs.find(self._path(key), detail=True).items()}
+        return all(sizes.get(rel) == meta["size"] for rel, meta in manifest["files"].items())
+
     def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
         """Store a local directory as artifact ``key``, replacing an incomplete one.
 

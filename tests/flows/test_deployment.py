@@ -1,7 +1,8 @@
 """End to end on loopback: `make stack-up`'s script starts a real Prefect server, MLflow server
 and process worker and deploys `rlhf/full-pipeline`; the smoke preset then runs through
 `prefect deployment run`, is killed during PPO, and resumes with finished stages cached.
-The artifact root is a local directory, then an S3 bucket on a real S3 API server (moto)."""
+The artifact root is a local directory, then an S3 bucket on a real S3 API server (moto), on
+one stack: each run passes its artifact root and work directory as job variables."""
 
 import json
 import os
@@ -22,34 +23,48 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 OVERRIDES = ["sft.max_steps=1", "sft.eval_max_samples=2", "reward.max_steps=1", "reward.eval_max_samples=4",
              "ppo.batch_size=4", "ppo.micro_batch_size=4", "ppo.total_episodes=24", "ppo.checkpoint_every=1",
-             "ppo.eval_every=100", "ppo.eval_max_samples=2"]
-STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"]
+             "ppo.eval_every=100", "ppo.eval_max_samples=2",
+             "eval.max_samples=2", "eval.max_comparisons=6", "eval.diversity_prompts=1", "eval.diversity_samples=2",
+             "eval.token_shift_samples=1"]
+STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"]
 
 
-@pytest.fixture(params=["local", "s3"])
-def stack(request, tmp_path):
-    env = {**os.environ, "STACK_DIR": str(tmp_path / "stack"), "PREFECT_PORT": str(free_port()),
-           "MLFLOW_PORT": str(free_port()), "VENV": str(BIN.parent), "RLHF_WORK_DIR": str(tmp_path / "work")}
-    if request.param == "s3":
-        s3 = request.getfixturevalue("moto_s3")
-        env = {**env, **{k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                     "AWS_DEFAULT_REGION")},
-               "RLHF_ARTIFACT_ROOT": f"s3://{s3['bucket']}/e2e-{tmp_path.name}"}
-    else:
-        env["RLHF_ARTIFACT_ROOT"] = str(tmp_path / "artifacts")
+@pytest.fixture(scope="module")
+def server_stack(tmp_path_factory):
+    """One stack (Prefect server, MLflow server, worker, deployment) for both artifact roots."""
+    root = tmp_path_factory.mktemp("stack")
+    env = {**os.environ, "STACK_DIR": str(root / "stack"), "PREFECT_PORT": str(free_port()),
+           "MLFLOW_PORT": str(free_port()), "VENV": str(BIN.parent)}
     up = subprocess.run([str(REPO / "infra" / "stack.sh"), "up"], env=env, capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout + up.stderr
     env["PREFECT_API_URL"] = f"http://127.0.0.1:{env['PREFECT_PORT']}/api"
     env["MLFLOW_TRACKING_URI"] = f"http://127.0.0.1:{env['MLFLOW_PORT']}"
     yield env
     subprocess.run([str(REPO / "infra" / "stack.sh"), "down"], env=env, capture_output=True, timeout=120)
-    pids = list((tmp_path / "stack").glob("*.pid"))
+    pids = list((root / "stack").glob("*.pid"))
     assert not pids, f"stack-down left {pids}"
 
 
+@pytest.fixture(params=["local", "s3"])
+def stack(request, server_stack, tmp_path):
+    """The stack's environment plus this variant's artifact root and work directory, which reach
+    the flow-run process as job variables of each deployment run."""
+    job_env = {"RLHF_WORK_DIR": str(tmp_path / "work"), "PREFECT_LOGGING_EXTRA_LOGGERS": "rlhf_core"}
+    if request.param == "s3":
+        s3 = request.getfixturevalue("moto_s3")
+        job_env.update({k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                   "AWS_DEFAULT_REGION")})
+        job_env["RLHF_ARTIFACT_ROOT"] = f"s3://{s3['bucket']}/e2e-{tmp_path.name}"
+    else:
+        job_env["RLHF_ARTIFACT_ROOT"] = str(tmp_path / "artifacts")
+    return {**server_stack, **job_env, "JOB_ENV": json.dumps(job_env), "VARIANT": request.param,
+            "EXPERIMENT": f"e2e-{request.param}"}
+
+
 def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+    overrides = OVERRIDES + [f"tracking.experiment_name={env['EXPERIMENT']}"] + list(extra)
     cmd = [str(BIN / "prefect"), "deployment", "run", "rlhf/full-pipeline", "--param", "preset=smoke",
-           "--params", json.dumps({"overrides": OVERRIDES + list(extra)})]
+           "--params", json.dumps({"overrides": overrides}), "--job-variable", f"env={env['JOB_ENV']}"]
     if not watch:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     return subprocess.run(cmd + ["--watch", "--watch-timeout", "1200"], env=env, capture_output=True, text=True,
@@ -95,20 +110,20 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     assert list(work.glob("ppo/*/checkpoints/step-000002/state.pt")), "PPO never checkpointed"
     kill_flow_run(env)
     before = manifests(env)
-    assert set(before) == set(STAGES) - {"ppo"}
+    assert set(before) == set(STAGES) - {"ppo", "evaluation"}
 
     resumed = deployment_run(env)
     assert resumed.returncode == 0 and "Completed" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-2000:]
     states = task_states(resumed.stdout)
-    assert states == {**{s: "Cached" for s in STAGES[:-1]}, "ppo": "Completed"}
+    assert states == {**{s: "Cached" for s in STAGES[:-2]}, "ppo": "Completed", "evaluation": "Completed"}
     after = manifests(env)
     for stage, text in before.items():
         assert after[stage] == text, f"{stage} artifact changed"  # byte-identical (same SHA-256s)
     worker_log = (Path(env["STACK_DIR"]) / "worker.log").read_text()
-    assert re.search(r"resumed from .*ppo/\w+/checkpoints/step-00000[2-6]", worker_log)
+    assert re.search(re.escape(env["RLHF_WORK_DIR"]) + r"/ppo/\w+/checkpoints/step-00000[2-6]", worker_log)
 
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
-    experiment = client.get_experiment_by_name("rlhf-tldr")
+    experiment = client.get_experiment_by_name(env["EXPERIMENT"])
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
@@ -120,11 +135,14 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     done = next(p for p in parents if p.info.status == "FINISHED")
     assert done.data.tags["rlhf.stage_run.sft"] == finished["sft"].info.run_id
     assert done.data.tags["prefect.flow_run_id"]
+    assert "report/report.html" in {f.path for f in client.list_artifacts(done.info.run_id, "report")}
     assert done.data.tags["rlhf.artifact.ppo"].startswith("s3://" if env["RLHF_ARTIFACT_ROOT"].startswith("s3") else "/")
     for name in ("rlhf-tldr-policy", "rlhf-tldr-reward-model"):
         version = client.get_model_version_by_alias(name, "latest-pipeline")
         assert version.run_id in {r.info.run_id for r in children}
 
+    if env["VARIANT"] == "s3":
+        return  # a changed setting re-runs its stage alone: shown once, on the local root
     changed = deployment_run(env, "ppo.kl_coef=0.1")
     assert changed.returncode == 0, changed.stdout[-3000:]
-    assert task_states(changed.stdout) == {**{s: "Cached" for s in STAGES[:-1]}, "ppo": "Completed"}
+    assert task_states(changed.stdout) == {**{s: "Cached" for s in STAGES[:-2]}, "ppo": "Completed", "evaluation": "Completed"}

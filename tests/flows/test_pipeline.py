@@ -1,9 +1,10 @@
-"""The `rlhf` flow in-process (Prefect's ephemeral mode, no servers), with a local SQLite MLflow
-store and a local artifact root. Killing and resuming is tested through the deployment
+"""`rlhf run`: the `rlhf` flow in-process (Prefect's ephemeral mode, no servers), with a local
+SQLite MLflow store and a local artifact root in the run directory. Killing and resuming is tested through the deployment
 (tests/flows/test_deployment.py)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.storage import ArtifactStore
+
 REPO = Path(__file__).resolve().parents[2]
 FAST = ["sft.max_steps=2", "sft.eval_max_samples=2", "reward.max_steps=2", "reward.eval_max_samples=4",
-        "ppo.batch_size=4", "ppo.micro_batch_size=4", "ppo.total_episodes=8", "ppo.eval_max_samples=2"]
+        "ppo.batch_size=4", "ppo.micro_batch_size=4", "ppo.total_episodes=8", "ppo.eval_max_samples=2",
+        "eval.max_samples=4", "eval.max_comparisons=12", "eval.diversity_prompts=1", "eval.diversity_samples=2",
+        "eval.token_shift_samples=1"]
 
 
 def flow_env(root: Path) -> dict:
@@ -24,7 +29,8 @@ def flow_env(root: Path) -> dict:
 
 
 def run_flow(root: Path, *overrides: str, timeout: int = 900) -> tuple[dict, str]:
-    result = subprocess.run([sys.executable, "-m", "flows.pipeline", "--preset", "smoke", *FAST, *overrides],
+    result = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, *overrides,
+                             "--out", str(root)],
                             cwd=root, env=flow_env(root), capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     out = result.stdout
@@ -53,13 +59,37 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     sft_run = next(r for r in children if r.info.run_name == "sft")
     assert "eval/rougeL" in sft_run.data.metrics and len(client.get_metric_history(sft_run.info.run_id, "train/loss")) == 2
     assert client.get_model_version_by_alias("rlhf-tldr-policy", "latest-pipeline").source.endswith("/model")
+    eval_run = next(r for r in children if r.info.run_name == "evaluation")
+    assert 0 <= eval_run.data.metrics["eval/ppo/win_rate"] <= 1 and "evaluation/eval/ppo/win_rate" in parent.data.metrics
+    assert {"report/report.html", "report/length_control.png"} <= {
+        f.path for f in client.list_artifacts(parent.info.run_id, "report")}
 
     second, log = run_flow(tmp_path, "ppo.kl_coef=0.1")
     s = states(log)
-    assert s.pop("ppo") == "Completed" and set(s.values()) == {"Cached"}
+    assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     for stage in ("data", "sft", "reward_norm"):
         assert second["stages"][stage] == first["stages"][stage]  # same artifact, same digest
     assert second["stages"]["ppo"]["key"] != first["stages"]["ppo"]["key"]
     # the reward model was cached: same registered version; the new policy is a new version
     assert second["registered"]["rlhf-tldr-reward-model"] == first["registered"]["rlhf-tldr-reward-model"]
     assert int(second["registered"]["rlhf-tldr-policy"]) == int(first["registered"]["rlhf-tldr-policy"]) + 1
+
+    # Only an evaluation setting changed: only the evaluation stage runs. The PPO artifact was
+    # deleted since its cache entry was written: PPO runs again instead of returning a dead URI.
+    shutil.rmtree(second["stages"]["ppo"]["uri"])
+    third, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2")
+    s = states(log)
+    assert s.pop("reward_eval") == s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
+    assert "missing or incomplete; running it again" in log
+    for stage in ("data", "sft", "reward", "reward_norm"):
+        assert third["stages"][stage] == second["stages"][stage]
+    assert third["stages"]["reward_eval"]["key"] != second["stages"]["reward_eval"]["key"]
+    assert third["stages"]["ppo"]["key"] == second["stages"]["ppo"]["key"]  # same settings, artifact rebuilt
+    assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(third["stages"]["ppo"]["key"],
+                                                                 third["stages"]["ppo"]["digest"])
+
+    # Only a judge setting changed: the evaluation stage alone runs again.
+    fourth, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5")
+    s = states(log)
+    assert s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
+    assert fourth["stages"]["ppo"] == third["stages"]["ppo"]

@@ -37,17 +37,17 @@ def test_bad_override_exits_2_naming_the_key(tmp_path, capsys):
 def test_run_reuses_finished_stages(tmp_path, capsys):
     out = tmp_path / "run"
     until = ["--until", "base_model"]
-    assert main(["run", "--preset", "smoke", *until, "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", *until, "--out", str(out)]) == 0
     first = json.loads(capsys.readouterr().out)
     assert first["data"]["reused"] is False and first["base_model"]["reused"] is False
     assert (out / "base_model" / "model.safetensors").is_file() and (out / "data" / "stats.json").is_file()
     stamp = (out / "data" / "stats.json").stat().st_mtime_ns
-    assert main(["run", "--preset", "smoke", *until, "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", *until, "--out", str(out)]) == 0
     second = json.loads(capsys.readouterr().out)
     assert second == {"data": {"reused": True}, "base_model": {"reused": True}}
     assert (out / "data" / "stats.json").stat().st_mtime_ns == stamp
     # a changed data setting re-runs data but keeps the base model
-    assert main(["run", "--preset", "smoke", *until, "data.sft_splits.train.max_rows=8", "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", *until, "data.sft_splits.train.max_rows=8", "--out", str(out)]) == 0
     third = json.loads(capsys.readouterr().out)
     assert third["data"]["reused"] is False and third["base_model"]["reused"] is True
     assert json.loads((out / "data" / "stats.json").read_text())["splits"]["sft/train"]["rows"] == 8
@@ -58,21 +58,35 @@ def test_run_reuses_finished_stages(tmp_path, capsys):
 def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     """Every stage on the smoke preset; then a PPO-only change re-runs PPO alone."""
     out = tmp_path / "run"
-    assert main(["run", "--preset", "smoke", "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert list(summary) == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"]
+    assert list(summary) == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"]
     assert 0 <= summary["sft"]["metrics"]["eval/rougeL"] <= 1
     assert abs(summary["reward_norm"]["metrics"]["normalization/mean_after"]) < 1e-3
     assert 0 <= summary["reward_eval"]["metrics"]["eval/accuracy"] <= 1
     assert "objective/kl" in summary["ppo"]["metrics"]
+    ev = summary["evaluation"]["metrics"]
+    for policy in ("base", "sft", "ppo"):
+        assert 0 <= ev[f"eval/{policy}/win_rate"] <= 1 and ev[f"eval/{policy}/win_rate_n_valid"] == 8
+        assert ev[f"eval/{policy}/win_rate_ci_low"] <= ev[f"eval/{policy}/win_rate"] <= ev[f"eval/{policy}/win_rate_ci_high"]
+    judged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
+    assert len(judged) == 24 and {j["policy"] for j in judged} == {"base", "sft", "ppo"}
+    assert sum(j["response_wins"] for j in judged if j["policy"] == "ppo") / 8 == ev["eval/ppo/win_rate"]
+    html = (out / "evaluation" / "report.html").read_text()
+    assert "data:image/png;base64," in html and "token-shift" in html and "Training curves" in html
     for stage in summary:
         assert json.loads((out / stage / "stage.json").read_text())["status"] == "done"
     for rel in ("sft/model/model.safetensors", "reward_norm/model/model.safetensors", "reward_eval/calibration.png",
-                "ppo/model/model.safetensors", "ppo/value_model/model.safetensors", "ppo/metrics.jsonl"):
+                "ppo/model/model.safetensors", "ppo/value_model/model.safetensors", "ppo/metrics.jsonl",
+                "evaluation/report.md", "evaluation/length_control.png", "evaluation/summaries.jsonl"):
         assert (out / rel).is_file(), rel
-    assert main(["run", "--preset", "smoke", "ppo.kl_coef=0.1", "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", "ppo.kl_coef=0.1", "--out", str(out)]) == 0
     again = json.loads(capsys.readouterr().out)
-    assert [s for s, v in again.items() if not v["reused"]] == ["ppo"]
+    assert [s for s, v in again.items() if not v["reused"]] == ["ppo", "evaluation"]
+    # the judge is not asked again about what it has already judged: base and SFT summaries are the same
+    rejudged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
+    assert all(j["cached"] and j["attempts"] == 0 for j in rejudged if j["policy"] in ("base", "sft"))
+    assert len((out / "judge_cache.jsonl").read_text().splitlines()) == 24 + sum(not j["cached"] for j in rejudged)
 
 
 def test_console_script_prints_gpu_preset():

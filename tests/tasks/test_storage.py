@@ -78,3 +78,12 @@ def test_local_put_is_atomic(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         store.put_dir(make_tree(tmp_path / "src"), "k")
     assert not store.exists("k") and not (tmp_path / "store" / "k").exists()
+
+
+def test_is_intact_notices_deleted_files_and_other_digests(store, tmp_path):
+    record = store.put_dir(make_tree(tmp_path / "src"), "sft/k2")
+    assert store.is_intact("sft/k2", record["digest"])
+    assert not store.is_intact("sft/k2", "0" * 64)  # a cache entry for another artifact
+    assert not store.is_intact("sft/other", record["digest"])
+    store.fs.rm(f"{store._path('sft/k2')}/sub/stats.json")  # a file deleted after the manifest was written
+    assert store.exists("sft/k2") and not store.is_intact("sft/k2", record["digest"])

@@ -1,0 +1,77 @@
+"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.cli` plus ``rlhf run``.
+
+``rlhf run --preset NAME [key=value ...]`` runs the ``rlhf`` flow in this process (Prefect's
+ephemeral mode when no ``PREFECT_API_URL`` is set), every stage cached, tracking to MLflow:
+``MLFLOW_TRACKING_URI`` when set, else a SQLite store in the run directory. Artifacts and
+stage work directories go to the run directory (``--out``, default ``runs/<preset>``)::
+
+    runs/cpu-demo/artifacts/<stage>/<cache key>/   stage artifacts (RLHF_ARTIFACT_ROOT)
+    runs/cpu-demo/work/<stage>/<cache key>/        stage work directories and checkpoints
+    runs/cpu-demo/mlflow.db, runs/cpu-demo/mlartifacts/   the local MLflow store
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rlhf_core import cli as core
+from rlhf_core.config import PipelineConfig
+
+
+def run_directory(args: argparse.Namespace, cfg: PipelineConfig) -> Path:
+    """The run directory: ``--out``, else ``runs/<preset name>``."""
+    return (args.out or Path("runs") / (Path(args.preset).stem if args.preset else cfg.name)).resolve()
+
+
+def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    root = run_directory(args, cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    if args.out is not None or not os.environ.get("RLHF_ARTIFACT_ROOT"):
+        os.environ["RLHF_ARTIFACT_ROOT"] = str(root / "artifacts")
+    if args.out is not None or not os.environ.get("RLHF_WORK_DIR"):
+        os.environ["RLHF_WORK_DIR"] = str(root / "work")
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    from flows.pipeline import rlhf
+
+    result = rlhf(preset=args.preset, overrides=args.overrides, until=args.until)
+    print(json.dumps(result, indent=2))
+    uri = os.environ["MLFLOW_TRACKING_URI"]
+    hint = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else uri
+    print(f"rlhf run: artifacts in {os.environ['RLHF_ARTIFACT_ROOT']}; MLflow: {hint}", file=sys.stderr)
+    return 0
+
+
+COMMANDS: dict[str, core.Command] = {
+    **core.COMMANDS,
+    "run": core.Command(cmd_run, "run the whole pipeline as the Prefect flow `rlhf` in this process, every stage "
+                        "cached and tracked in MLflow (artifacts under --out, default runs/<preset>)",
+                        out="optional", until=True),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``rlhf`` console script; returns the process exit code."""
+    from tasks.storage import ArtifactError
+
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["run"]:
+        # Settings Prefect reads on import: nothing phones home, and the ephemeral server, which
+        # migrates its database on a first start, gets time to start on a small, busy machine.
+        # Prefect also sets up its log handlers on import, before ours.
+        for key, value in (("DO_NOT_TRACK", "1"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+                           ("MLFLOW_DISABLE_TELEMETRY", "true"),
+                           ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")):
+            os.environ.setdefault(key, value)
+        import flows.pipeline  # noqa: F401  (imports Prefect)
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    return core.main(argv, COMMANDS, user_errors=(ArtifactError,))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

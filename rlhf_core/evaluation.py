@@ -1,0 +1,394 @@
+"""The evaluation stage: base, SFT and PPO summaries judged against the human references, with
+length control, reward-model/judge agreement, reward-hacking diagnostics and one report.
+
+Huang et al. 2024: win rates against the reference summaries judged by an LLM (Figure 1, the
+prompt of Appendix I), win rate against ``log(summary length / reference length)``
+(Figure 8), agreement between the reward model and the judge (Detail 17), the reward model's
+calibration (Figure 5), and token ranks under the pre-trained model (Table 8).
+
+Outputs in ``out_dir``: ``metrics.json``, ``summaries.jsonl`` (one row per prompt with each
+policy's summary, reward score, ROUGE-L and judgement), ``judgements.jsonl``,
+``length_control.png``, ``training_curves.png``, ``calibration.png`` (copied from the
+reward-model evaluation), ``token_shift.html``, ``report.html`` and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import diagnostics as diag
+from .config import EvalConfig, PipelineConfig
+from .data import load_data_tokenizer, load_prepared
+from .generation import decode_responses, generate, trim_left_padding, truncate_after_eos
+from .io import write_json_atomic
+from .judging import AnthropicJudge, Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
+from .models import ModelSourceError, load_causal_lm, resolve_source
+from .report import plot_training_curves, write_report
+from .reward import ScalarModel, get_reward
+from .sft import rouge_l
+from .tracking import NullTracker, Tracker
+from .training import autocast, pick_device
+
+log = logging.getLogger(__name__)
+
+#: The policies compared with the references, in report order: (key, display name).
+POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"))
+
+
+@dataclass
+class Summaries:
+    """One policy's summaries of the evaluation prompts.
+
+    Attributes:
+        texts: ``n`` decoded summaries (up to their first EOS).
+        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
+    """
+
+    texts: list[str]
+    responses: torch.Tensor
+
+
+@torch.no_grad()
+def summarize(model, tokenizer, queries: torch.Tensor, max_new_tokens: int, temperature: float, batch_size: int,
+              seed: int, bf16: bool = False) -> Summaries:
+    """Sample one summary per left-padded query, stopping at EOS.
+
+    Args:
+        queries: ``(n, query_length)`` long token ids, left-padded.
+        max_new_tokens: the response length (the SFT response length of the data).
+
+    Returns:
+        :class:`Summaries` with ``(n, max_new_tokens)`` responses.
+    """
+    device = next(model.parameters()).device
+    model.eval()
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    texts, rows = [], []
+    for start in range(0, len(queries), batch_size):
+        q = trim_left_padding(queries[start : start + batch_size], pad).to(device)
+        with autocast(device, bf16):
+            responses = generate(model, q, pad, max_new_tokens, temperature, eos_token_id=eos)
+        responses = truncate_after_eos(responses, eos, pad).cpu()
+        rows.append(responses)
+        texts += decode_responses(tokenizer, responses, eos, pad)
+    return Summaries(texts, torch.cat(rows) if rows else torch.zeros(0, max_new_tokens, dtype=torch.long))
+
+
+@torch.no_grad()
+def score_responses(reward_model: ScalarModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    batch_size: int, bf16: bool = False) -> torch.Tensor:
+    """Reward-model scores of query + response pairs (Huang et al. 2024, Detail 14).
+
+    Args:
+        queries: ``(n, query_length)`` left-padded long token ids.
+        responses: ``(n, response_length)`` long token ids, PAD after the EOS.
+
+    Returns:
+        ``(n,)`` float32 scores (CPU), read at each response's EOS (or last token).
+    """
+    device = next(reward_model.parameters()).device
+    reward_model.eval()
+    out = []
+    for start in range(0, len(queries), batch_size):
+        q = trim_left_padding(queries[start : start + batch_size], pad_token_id)
+        seq = torch.cat([q, responses[start : start + batch_size]], dim=1).to(device)
+        with autocast(device, bf16):
+            _, scores, _ = get_reward(reward_model, seq, pad_token_id, q.size(1))
+        out.append(scores.float().cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+@torch.no_grad()
+def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> list[list[int]]:
+    """Rank of each response token under ``model`` (1 = its top prediction), per row
+    (Huang et al. 2024, Table 8). PAD positions are left out.
+
+    Args:
+        queries: ``(n, query_length)`` left-padded; responses: ``(n, response_length)``.
+
+    Returns:
+        ``n`` lists of ranks, one per non-PAD response token.
+    """
+    device = next(model.parameters()).device
+    ranks = []
+    for i in range(len(queries)):
+        q = trim_left_padding(queries[i : i + 1], pad_token_id)
+        r = responses[i : i + 1]
+        keep = int((r[0] != pad_token_id).sum())
+        if keep == 0:
+            ranks.append([])
+            continue
+        seq = torch.cat([q, r[:, :keep]], dim=1).to(device)
+        logits = model(input_ids=seq).logits[0, q.size(1) - 1 : q.size(1) - 1 + keep].float().cpu()
+        ranks.append(diag.token_ranks(logits, r[0, :keep]).tolist())
+    return ranks
+
+
+def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str) -> Judge:
+    """The configured judge: :class:`AnthropicJudge`, or :class:`OfflineJudge` on ``cfg.judge_model``
+    (a model source) or, by default, on the pipeline's base model.
+
+    Raises:
+        JudgeConfigError: the API judge has no key; ModelSourceError: ``judge_model`` is not
+        a local model directory.
+    """
+    if cfg.judge == "anthropic":
+        return AnthropicJudge(cfg.judge_model)
+    if cfg.judge_model is None:
+        return OfflineJudge.from_pretrained(base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size)
+    source = resolve_source(cfg.judge_model)
+    if source.kind != "local":
+        raise ModelSourceError(f"eval.judge_model {cfg.judge_model!r}: an offline judge is a local model directory "
+                               "(save_pretrained layout); import other sources with `rlhf model` first")
+    return OfflineJudge.from_pretrained(source.location, name=f"offline:{cfg.judge_model}", batch_size=cfg.batch_size)
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _free(*_):
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_evaluation(
+    cfg: PipelineConfig,
+    data_dir: str | os.PathLike,
+    base_model_dir: str | os.PathLike,
+    sft_dir: str | os.PathLike,
+    reward_dirs: dict[str, str | os.PathLike],
+    ppo_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+    judgement_cache: str | os.PathLike | None = None,
+) -> dict[str, float]:
+    """Evaluate the base, SFT and PPO policies and write the run's report.
+
+    Args:
+        cfg: the pipeline config; reads ``cfg.eval`` and ``cfg.ppo.temperature`` (the training
+            temperature, for diversity).
+        data_dir, base_model_dir, sft_dir, ppo_dir: stage outputs (``sft_dir/model``,
+            ``ppo_dir/model``; their ``metrics.jsonl`` give the training curves).
+        reward_dirs: ``{"reward": ..., "reward_norm": ..., "reward_eval": ...}`` stage outputs:
+            the normalised reward model scores summaries; training curves, accuracy and the
+            calibration plot come from the others.
+        judgement_cache: a JSONL file shared across runs (default ``out_dir/judge_cache.jsonl``):
+            a comparison already judged by the same judge with the same prompt is not sent again.
+
+    Returns:
+        Flat metrics: ``eval/{policy}/win_rate`` (and ``_ci_low``, ``_ci_high``, ``_n_valid``,
+        ``_invalid``, ``_errors``), ``eval/{policy}/rougeL``, ``eval/{policy}/score``,
+        ``eval/{policy}/title_copy_rate``, ``eval/{policy}/diversity``,
+        ``eval/{policy}/agreement`` for base, sft and ppo; ``eval/reference/score``,
+        ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``, ``eval/seconds``.
+
+    Raises:
+        KeyError: ``cfg.eval.split`` is not an SFT split; JudgeConfigError: no API key;
+        JudgeRequestError: the API refused the requests (bad key or model).
+    """
+    ecfg = cfg.eval
+    tracker = tracker or NullTracker()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    sft_data, _, stats = load_prepared(data_dir)
+    if ecfg.split not in sft_data:
+        raise KeyError(f"eval.split names {ecfg.split!r}, not an SFT split ({', '.join(sft_data)})")
+    tokenizer = load_data_tokenizer(data_dir)
+    pad = tokenizer.pad_token_id
+    ds = sft_data[ecfg.split]
+    ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
+    n = len(ds)
+    queries = torch.tensor(ds["query_token"])
+    reference_tokens = torch.tensor(ds["reference_response_token"])
+    references = [r.strip() for r in ds["reference_response"]]
+    posts, titles, ids = list(ds["post"]), list(ds["title"]), [str(i) for i in ds["id"]]
+    max_new = stats["padded_lengths"]["sft_response"]
+    device = pick_device()
+    tracker.log_params({f"eval.{k}": v for k, v in ecfg.model_dump().items()})
+
+    # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
+    model_dirs = {"base": Path(base_model_dir), "sft": Path(sft_dir) / "model", "ppo": Path(ppo_dir) / "model"}
+    summaries: dict[str, Summaries] = {}
+    diverse: dict[str, list[list[str]]] = {}
+    k = min(ecfg.diversity_prompts, n)
+    for key, _ in POLICIES:
+        model = load_causal_lm(model_dirs[key]).to(device)
+        log.info("evaluation: %s summaries of %d %s prompts", key, n, ecfg.split)
+        summaries[key] = summarize(model, tokenizer, queries, max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed,
+                                   ecfg.bf16)
+        if k:
+            repeated = queries[:k].repeat_interleave(ecfg.diversity_samples, dim=0)
+            texts = summarize(model, tokenizer, repeated, max_new, cfg.ppo.temperature, ecfg.batch_size,
+                              ecfg.seed + 1, ecfg.bf16).texts
+            diverse[key] = [texts[i * ecfg.diversity_samples : (i + 1) * ecfg.diversity_samples] for i in range(k)]
+        model = None
+        _free()
+
+    # 2. Reward-model scores of every summary and of the references.
+    reward_model = ScalarModel.from_pretrained(str(Path(reward_dirs["reward_norm"]) / "model")).to(device)
+    scores = {key: score_responses(reward_model, queries, summaries[key].responses, pad, ecfg.batch_size, ecfg.bf16)
+              for key, _ in POLICIES}
+    scores["reference"] = score_responses(reward_model, queries, reference_tokens, pad, ecfg.batch_size, ecfg.bf16)
+    reward_model = None
+    _free()
+
+    # 3. Token ranks of PPO (and SFT) summaries under the base model (Table 8).
+    m = min(ecfg.token_shift_samples, n)
+    shift_blocks = []
+    if m:
+        base = load_causal_lm(model_dirs["base"]).to(device)
+        for key in ("sft", "ppo"):
+            ranks = response_token_ranks(base, queries[:m], summaries[key].responses[:m], pad)
+            for i in range(m):
+                tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
+                shift_blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>"
+                                    + diag.token_shift_html(tokens, ranks[i]))
+        base = None
+        _free()
+
+    # 4. The judge: each policy's summary against the reference, interleaved so a spending cap
+    #    leaves every policy the same number of comparisons.
+    base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
+    judge = make_judge(ecfg, model_dirs["base"], base_name)
+    cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
+    comparisons = [Comparison(id=f"{key}/{ids[i]}", post=posts[i], response=summaries[key].texts[i],
+                              reference=references[i], policy=key)
+                   for i in range(n) for key, _ in POLICIES]
+    judgements = judge_comparisons(judge, comparisons, cache=cache, seed=ecfg.seed,
+                                   max_comparisons=ecfg.max_comparisons, concurrency=ecfg.concurrency,
+                                   progress=True)
+    judge = None
+    _free()
+    by_id = {j.id: j for j in judgements}
+    wins = {key: [by_id[f"{key}/{ids[i]}"].response_wins if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
+            for key, _ in POLICIES}
+    judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
+
+    # 5. Measurements per policy.
+    metrics: dict[str, float] = {}
+    headline, curves = [], {}
+    reward_agree, judge_agree = [], []
+    for key, label in POLICIES:
+        texts = summaries[key].texts
+        sel = [i for i in range(n) if judged[key][i]]
+        wr = diag.win_rate([wins[key][i] for i in sel])
+        counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
+        rouge = rouge_l(texts, references)
+        title = diag.title_copy_rate(texts, titles, ecfg.title_copy_threshold)
+        div = diag.diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
+        rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
+        agree = diag.agreement(rm_prefers, [wins[key][i] for i in sel])
+        reward_agree += rm_prefers
+        judge_agree += [wins[key][i] for i in sel]
+        curves[label] = ([diag.length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
+                         [wins[key][i] for i in sel])
+        metrics.update({
+            f"eval/{key}/win_rate": wr["win_rate"], f"eval/{key}/win_rate_ci_low": wr["ci_low"],
+            f"eval/{key}/win_rate_ci_high": wr["ci_high"], f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
+            f"eval/{key}/win_rate_invalid": float(counts["invalid"]), f"eval/{key}/win_rate_errors": float(counts["errors"]),
+            f"eval/{key}/rougeL": _mean(rouge), f"eval/{key}/score": scores[key].mean().item(),
+            f"eval/{key}/title_copy_rate": float(title["rate"]), f"eval/{key}/diversity": float(div["mean"]),
+            f"eval/{key}/agreement": float(agree["agreement"]),
+            f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
+        })
+        headline.append({"policy": label, "win rate vs reference": wr, "ROUGE-L": _mean(rouge),
+                         "RM score": scores[key].mean().item(), "title copy": float(title["rate"]),
+                         "diversity": float(div["mean"]), "RM-judge agreement": float(agree["agreement"]),
+                         "words": _mean([len(diag.words(t)) for t in texts])})
+    ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
+    metrics.update({"eval/reference/score": scores["reference"].mean().item(),
+                    "eval/reference/title_copy_rate": float(ref_title["rate"]),
+                    "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
+                    "eval/samples": float(n)})
+    headline.append({"policy": "human reference", "RM score": scores["reference"].mean().item(),
+                     "title copy": float(ref_title["rate"]),
+                     "words": _mean([len(diag.words(t)) for t in references])})
+
+    # 6. Files: summaries, judgements, plots, report.
+    rows = []
+    for i in range(n):
+        row = {"id": ids[i], "title": titles[i], "post": posts[i], "reference": references[i],
+               "reference_score": scores["reference"][i].item()}
+        for key, _ in POLICIES:
+            row.update({key: summaries[key].texts[i], f"{key}_score": scores[key][i].item(),
+                        f"{key}_wins": wins[key][i]})
+        rows.append(row)
+    with open(out / "summaries.jsonl.tmp", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(out / "summaries.jsonl.tmp", out / "summaries.jsonl")
+    with open(out / "judgements.jsonl.tmp", "w") as fh:
+        fh.writelines(json.dumps(j.to_dict()) + "\n" for j in judgements)
+    os.replace(out / "judgements.jsonl.tmp", out / "judgements.jsonl")
+    plots = {"Win rate against summary length": diag.plot_length_control(curves, out / "length_control.png",
+                                                                          bins=ecfg.length_bins)}
+    reward_eval = Path(reward_dirs["reward_eval"])
+    if (reward_eval / "calibration.png").is_file():
+        shutil.copyfile(reward_eval / "calibration.png", out / "calibration.png")
+        plots["Reward model calibration"] = out / "calibration.png"
+    metric_files = {"SFT": Path(sft_dir) / "metrics.jsonl", "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
+                    "PPO": Path(ppo_dir) / "metrics.jsonl"}
+    if any(p.is_file() for p in metric_files.values()):
+        plots["Training curves"] = plot_training_curves({k: v for k, v in metric_files.items() if v.is_file()},
+                                                        out / "training_curves.png")
+    shift_html = "\n".join(shift_blocks)
+    if shift_html:
+        (out / "token_shift.html").write_text(f"<!doctype html><meta charset='utf-8'>{shift_html}")
+    rm_metrics = _read_json(reward_eval / "metrics.json")
+    tables = {"Reward model": [{"split": name, "accuracy": rm_metrics[key]} for name, key in
+                               (("TL;DR validation comparisons", "eval/accuracy"),
+                                ("CNN/DM comparisons", "eval/validation_cnndm/accuracy")) if key in rm_metrics]}
+    judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
+    notes = [f"Win rates: share of valid judgements preferring the policy's summary to the human reference, "
+             f"judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, A/B order randomised; "
+             f"95% Wilson intervals; {n} {ecfg.split} prompts."]
+    if ecfg.judge == "offline":
+        notes.append(f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
+                     "probabilities of those letters: its verdicts are close to chance and are not comparable "
+                     "with GPT-3.5 or Claude win rates.")
+    total = win_counts(judgements)
+    if total["invalid"] or total["errors"] or len(judgements) < len(comparisons):
+        notes.append(f"Judgements: {len(judgements)} of {len(comparisons)} comparisons made "
+                     f"({total['invalid']} unreadable answers, {total['errors']} request errors).")
+    notes.append(f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
+                 f"at least {ecfg.title_copy_threshold:.0%} of the title. Diversity: mean pairwise normalised edit "
+                 f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
+                 f"({k} prompts). RM-judge agreement: share of judged pairs where the reward model and the judge "
+                 "prefer the same summary (Detail 17).")
+    samples = [{"post": r["post"], "reference": r["reference"], "reference_score": r["reference_score"],
+                **{key: r[key] for key, _ in POLICIES}, **{f"{key}_score": r[f"{key}_score"] for key, _ in POLICIES}}
+               for r in rows[: ecfg.report_samples]]
+    write_report(out, title=f"RLHF on TL;DR: {cfg.name}",
+                 intro=f"Base model: {base_name}; evaluation on {n} {ecfg.split} prompts at temperature "
+                       f"{ecfg.temperature}.",
+                 headline=headline, tables=tables, plots=plots, samples=samples,
+                 html_blocks={"Token shift (Table 8): PPO and SFT summaries coloured by rank under the base model":
+                              shift_html} if shift_html else None,
+                 notes=notes)
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    write_json_atomic(out / "metrics.json", metrics)
+    tracker.log_metrics(metrics)
+    tracker.log_table("evaluation_samples", rows[:32])
+    for name in ("report.html", "report.md", "length_control.png", "training_curves.png", "calibration.png",
+                 "token_shift.html"):
+        if (out / name).is_file():
+            tracker.log_artifact(out / name)
+    log.info("evaluation: win rates %s", {key: round(metrics[f"eval/{key}/win_rate"], 3) for key, _ in POLICIES})
+    return metrics
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,320 @@
+"""The container and GPU-pool files: docker/ (images, compose), infra/gpu-pool/ (work-pool base job
+templates) and infra/prefect-gpu.yaml (the GPU deployment). Nothing here builds an image or starts
+a container: the files are parsed, their pinned versions checked against pyproject.toml's ranges,
+and the templates validated and rendered by Prefect's own code, as a worker would render them."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from pydantic import ConfigDict
+
+from prefect.server.schemas.actions import validate_base_job_template
+from prefect.utilities.schema_tools import ValidationError, is_valid_schema, validate
+from prefect.workers.base import BaseJobConfiguration
+from rlhf_core.config import PRESET_DIR, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+TEMPLATES = {"docker": REPO / "infra" / "gpu-pool" / "docker-job-template.json",
+             "kubernetes": REPO / "infra" / "gpu-pool" / "kubernetes-job-template.json"}
+PINNED = ("prefect", "mlflow", "torch")
+#: Images of docker/compose.yaml, by the package whose version their tag carries.
+IMAGE_PACKAGE = {"rlhf-tldr-prefect-server": "prefect", "rlhf-tldr-docker-worker": "prefect",
+                 "rlhf-tldr-mlflow-server": "mlflow"}
+
+
+def requirement_ranges() -> dict[str, SpecifierSet]:
+    ranges = {}
+    for req in PYPROJECT["project"]["dependencies"]:
+        name, spec = re.match(r"([A-Za-z0-9_.\-]+)\s*(.*)", req).groups()
+        ranges[name.lower()] = SpecifierSet(spec)
+    return ranges
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` pairs, continuation lines joined and comments dropped."""
+    lines = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
+    text = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(m.group(1).upper(), m.group(2).strip())
+            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, flags=re.M)]
+
+
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+def deployment_file() -> dict:
+    return yaml.safe_load((REPO / "infra" / "prefect-gpu.yaml").read_text())
+
+
+def gpu_deployment() -> dict:
+    (dep,) = [d for d in deployment_file()["deployments"] if d["name"] == "full-pipeline-gpu"]
+    return dep
+
+
+def template(kind: str) -> dict:
+    return json.loads(TEMPLATES[kind].read_text())
+
+
+def pins() -> list[tuple[str, str, str]]:
+    """Every pinned prefect, mlflow and torch version in docker/: ``(package, version, where)``."""
+    found = []
+    for path in sorted(DOCKER.iterdir()):
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        for name, version in re.findall(r"(?<![\w-])(prefect|mlflow|torch)\s*==\s*([0-9][^\s\"',;\]]*)", text):
+            found.append((name, version, path.name))
+        for name, version in re.findall(r"\b(PREFECT|MLFLOW|TORCH)_VERSION\s*=\s*([0-9][^\s\"']*)", text):
+            found.append((name.lower(), version, path.name))
+    for name, service in compose()["services"].items():
+        image, _, tag = service.get("image", "").partition(":")
+        if image in IMAGE_PACKAGE:
+            found.append((IMAGE_PACKAGE[image], tag, f"compose.yaml:{name}"))
+    return found
+
+
+def constraints() -> dict[str, str]:
+    out = {}
+    for line in (DOCKER / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            out[name.strip().lower()] = version.strip()
+    return out
+
+
+# ---------------------------------------------------------------- versions
+
+def test_pinned_versions_fall_inside_pyproject_ranges():
+    ranges = requirement_ranges()
+    found = pins()
+    assert {name for name, _, _ in found} >= set(PINNED), found
+    outside = [(n, v, where, str(ranges[n])) for n, v, where in found if Version(v) not in ranges[n]]
+    assert not outside, f"pins outside pyproject.toml's ranges: {outside}"
+    by_package: dict[str, set[str]] = {}
+    for name, version, _ in found:
+        by_package.setdefault(name, set()).add(version)
+    assert all(len(v) == 1 for v in by_package.values()), f"one package pinned at two versions: {by_package}"
+
+
+def test_every_constraint_falls_inside_pyproject_ranges():
+    ranges = requirement_ranges()
+    pinned = constraints()
+    assert set(PINNED) <= pinned.keys()
+    for name, version in pinned.items():
+        if name in ranges:
+            assert Version(version) in ranges[name], (name, version, str(ranges[name]))
+
+
+def test_torch_pin_is_the_makefiles_torch():
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, flags=re.M).group(1) == constraints()["torch"]
+
+
+@pytest.mark.parametrize("dockerfile", ["worker.Dockerfile", "server.Dockerfile"])
+def test_base_images_are_pinned_python_in_requires_python(dockerfile):
+    instructions = dockerfile_instructions(DOCKER / dockerfile)
+    args = dict(re.match(r"(\w+)=(\S+)", a).groups() for i, a in instructions if i == "ARG" and "=" in a)
+    stages = set()
+    for inst, arg in instructions:
+        if inst != "FROM":
+            continue
+        ref = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], arg.split()[0])
+        if ref in stages:
+            continue
+        stages.update(re.findall(r"\bAS\s+(\S+)", arg, flags=re.I))
+        repo, _, tag = ref.partition(":")
+        assert repo == "python" and tag and tag != "latest", ref
+        version = re.match(r"(\d+\.\d+\.\d+)-", tag).group(1)
+        assert Version(version) in SpecifierSet(PYPROJECT["project"]["requires-python"]), ref
+
+
+# ---------------------------------------------------------------- images
+
+def test_worker_image_is_a_job_image_of_the_project():
+    instructions = dockerfile_instructions(DOCKER / "worker.Dockerfile")
+    kinds = [i for i, _ in instructions]
+    assert "ENTRYPOINT" not in kinds  # Prefect's worker supplies the flow-run command
+    (workdir,) = [a for i, a in instructions if i == "WORKDIR"]
+    assert workdir == "/opt/rlhf"
+    users = [a for i, a in instructions if i == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    (cmd,) = [a for i, a in instructions if i == "CMD"]
+    assert "worker" not in cmd
+    env = " ".join(a for i, a in instructions if i == "ENV")
+    for setting in ("DO_NOT_TRACK=1", "PREFECT_SERVER_ANALYTICS_ENABLED=false", "MLFLOW_DISABLE_TELEMETRY=true",
+                    "HF_HUB_DISABLE_TELEMETRY=1", "RLHF_WORK_DIR=/var/lib/rlhf/"):
+        assert setting in env, setting
+    runs = [a for i, a in instructions if i == "RUN"]
+    assert any("offline-models" in r and "--no-deps" in r for r in runs)
+    assert any("--editable ." in r for r in runs)
+
+
+@pytest.mark.parametrize("dockerfile", ["worker.Dockerfile", "server.Dockerfile"])
+def test_copied_paths_exist_and_are_in_the_build_context(dockerfile):
+    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    for inst, arg in dockerfile_instructions(DOCKER / dockerfile):
+        if inst == "COPY" and "--from" not in arg:
+            for src in arg.split()[:-1]:
+                assert (REPO / src).exists(), src
+                assert src.split("/")[0] not in ignored, src
+
+
+def test_dockerignore_keeps_local_state_out_of_the_context():
+    entries = set((REPO / ".dockerignore").read_text().split())
+    for entry in (".venv", "runs", ".stack", "mlruns", "mlartifacts", ".git", ".rlhf-work"):
+        assert entry in entries, entry
+    assert {"*.db", "**/*.db"} & entries and {"__pycache__", "**/__pycache__"} & entries
+
+
+def test_compose_servers_are_pinned_local_and_quiet():
+    services = compose()["services"]
+    assert {"prefect-server", "mlflow-server"} <= services.keys()
+    targets = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (DOCKER / "server.Dockerfile").read_text(), flags=re.M))
+    declared_volumes = set(compose().get("volumes") or {})
+    for name, service in services.items():
+        env = service.get("environment") or {}
+        assert env.get("DO_NOT_TRACK") == "1" and env.get("PREFECT_SERVER_ANALYTICS_ENABLED") == "false", name
+        assert env.get("MLFLOW_DISABLE_TELEMETRY") == "true", name
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), (name, port)
+        build = service["build"]
+        assert (DOCKER / build["context"] / build["dockerfile"]).is_file()
+        assert build["target"] in targets, (name, build["target"])
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            assert source.startswith("/") or source in declared_volumes, (name, volume)
+    mlflow = services["mlflow-server"]
+    assert mlflow["environment"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    command = mlflow["command"]
+    assert command[command.index("--workers") + 1] == "1"
+    assert "--artifacts-destination" in command and "--backend-store-uri" in command
+    assert "4200" in services["prefect-server"]["ports"][0] and "5000" in mlflow["ports"][0]
+
+
+# ---------------------------------------------------------------- work-pool templates
+
+class _Rendered(BaseJobConfiguration):
+    """Prefect's base job configuration, keeping the worker-specific fields it renders."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _NoClient:
+    """Stands in for the API client: these templates reference no blocks and no variables."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"rendering needed the Prefect API ({name})")
+
+
+def render(kind: str, job_variables: dict) -> dict:
+    """The job configuration a worker of ``kind`` would get for a run with ``job_variables``."""
+    config = asyncio.run(_Rendered.from_template_and_values(template(kind), job_variables, client=_NoClient()))
+    rendered = config.model_dump()
+    assert "{{" not in json.dumps(rendered), "a placeholder was left unrendered"
+    return rendered
+
+
+def defaults(kind: str) -> dict:
+    return {k: v["default"] for k, v in template(kind)["variables"]["properties"].items() if "default" in v}
+
+
+@pytest.mark.parametrize("kind", TEMPLATES)
+def test_template_passes_prefects_validation(kind):
+    base = template(kind)
+    assert set(base) == {"job_configuration", "variables"}
+    validate_base_job_template(base)  # every placeholder is a declared variable
+    is_valid_schema(base["variables"], preprocess=False)
+    job_variables = {**defaults(kind), **gpu_deployment()["work_pool"]["job_variables"]}
+    validate(job_variables, base["variables"], raise_on_error=True, preprocess=True, ignore_required=True,
+             allow_none_with_default=True)
+    with pytest.raises(ValidationError):
+        validate({"gpus": "two"}, base["variables"], raise_on_error=True, ignore_required=True)
+
+
+@pytest.mark.parametrize("gpus", [None, 2])
+def test_docker_template_requests_nvidia_gpus(gpus):
+    job_variables = dict(gpus=gpus) if gpus else {}
+    rendered = render("docker", job_variables)
+    (request,) = rendered["container_create_kwargs"]["device_requests"]
+    assert request["driver"] == "nvidia" and request["capabilities"] == [["gpu"]]
+    assert request["count"] == (gpus or 1)
+    assert rendered["image"] == gpu_deployment()["work_pool"]["job_variables"]["image"]
+    assert set(rendered["env"]) >= {"MLFLOW_TRACKING_URI", "RLHF_ARTIFACT_ROOT"}
+    (volume,) = rendered["volumes"]
+    assert volume.endswith(":/var/lib/rlhf")  # the job image's RLHF_WORK_DIR, cache and artifacts
+
+
+@pytest.mark.parametrize("gpus", [None, 2])
+def test_kubernetes_template_requests_nvidia_gpus(gpus):
+    job_variables = dict(gpus=gpus) if gpus else {}
+    rendered = render("kubernetes", job_variables)
+    pod = rendered["job_manifest"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == str(gpus or 1)
+    assert "cpu" not in container["resources"]["limits"]  # unset variables leave no nulls behind
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {}
+    assert container["image"] == gpu_deployment()["work_pool"]["job_variables"]["image"]
+    assert set(rendered["env"]) >= {"MLFLOW_TRACKING_URI", "RLHF_ARTIFACT_ROOT"}
+    assert rendered["env"]["RLHF_ARTIFACT_ROOT"].startswith("s3://")
+
+
+@pytest.mark.parametrize("kind", TEMPLATES)
+def test_deployment_env_is_merged_with_the_templates_env(kind):
+    job_variables = gpu_deployment()["work_pool"]["job_variables"]
+    rendered = render(kind, {**job_variables, "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}
+                      if kind == "kubernetes" else job_variables)
+    assert rendered["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "rlhf_core"
+    assert rendered["env"]["MLFLOW_TRACKING_URI"].startswith("http")
+    if kind == "kubernetes":
+        pod = rendered["job_manifest"]["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+
+
+# ---------------------------------------------------------------- the GPU deployment
+
+def test_gpu_deployment_runs_the_flow_from_the_image():
+    spec = deployment_file()
+    dep = gpu_deployment()
+    assert spec["prefect-version"] == constraints()["prefect"]
+    path, _, function = dep["entrypoint"].partition(":")
+    assert (path, function) == ("flows/pipeline.py", "rlhf")
+    tree = ast.parse((REPO / path).read_text())
+    (flow_fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function]
+    assert any(isinstance(d, ast.Call) and getattr(d.func, "id", None) == "flow" for d in flow_fn.decorator_list)
+    # The code is in the image: one step, into the image's WORKDIR, and nothing fetched.
+    (step,) = spec["pull"]
+    assert step == {"prefect.deployments.steps.set_working_directory": {"directory": "/opt/rlhf"}}
+    assert not spec.get("build") and not spec.get("push")
+
+
+def test_gpu_deployment_preset_pool_and_image():
+    dep = gpu_deployment()
+    preset = dep["parameters"]["preset"]
+    assert (PRESET_DIR / f"{preset}.yaml").is_file()
+    assert load_config(preset).name == preset
+    pool = dep["work_pool"]
+    assert pool["name"] == "rlhf-gpu"
+    worker = compose()["services"]["docker-worker"]["command"]
+    assert worker[worker.index("--pool") + 1] == pool["name"]
+    job_variables = pool["job_variables"]
+    assert job_variables["gpus"] >= 1
+    for kind in TEMPLATES:
+        properties = template(kind)["variables"]["properties"]
+        assert set(job_variables) <= set(properties), kind
+        assert properties["image"]["default"] == job_variables["image"]
+    assert job_variables["image"] == f"rlhf-tldr-worker:{PYPROJECT['project']['version']}"
