@@ -54,11 +54,14 @@ def test_run_reuses_finished_stages(tmp_path, capsys):
     assert yaml.safe_load((out / "config.yaml").read_text())["data"]["sft_splits"]["train"]["max_rows"] == 8
 
 
+SHORT = ["sft.max_steps=2", "reward.max_steps=2", "ppo.total_episodes=8", "ppo.batch_size=4", "ppo.eval_every=1"]
+
+
 @pytest.mark.slow
 def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     """Every stage on the smoke preset; then a PPO-only change re-runs PPO alone."""
     out = tmp_path / "run"
-    assert main(["stages", "--preset", "smoke", "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", *SHORT, "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert list(summary) == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"]
     assert 0 <= summary["sft"]["metrics"]["eval/rougeL"] <= 1
@@ -80,7 +83,7 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
                 "ppo/model/model.safetensors", "ppo/value_model/model.safetensors", "ppo/metrics.jsonl",
                 "evaluation/report.md", "evaluation/length_control.png", "evaluation/summaries.jsonl"):
         assert (out / rel).is_file(), rel
-    assert main(["stages", "--preset", "smoke", "ppo.kl_coef=0.1", "--out", str(out)]) == 0
+    assert main(["stages", "--preset", "smoke", *SHORT, "ppo.kl_coef=0.1", "--out", str(out)]) == 0
     again = json.loads(capsys.readouterr().out)
     assert [s for s, v in again.items() if not v["reused"]] == ["ppo", "evaluation"]
     # the judge is not asked again about what it has already judged: base and SFT summaries are the same
