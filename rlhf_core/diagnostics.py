@@ -24,7 +24,6 @@ from __future__ import annotations
 import html
 import math
 import os
-import tempfile
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Callable, Sequence
@@ -36,6 +35,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from rouge_score import tokenize as _rouge_tokenize  # noqa: E402
+
+from .io import atomic_file  # noqa: E402
 
 NAN = float("nan")
 
@@ -199,21 +200,12 @@ def savefig_atomic(fig: Any, path: str | os.PathLike, dpi: int = 90) -> Path:
 
     A reader never sees a half-written image under ``path``; on an error nothing is left.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with atomic_file(path, "wb") as fh:
             fig.savefig(fh, format="png", dpi=dpi)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     finally:
         plt.close(fig)
-    return path
+    return Path(path)
 
 
 def plot_length_control(

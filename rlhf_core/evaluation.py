@@ -30,7 +30,7 @@ from . import diagnostics as diag
 from .config import EvalConfig, PipelineConfig
 from .data import load_data_tokenizer, load_prepared
 from .generation import decode_responses, generate, trim_left_padding, truncate_after_eos
-from .io import write_json_atomic
+from .io import atomic_file, write_json_atomic, write_jsonl_atomic
 from .judging import AnthropicJudge, Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .models import ModelSourceError, load_causal_lm, resolve_source
 from .report import plot_training_curves, write_report
@@ -327,12 +327,8 @@ def run_evaluation(
             row.update({key: summaries[key].texts[i], f"{key}_score": scores[key][i].item(),
                         f"{key}_wins": wins[key][i]})
         rows.append(row)
-    with open(out / "summaries.jsonl.tmp", "w") as fh:
-        fh.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(out / "summaries.jsonl.tmp", out / "summaries.jsonl")
-    with open(out / "judgements.jsonl.tmp", "w") as fh:
-        fh.writelines(json.dumps(j.to_dict()) + "\n" for j in judgements)
-    os.replace(out / "judgements.jsonl.tmp", out / "judgements.jsonl")
+    write_jsonl_atomic(out / "summaries.jsonl", rows)
+    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in judgements))
     plots = {"Win rate against summary length": diag.plot_length_control(curves, out / "length_control.png",
                                                                           bins=ecfg.length_bins)}
     reward_eval = Path(reward_dirs["reward_eval"])
@@ -346,7 +342,8 @@ def run_evaluation(
                                                         out / "training_curves.png")
     shift_html = "\n".join(shift_blocks)
     if shift_html:
-        (out / "token_shift.html").write_text(f"<!doctype html><meta charset='utf-8'>{shift_html}")
+        with atomic_file(out / "token_shift.html") as fh:
+            fh.write(f"<!doctype html><meta charset='utf-8'>{shift_html}")
     rm_metrics = _read_json(reward_eval / "metrics.json")
     tables = {"Reward model": [{"split": name, "accuracy": rm_metrics[key]} for name, key in
                                (("TL;DR validation comparisons", "eval/accuracy"),

@@ -9,7 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -21,20 +21,18 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as indented JSON to ``path`` through a temporary file and a rename.
-
-    Raises:
-        TypeError: when ``data`` is not JSON-serialisable (nothing is written).
-    """
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
+    """Open a temporary sibling of ``path`` for writing (``mode`` ``"w"`` or ``"wb"``); on a clean
+    exit it is flushed, fsynced and renamed to ``path``; on an exception it is removed and
+    ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as fh:
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -42,7 +40,25 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    return path
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as indented JSON to ``path`` through a temporary file and a rename.
+
+    Raises:
+        TypeError: when ``data`` is not JSON-serialisable (nothing is written).
+    """
+    text = json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n"
+    with atomic_file(path) as fh:
+        fh.write(text)
+    return Path(path)
+
+
+def write_jsonl_atomic(path: str | os.PathLike, rows: Iterable[Any]) -> Path:
+    """Write one JSON object per line to ``path`` through a temporary file and a rename."""
+    with atomic_file(path) as fh:
+        fh.writelines(json.dumps(row, default=_json_default) + "\n" for row in rows)
+    return Path(path)
 
 
 def _umask() -> int:

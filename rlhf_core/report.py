@@ -15,7 +15,6 @@ import html
 import math
 import mimetypes
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from .diagnostics import savefig_atomic  # noqa: E402
+from .io import atomic_file  # noqa: E402
 from .tracking import read_metrics  # noqa: E402
 
 DEFAULT_CURVE_KEYS: list[str] = [
@@ -288,18 +288,8 @@ def _data_uri(path: Path) -> str:
 
 
 def _write_text_atomic(path: Path, text: str) -> Path:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as fh:
+        fh.write(text)
     return path
 
 
