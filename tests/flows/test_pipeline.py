@@ -93,3 +93,12 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     s = states(log)
     assert s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     assert fourth["stages"]["ppo"] == third["stages"]["ppo"]
+
+
+def test_run_with_a_bad_setting_stops_before_starting_anything(tmp_path, capsys):
+    from flows.cli import main
+
+    assert main(["run", "--preset", "smoke", "eval.judge=gpt", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "rlhf run: error" in err and "eval.judge" in err
+    assert not (tmp_path / "run").exists()
