@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from rlhf_core.cli import main
+from rlhf_core.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -100,3 +101,19 @@ def test_console_script_prints_gpu_preset():
     assert result.returncode == 0, result.stderr
     cfg = yaml.safe_load(result.stdout)
     assert cfg["ppo"]["kl_coef"] == 0.07 and cfg["ppo"]["learning_rate"] == 1.5e-6
+
+
+@pytest.mark.parametrize("override, changed", [
+    ("reward.eval_max_samples=3", {"reward_eval", "evaluation"}),
+    ("reward.normalization_max_samples=3", {"reward_norm", "reward_eval", "ppo", "evaluation"}),
+    ("reward.learning_rate=1e-4", {"reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
+    ("eval.title_copy_threshold=0.5", {"evaluation"}),
+    ("ppo.temperature=0.9", {"ppo", "evaluation"}),
+    ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
+])
+def test_a_setting_changes_the_digests_of_its_stage_and_those_downstream_only(override, changed):
+    from rlhf_core.cli import config_digest
+    from rlhf_core.pipeline import STAGES
+
+    before, after = load_config("smoke"), load_config("smoke", [override])
+    assert {s for s in STAGES if config_digest(before, s) != config_digest(after, s)} == changed
