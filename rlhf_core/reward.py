@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
+from .distributed import all_reduce_sum, world
 from .generation import first_true_indices
 from .io import write_json_atomic
 from .models import DTYPES, disable_dropout, save_pretrained_atomic
@@ -185,7 +186,8 @@ def run_reward_training(
     _, pref, stats = load_prepared(data_dir)
     tokenizer = load_data_tokenizer(data_dir)
     pad_id = tokenizer.pad_token_id
-    accumulation_steps(cfg.batch_size, cfg.micro_batch_size)
+    w = world()
+    accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
     device = pick_device()
     model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device)
     if cfg.gradient_checkpointing:
@@ -195,9 +197,9 @@ def run_reward_training(
     def step_fn(indices: list[int]) -> dict[str, float]:
         rows = train[indices]
         chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
-        n = len(indices)
+        n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
         sums = defaultdict(float)
-        for mb in micro_batches(list(range(n)), cfg.micro_batch_size):
+        for mb in micro_batches(list(range(len(indices))), cfg.micro_batch_size):
             pair = torch.cat([chosen_all[mb], rejected_all[mb]]).to(device)
             with autocast(device, cfg.bf16):
                 _, scores, _ = get_reward(model, pair, pad_id)
@@ -208,14 +210,19 @@ def run_reward_training(
             sums["accuracy"] += (chosen > rejected).float().sum().item()
             sums["chosen_reward"] += chosen.detach().sum().item()
             sums["rejected_reward"] += rejected.detach().sum().item()
-        out = {k: v / n for k, v in sums.items()}
-        out["tokens"] = float((chosen_all != pad_id).sum() + (rejected_all != pad_id).sum())
+        names = ["loss", "accuracy", "chosen_reward", "rejected_reward"]
+        totals = all_reduce_sum([sums[k] for k in names]
+                                + [(chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item()])
+        out = {k: v / n for k, v in zip(names, totals)}
+        out["tokens"] = totals[-1]
         return out
 
     digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(sft_model_dir).resolve()))
     tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()})
     last = train_loop(model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
                       checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
+    if not w.is_main:
+        return {}  # rank 0 saves
     model.eval()
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
     metrics = {k: v for k, v in last.items() if k.startswith("train/")}

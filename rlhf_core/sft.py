@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
+from .distributed import all_reduce_sum, world
 from .generation import decode_responses, generate, trim_left_padding
 from .io import write_json_atomic
 from .models import load_causal_lm, save_pretrained_atomic
@@ -163,7 +164,8 @@ def run_sft(
     sft_data, _, stats = load_prepared(data_dir)
     tokenizer = load_data_tokenizer(data_dir)
     pad_id = tokenizer.pad_token_id
-    accumulation_steps(cfg.batch_size, cfg.micro_batch_size)
+    w = world()
+    accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
     device = pick_device()
     torch.manual_seed(cfg.seed)
     model = load_causal_lm(base_model_dir).to(device)
@@ -178,7 +180,8 @@ def run_sft(
         input_ids = rows["query_reference_response_token"]
         query_lengths = rows["query_token_len"] if cfg.loss_on == "response" else None
         loss_mask = make_loss_mask(input_ids, pad_id, query_lengths)
-        n_targets = int(loss_mask[:, 1:].sum())
+        # normalised by the target tokens of the whole global batch, over every rank
+        n_targets = int(all_reduce_sum([loss_mask[:, 1:].sum().item()])[0])
         total = 0.0
         for mb in micro_batches(list(range(len(indices))), cfg.micro_batch_size):
             ids, mask = input_ids[mb].to(device), loss_mask[mb].to(device)
@@ -186,7 +189,8 @@ def run_sft(
                 loss_sum, _ = sft_loss_sum(model, ids, mask, pad_id)
             (loss_sum / n_targets).backward()
             total += loss_sum.item()
-        return {"loss": total / n_targets, "tokens": float((input_ids != pad_id).sum())}
+        total, tokens = all_reduce_sum([total, (input_ids != pad_id).sum().item()])
+        return {"loss": total / n_targets, "tokens": tokens}
 
     digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(base_model_dir).resolve()))
     tracker.log_params({f"sft.{k}": v for k, v in cfg.model_dump().items()})
@@ -194,6 +198,8 @@ def run_sft(
         model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
         checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="sft",
     )
+    if not w.is_main:
+        return {}  # rank 0 saves and evaluates
     model.eval()
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
 

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from .distributed import all_reduce_gradients, shard, world
 from .io import atomic_directory
 from .tracking import NullTracker, Tracker
 
@@ -53,11 +54,13 @@ def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
-def accumulation_steps(batch_size: int, micro_batch_size: int) -> int:
-    """Micro-batches per optimiser step. Raises ValueError unless ``micro_batch_size`` divides ``batch_size``."""
-    if batch_size % micro_batch_size:
-        raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batch_size {micro_batch_size}")
-    return batch_size // micro_batch_size
+def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int = 1) -> int:
+    """Micro-batches per rank per optimiser step, keeping the global ``batch_size`` whatever the
+    number of ranks. Raises ValueError unless ``micro_batch_size * world_size`` divides ``batch_size``."""
+    if batch_size % (micro_batch_size * world_size):
+        raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batch_size {micro_batch_size} "
+                         f"x {world_size} rank(s)")
+    return batch_size // (micro_batch_size * world_size)
 
 
 def batch_order(n_rows: int, batch_size: int, num_epochs: int, seed: int) -> list[list[int]]:
@@ -184,7 +187,10 @@ def train_loop(
 
     ``step_fn(indices)`` must run forward and backward over the rows ``indices`` of one
     global batch and return scalar metrics, including ``loss`` and ``tokens`` (non-pad
-    tokens processed). This loop zeroes gradients, steps AdamW (``eps`` from the config)
+    tokens processed). Under ``torchrun`` each rank gets its share of the global batch
+    (:func:`rlhf_core.distributed.shard`), ``step_fn`` normalises by counts summed over the
+    ranks and returns global metrics, and the gradients are summed over the ranks before the
+    optimiser step; rank 0 alone reports and checkpoints. This loop zeroes gradients, steps AdamW (``eps`` from the config)
     and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens_per_s`` and
     ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
     checkpoints every ``optim.checkpoint_every`` steps.
@@ -196,7 +202,8 @@ def train_loop(
         TrainingError: a non-finite loss (after a checkpoint of the last good state was
             written) or an incompatible checkpoint.
     """
-    tracker = tracker or NullTracker()
+    w = world()
+    tracker = (tracker or NullTracker()) if w.is_main else NullTracker()
     order = batch_order(n_rows, optim.batch_size, optim.num_epochs, optim.seed)
     total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -205,7 +212,7 @@ def train_loop(
     resumed = checkpoints.load_latest(model, optimizer, scheduler)
     start = resumed["step"] if resumed else 0
     model.train()
-    interactive = sys.stderr.isatty()
+    interactive = sys.stderr.isatty() and w.is_main
     bar = tqdm(total=total, initial=start, desc=desc, disable=not interactive, dynamic_ncols=True)
     log_every = max(1, total // 20)
     begin = time.perf_counter()
@@ -213,11 +220,13 @@ def train_loop(
     for step in range(start, total):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        metrics = step_fn(order[step])
+        metrics = step_fn(shard(order[step], w))
         if not math.isfinite(metrics["loss"]):
-            checkpoints.save(step, model, optimizer, scheduler)  # parameters are still the last good ones
+            if w.is_main:
+                checkpoints.save(step, model, optimizer, scheduler)  # parameters are still the last good ones
             raise TrainingError(f"{desc}: non-finite loss {metrics['loss']} at step {step + 1}; "
                                 f"last good state saved in {checkpoints.root}")
+        all_reduce_gradients(model)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
@@ -227,10 +236,10 @@ def train_loop(
         tracker.log_metrics(last, step=step + 1)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
-        if not interactive and ((step + 1) % log_every == 0 or step + 1 == total):
+        if not interactive and w.is_main and ((step + 1) % log_every == 0 or step + 1 == total):
             log.info("%s step %d/%d loss %.4f lr %.3g %.0f tok/s", desc, step + 1, total, metrics["loss"], lr,
                      last["tokens_per_s"])
-        if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total:
+        if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total and w.is_main:
             checkpoints.save(step + 1, model, optimizer, scheduler)
     bar.close()
     last.update({"steps": total, "seconds": time.perf_counter() - begin})
