@@ -24,9 +24,10 @@ from __future__ import annotations
 import html
 import math
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from statistics import NormalDist
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import matplotlib
 

@@ -15,8 +15,9 @@ import html
 import math
 import mimetypes
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import matplotlib
 
@@ -98,8 +99,10 @@ def plot_training_curves(
     metrics_files: dict[str, str | os.PathLike],
     path: str | os.PathLike,
     keys: dict[str, list[str]] | None = None,
+    max_columns: int = 3,
 ) -> Path:
-    """Training curves of each stage in one PNG, a row of panels per stage, written atomically.
+    """Training curves of each stage in one PNG, a panel per key and a row (or more) per stage,
+    written atomically.
 
     Args:
         metrics_files: ``{stage name: metrics.jsonl}`` written by
@@ -108,6 +111,7 @@ def plot_training_curves(
         path: the PNG to write.
         keys: ``{stage name: metric keys}`` to plot; stages not named here (or all stages
             when ``None``) use :data:`DEFAULT_CURVE_KEYS`. Keys a file never logs are skipped.
+        max_columns: panels per row; a stage with more keys wraps onto further rows.
 
     Returns:
         ``path``. Each panel plots one key against the record's step; records without a
@@ -134,15 +138,18 @@ def plot_training_curves(
     if not panels:
         raise ValueError(f"none of {', '.join(map(str, metrics_files.values())) or 'no files'} "
                          "holds a stepped metric to plot")
-    ncols = max(len(series) for _, series in panels)
-    fig, axes = plt.subplots(len(panels), ncols, figsize=(3.6 * ncols, 2.7 * len(panels)), squeeze=False)
-    for r, (stage, series) in enumerate(panels):
-        for c in range(ncols):
-            ax = axes[r][c]
-            if c >= len(series):
-                ax.axis("off")
-                continue
-            key, xs, ys = series[c]
+    ncols = min(max_columns, max(len(series) for _, series in panels))
+    cells: list[tuple[str, str, np.ndarray, np.ndarray] | None] = []
+    for stage, series in panels:  # each stage starts a new row and wraps after ncols panels
+        cells += [(stage, *s) for s in series] + [None] * (-len(series) % ncols)
+    nrows = len(cells) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.7 * nrows), squeeze=False)
+    for i, cell in enumerate(cells):
+        ax = axes[i // ncols][i % ncols]
+        if cell is None:
+            ax.axis("off")
+        else:
+            stage, key, xs, ys = cell
             window = len(xs) // 20
             if window >= 2:
                 ax.plot(xs, ys, color="#4C72B0", alpha=0.3, linewidth=0.8, label="per step")
@@ -224,7 +231,8 @@ def _md_cell(text: str) -> str:
 def _md_table(rows: Sequence[dict[str, Any]]) -> str:
     cols = _columns(rows)
     lines = ["| " + " | ".join(_md_cell(c) for c in cols) + " |",
-             "|" + "|".join("---:" if any(_is_number(r.get(c)) for r in rows) else "---" for c in cols) + "|"]
+             "|" + "|".join("---:" if any(_is_number(r.get(c)) or isinstance(r.get(c), dict) for r in rows)
+                            else "---" for c in cols) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(_md_cell(format_value(row.get(c))) for c in cols) + " |")
     return "\n".join(lines)

@@ -11,12 +11,12 @@ from rlhf_core.diagnostics import (
     length_log_ratio,
     normalized_edit_distance,
     plot_length_control,
-    token_ranks,
-    token_shift_html,
     title_copy_rate,
     title_coverage,
-    win_rate,
+    token_ranks,
+    token_shift_html,
     wilson_interval,
+    win_rate,
     words,
 )
 

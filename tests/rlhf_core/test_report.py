@@ -5,7 +5,12 @@ import pytest
 
 from rlhf_core import report as report_module
 from rlhf_core.diagnostics import plot_length_control, token_shift_html, win_rate
-from rlhf_core.report import format_value, format_win_rate, plot_training_curves, write_report
+from rlhf_core.report import (
+    format_value,
+    format_win_rate,
+    plot_training_curves,
+    write_report,
+)
 from rlhf_core.tracking import JsonlTracker
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -46,6 +51,10 @@ def test_plot_training_curves_writes_a_png_with_a_panel_per_existing_key(tmp_pat
     assert seen["rows"] == (3, 2)  # the missing file has no row; two columns for the widest stage
     plot_training_curves(files, tmp_path / "unused.png", keys={"ppo": ["loss/value", "absent"]})
     assert seen["titles"][-1] == "ppo: loss/value" and len(seen["titles"]) == 4
+    # a stage with more keys than columns wraps: sft 1 row, reward 1, ppo (3 keys) 2 rows of 2
+    plot_training_curves(files, tmp_path / "unused.png", max_columns=2,
+                         keys={"ppo": ["objective/scores", "objective/kl", "loss/value"]})
+    assert seen["rows"] == (4, 2) and len(seen["titles"]) == 6
 
 
 def test_plot_training_curves_without_anything_to_plot_raises(tmp_path):
