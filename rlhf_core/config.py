@@ -185,6 +185,8 @@ class SFTConfig(_Strict):
     checkpoint_every: int = Field(50, gt=0)
     bf16: bool = False
     gradient_checkpointing: bool = False
+    #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
+    strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
     seed: int = 1
 
 
@@ -207,6 +209,8 @@ class RewardConfig(_Strict):
     checkpoint_every: int = Field(50, gt=0)
     bf16: bool = False
     gradient_checkpointing: bool = False
+    #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
+    strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
     seed: int = 1
 
 

@@ -12,12 +12,17 @@ communication.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .ppo import masked_mean, masked_var
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,184 @@ def all_reduce_gradients(model: torch.nn.Module) -> None:
     """Sum every parameter's gradient over all ranks, in place (no-op on one rank).
 
     Each rank must have normalised its loss by the global count (e.g. the global batch's
-    token count), so the sum is the gradient of the global mean.
+    token count), so the sum is the gradient of the global mean. Parameters sharded by
+    :func:`shard_model` are skipped: FSDP has already reduce-scattered their gradients.
     """
     if world().size == 1:
         return
     for p in model.parameters():
-        if p.grad is not None:
+        if p.grad is not None and not _is_dtensor(p):
             dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+
+#: Data-parallel strategies: ``ddp`` keeps a full copy of model, gradients and optimiser state
+#: on every rank and sums gradients; ``zero2`` shards gradients and optimiser state (parameters
+#: are gathered once per forward and kept until the backward, like DeepSpeed ZeRO stage 2);
+#: ``fsdp`` also shards the parameters between uses (ZeRO stage 3). Both sharded strategies
+#: are PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+STRATEGIES = ("ddp", "zero2", "fsdp")
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether :func:`shard_model` sharded ``model`` (its parameters are DTensors)."""
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def shard_model(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
+    """Prepare ``model`` for data-parallel training with ``strategy`` (one of :data:`STRATEGIES`),
+    in place, before its optimiser is created.
+
+    ``ddp`` and a single rank leave the model as it is (:func:`all_reduce_gradients` sums the
+    gradients). ``zero2``/``fsdp`` apply ``fully_shard`` to every transformer block (the
+    classes in the Hugging Face model's ``_no_split_modules``), which hold nearly all the
+    parameters; the embeddings, final norm and heads stay replicated, because the stages call
+    the backbone and the output layer separately (logits only at the positions a loss needs)
+    and tied input and output embeddings must stay one tensor; their gradients are summed by
+    :func:`all_reduce_gradients`. The gradient divide factor is 1, because the losses are
+    already normalised by global counts.
+
+    Raises:
+        ValueError: an unknown strategy, or a model with no block classes to shard.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if strategy == "ddp" or world().size == 1:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    targets = [m for m in model.modules() if type(m).__name__ in blocks]
+    if not targets:
+        raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules) to shard")
+    for module in targets:
+        fully_shard(module, reshard_after_forward=strategy == "fsdp")
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
+    sharded = sum(p.numel() for m in targets for p in m.parameters())
+    if world().is_main:
+        log.info("%s: %d blocks sharded over %d ranks (%.1f%% of %d parameters)", strategy, len(targets),
+                 world().size, 100 * sharded / sum(p.numel() for p in model.parameters()),
+                 sum(p.numel() for p in model.parameters()))
+    return model
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of ``model``, on the CPU for a sharded one. Collective
+    for a sharded model: every rank must call it."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full state dict (from :func:`model_state`) into a plain or sharded model."""
+    if not is_sharded(model):
+        model.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The full optimiser state of ``model``'s optimiser; collective for a sharded model."""
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a full optimiser state (from :func:`optimizer_state`) into a plain or sharded model's optimiser."""
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def gather_to_main(model: torch.nn.Module, build: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+    """A plain model with ``model``'s trained weights on rank 0, for saving and evaluation.
+
+    An unsharded ``model`` is returned as it is (on every rank). A sharded one is gathered
+    (collective): rank 0 gets ``build()`` loaded with the full weights, the other ranks ``None``.
+    """
+    if not is_sharded(model):
+        return model
+    state = model_state(model)
+    if not world().is_main:
+        return None
+    plain = build()
+    plain.load_state_dict(state)
+    return plain
+
+
+def split_range(n: int, w: World | None = None) -> range:
+    """This rank's contiguous share of ``n`` items that need not split evenly (evaluation
+    prompts): the first ``n % size`` ranks get one more."""
+    w = w or world()
+    base, extra = divmod(n, w.size)
+    start = w.rank * base + min(w.rank, extra)
+    return range(start, start + base + (1 if w.rank < extra else 0))
+
+
+def all_gather_cat(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, in rank order, on every rank.
+
+    All ranks must pass tensors of the same shape and dtype (``(rows, ...)``); the result
+    is ``(size * rows, ...)`` on ``tensor``'s device. The identity on one rank.
+    """
+    if world().size == 1:
+        return tensor
+    sent = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor.contiguous()  # gloo has no bool
+    parts = [torch.empty_like(sent) for _ in range(world().size)]
+    dist.all_gather(parts, sent)
+    return torch.cat(parts).to(tensor.dtype)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` on one rank)."""
+    if world().size == 1:
+        return [obj]
+    out: list[Any] = [None] * world().size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``values`` over the positions where ``mask`` is True, on
+    every rank together: the statistics of the global batch (Huang et al. 2024, Details 24-25
+    whiten over the whole batch, not over one rank's share).
+
+    Args:
+        values: ``(rows, length)`` float on this rank; mask: the same shape, bool.
+
+    Returns:
+        ``(mean, var)``, 0-d tensors of ``values``' dtype and device, equal on every rank. On
+        one rank exactly :func:`rlhf_core.ppo.masked_mean` and :func:`~rlhf_core.ppo.masked_var`.
+
+    Raises:
+        ValueError: fewer than two valid positions over all ranks.
+    """
+    if world().size == 1:
+        return masked_mean(values, mask), masked_var(values, mask)
+    m = mask.to(torch.float64)
+    v = values.detach().to(torch.float64)
+    total, count = all_reduce_sum([(v * m).sum().item(), m.sum().item()])
+    if count < 2:
+        raise ValueError("masked_mean_var: an unbiased variance needs at least two valid positions over all ranks")
+    mean = total / count
+    (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
+    var = sq / (count - 1)
+    return (torch.tensor(mean, dtype=values.dtype, device=values.device),
+            torch.tensor(var, dtype=values.dtype, device=values.device))

@@ -51,7 +51,13 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     reward whitening of Detail 24). Positions outside ``mask`` are transformed too; callers
     zero them.
     """
-    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    return whiten(values, masked_mean(values, mask), masked_var(values, mask), shift_mean)
+
+
+def whiten(values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with given statistics (e.g. over all ranks'
+    batches, :func:`rlhf_core.distributed.masked_mean_var`); ``shift_mean=False`` adds the
+    mean back. Any shape; ``mean`` and ``var`` are 0-d tensors."""
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean

@@ -13,6 +13,15 @@ value model initialised from the reward model (Detail 22). Each update:
 4. forms per-token rewards (KL penalty plus the score), optionally whitens them
    (Detail 24), computes GAE advantages and whitens them (Detail 25);
 5. runs ``ppo_epochs`` passes of clipped policy and value updates.
+
+Under ``torchrun`` (:mod:`rlhf_core.launch`) each rank samples, scores and trains on its own
+contiguous share of every update's prompts. What defines the algorithm is global: reward and
+advantage whitening use the statistics of the whole batch
+(:func:`rlhf_core.distributed.masked_mean_var`), each PPO minibatch's gradient is the mean
+over all ranks' shares, and the logged rollout statistics are computed on the gathered batch.
+Training statistics (losses, clip fractions, entropy) are means of the ranks' equal-sized
+shares; timings and memory are rank 0's. Evaluation prompts are split over the ranks and
+the results gathered; rank 0 alone logs, checkpoints and saves.
 """
 
 from __future__ import annotations
@@ -34,6 +43,16 @@ from transformers import PreTrainedModel, get_scheduler
 
 from .config import PPOConfig
 from .data import load_data_tokenizer, load_prepared
+from .distributed import (
+    all_gather_cat,
+    all_gather_object,
+    all_reduce_gradients,
+    all_reduce_sum,
+    masked_mean_var,
+    shard,
+    split_range,
+    world,
+)
 from .generation import decode_responses, first_true_indices, generate, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic
 from .models import load_causal_lm, save_pretrained_atomic
@@ -45,11 +64,11 @@ from .ppo import (
     logprobs_from_logits,
     masked_mean,
     masked_var,
-    masked_whiten,
     per_token_rewards,
     policy_loss,
     response_mask,
     value_loss,
+    whiten,
 )
 from .reward import ScalarModel, get_reward, padding_aware_inputs
 from .tracking import NullTracker, Tracker
@@ -124,6 +143,10 @@ class PPOTrainer:
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
         self.queries = torch.tensor(sft["train"]["query_token"])
+        self.world = world()
+        if cfg.batch_size % self.world.size or (cfg.batch_size // self.world.size) % cfg.num_minibatches:
+            raise ValueError(f"ppo.batch_size {cfg.batch_size} must split into {self.world.size} rank(s) x "
+                             f"ppo.num_minibatches {cfg.num_minibatches} equal parts")
         torch.manual_seed(cfg.seed)
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
         self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
@@ -137,6 +160,8 @@ class PPOTrainer:
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
         self.scheduler = get_scheduler(cfg.scheduler, self.optimizer, num_warmup_steps=0,
                                        num_training_steps=self.num_updates)
+        if self.world.rank:
+            torch.manual_seed(cfg.seed + self.world.rank)  # each rank samples its own responses
 
     # ------------------------------------------------------------------ rollout
 
@@ -188,10 +213,10 @@ class PPOTrainer:
         rewards, non_score_reward, value_mask = per_token_rewards(
             logprobs, ref_logprobs, scores, sequence_lengths, cfg.kl_coef, cfg.score_position)
         values = batch["values"] * value_mask
-        if cfg.whiten_rewards:
-            rewards = masked_whiten(rewards, value_mask, shift_mean=False) * value_mask
+        if cfg.whiten_rewards:  # Detail 24, over the global batch
+            rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
         advantages, returns = compute_advantages(rewards, values, value_mask, cfg.gamma, cfg.lam)
-        advantages = masked_whiten(advantages, token_mask) * token_mask
+        advantages = whiten(advantages, *masked_mean_var(advantages, token_mask)) * token_mask  # Detail 25
         batch.update(
             logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=rewards,
             non_score_reward=non_score_reward, advantages=advantages, returns=returns, token_mask=token_mask,
@@ -203,8 +228,9 @@ class PPOTrainer:
     # ------------------------------------------------------------------- update
 
     def train_on(self, batch: dict[str, torch.Tensor], update: int) -> dict[str, float]:
-        """``ppo_epochs`` passes of clipped PPO over ``batch``; returns averaged statistics."""
-        cfg, pad = self.cfg, self.pad_id
+        """``ppo_epochs`` passes of clipped PPO over ``batch`` (this rank's share); returns
+        statistics averaged over the minibatches and the ranks."""
+        cfg, pad, ranks = self.cfg, self.pad_id, self.world.size
         context = int(batch["context_length"])
         n = batch["responses"].size(0)
         minibatch_size = max(1, n // cfg.num_minibatches)
@@ -219,6 +245,7 @@ class PPOTrainer:
                 minibatch = perm[start : start + minibatch_size].tolist()
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_sums: dict[str, float] = defaultdict(float)
+                failure = ""
                 for micro in micro_batches(minibatch, cfg.micro_batch_size):
                     idx = torch.tensor(micro, device=self.device)
                     qr, resp = batch["query_responses"][idx], batch["responses"][idx]
@@ -233,8 +260,10 @@ class PPOTrainer:
                     vl = value_loss(vpred, batch["values"][idx], batch["returns"][idx], value_mask, cfg.cliprange_value)
                     loss = pl["loss"] + cfg.vf_coef * vl["loss"]
                     if not torch.isfinite(loss):
-                        raise _NonFinite(f"non-finite loss {loss.item()} (policy {pl['loss'].item()}, value {vl['loss'].item()})")
-                    (loss * len(micro) / len(minibatch)).backward()
+                        failure = f"non-finite loss {loss.item()} (policy {pl['loss'].item()}, value {vl['loss'].item()})"
+                        break
+                    # summed over the ranks below: the gradient of the global minibatch's mean loss
+                    (loss * len(micro) / len(minibatch) / ranks).backward()
                     with torch.no_grad():
                         weight = len(micro) / len(minibatch)
                         entropy = masked_mean(entropy_from_logits(logits.float() / cfg.temperature), token_mask)
@@ -243,33 +272,49 @@ class PPOTrainer:
                                            ("val/clipfrac", vl["clipfrac"]), ("policy/entropy", entropy)):
                             mb_sums[key] += value.item() * weight
                         ratios.append(pl["ratio"][token_mask].detach().float().cpu())
+                if all_reduce_sum([1.0 if failure else 0.0])[0]:  # every rank stops together
+                    raise _NonFinite(failure or "non-finite loss on another rank")
+                all_reduce_gradients(self.models)
                 self.optimizer.step()
                 for key, value in mb_sums.items():
                     sums[key] += value
                 count += 1
-        out = {k: v / count for k, v in sums.items()}
-        all_ratios = torch.cat(ratios)
-        out["val/ratio"] = all_ratios.mean().item()
-        out["val/ratio_var"] = all_ratios.var().item() if all_ratios.numel() > 1 else 0.0
+        keys = sorted(sums)
+        all_ratios = torch.cat(ratios).double()
+        reduced = all_reduce_sum([sums[k] for k in keys] + [all_ratios.sum().item(), all_ratios.numel()])
+        out = {k: v / (count * ranks) for k, v in zip(keys, reduced)}
+        ratio_mean = reduced[-2] / reduced[-1]
+        (ratio_sq,) = all_reduce_sum([((all_ratios - ratio_mean) ** 2).sum().item()])
+        out["val/ratio"] = ratio_mean
+        out["val/ratio_var"] = ratio_sq / (reduced[-1] - 1) if reduced[-1] > 1 else 0.0
         return out
 
     # --------------------------------------------------------------- evaluation
 
     @torch.no_grad()
     def evaluate(self, split: str = "validation") -> tuple[dict[str, float], list[dict]]:
-        """Near-greedy policy summaries on held-out prompts, scored by the reward model against the references."""
+        """Near-greedy policy summaries on held-out prompts, scored by the reward model against the references.
+
+        The prompts are split over the ranks and the results gathered, in order, on every rank.
+        """
         cfg = self.cfg
         ds = self.sft[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
-        queries = torch.tensor(ds["query_token"])
-        reference = torch.tensor(ds["reference_response_token"])
+        mine = ds.select(split_range(len(ds), self.world))
         policy_scores, reference_scores, texts = [], [], []
         self.policy.eval()
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(cfg.seed)  # the same evaluation samples every time, training's RNG untouched
-            for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
-                self._evaluate_batch(queries[mb], reference[mb], policy_scores, reference_scores, texts)
-        sp, sr = torch.cat(policy_scores), torch.cat(reference_scores)
+        if len(mine):
+            queries = torch.tensor(mine["query_token"])
+            reference = torch.tensor(mine["reference_response_token"])
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(cfg.seed + self.world.rank)  # the same samples every time, training's RNG untouched
+                for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+                    self._evaluate_batch(queries[mb], reference[mb], policy_scores, reference_scores, texts)
+        gathered = all_gather_object(([t for s in policy_scores for t in s.tolist()],
+                                      [t for s in reference_scores for t in s.tolist()], texts))
+        sp = torch.tensor([x for g in gathered for x in g[0]])
+        sr = torch.tensor([x for g in gathered for x in g[1]])
+        texts = [x for g in gathered for x in g[2]]
         metrics = {
             "eval/score_policy": sp.mean().item(),
             "eval/score_reference": sr.mean().item(),
@@ -300,7 +345,11 @@ class _NonFinite(RuntimeError):
     pass
 
 
-def _rollout_metrics(batch: dict[str, torch.Tensor]) -> dict[str, float]:
+def _rollout_metrics(local: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Statistics of the global batch: every rank's share gathered (the identity on one rank)."""
+    batch = {k: all_gather_cat(local[k]) for k in ("token_mask", "value_mask", "logprobs", "ref_logprobs",
+                                                    "non_score_reward", "sequence_lengths", "scores", "returns",
+                                                    "advantages", "has_eos")}
     token_mask = batch["token_mask"]
     kl = ((batch["logprobs"] - batch["ref_logprobs"]) * token_mask).sum(1)
     non_score = batch["non_score_reward"].sum(1)
@@ -314,6 +363,7 @@ def _rollout_metrics(batch: dict[str, torch.Tensor]) -> dict[str, float]:
         "returns/mean": masked_mean(batch["returns"], batch["value_mask"]).item(),
         "returns/var": masked_var(batch["returns"], batch["value_mask"]).item(),
         "advantages/mean": masked_mean(batch["advantages"], token_mask).item(),
+        "advantages/var": masked_var(batch["advantages"], token_mask).item(),
         "advantages/min": batch["advantages"][token_mask].min().item(),
         "advantages/max": batch["advantages"][token_mask].max().item(),
         "response/length_mean": lengths.mean().item(),
@@ -348,13 +398,24 @@ def run_ppo(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = PPOTrainer(cfg, data_dir, sft_model_dir, reward_model_dir)
+    w = trainer.world
+    if not w.is_main:
+        tracker = NullTracker()
     digest = config_digest(cfg.model_dump_json(), json.dumps(trainer.stats, sort_keys=True),
                      str(Path(sft_model_dir).resolve()), str(Path(reward_model_dir).resolve()))
     checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
     resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
     start = resumed["step"] if resumed else 0
+    rank_rng = (resumed or {}).get("extra", {}).get("rank_rng") or []
+    if len(rank_rng) == w.size:
+        torch.set_rng_state(rank_rng[w.rank])  # each rank continues its own sampling stream
+
+    def save_checkpoint(step: int) -> None:  # collective: every rank calls it, rank 0 writes
+        states = all_gather_object(torch.get_rng_state())
+        checkpoints.save(step, trainer.models, trainer.optimizer, trainer.scheduler, extra={"rank_rng": states})
+
     tracker.log_params({f"ppo.{k}": v for k, v in cfg.model_dump().items()} | {"ppo.response_length_used": trainer.response_length})
-    interactive = sys.stderr.isatty()
+    interactive = sys.stderr.isatty() and w.is_main
     bar = tqdm(total=trainer.num_updates, initial=start, desc="ppo", disable=not interactive, dynamic_ncols=True)
     log_every = max(1, trainer.num_updates // 20)
     last: dict[str, float] = {}
@@ -362,22 +423,22 @@ def run_ppo(
     begin = time.perf_counter()
     n_rows = len(trainer.queries)
     for update in range(start, trainer.num_updates):
-        idx = prompt_indices(n_rows, cfg.batch_size, update, cfg.seed)
+        idx = shard(prompt_indices(n_rows, cfg.batch_size, update, cfg.seed), w)
         batch = trainer.rollout(trainer.queries[idx])
         try:
-            for name in ("scores", "rewards", "advantages", "values"):
-                if not torch.isfinite(batch[name]).all():
-                    raise _NonFinite(f"non-finite {name}")
+            bad = [name for name in ("scores", "rewards", "advantages", "values") if not torch.isfinite(batch[name]).all()]
+            if all_reduce_sum([len(bad)])[0]:
+                raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite rollout on another rank")
             t0 = time.perf_counter()
             train_stats = trainer.train_on(batch, update)
         except _NonFinite as exc:
-            checkpoints.save(update, trainer.models, trainer.optimizer, trainer.scheduler)
+            save_checkpoint(update)
             raise TrainingError(f"ppo: {exc} at update {update + 1}; parameters from before the failing step "
                                 f"saved in {checkpoints.root}") from None
         t_train = time.perf_counter() - t0
         lr = trainer.scheduler.get_last_lr()[0]
         trainer.scheduler.step()
-        generated = batch["responses"].numel()
+        generated = batch["responses"].numel() * w.size
         metrics = _rollout_metrics(batch) | train_stats | {
             "lr": lr,
             "episodes": float((update + 1) * cfg.batch_size),
@@ -385,7 +446,8 @@ def run_ppo(
             "time/score": float(batch["time_score"]),
             "time/train": t_train,
             "time/generate_tokens_per_s": generated / max(float(batch["time_generate"]), 1e-9),
-            "time/train_tokens_per_s": cfg.ppo_epochs * float(batch["token_mask"].sum()) / max(t_train, 1e-9),
+            "time/train_tokens_per_s": cfg.ppo_epochs * all_reduce_sum([batch["token_mask"].sum().item()])[0]
+            / max(t_train, 1e-9),
             "memory/peak_mb": _peak_memory_mb(trainer.device),
         }
         if (update + 1) % cfg.eval_every == 0 or update + 1 == trainer.num_updates:
@@ -396,17 +458,19 @@ def run_ppo(
         last = metrics
         bar.update(1)
         bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-        if not interactive and ((update + 1) % log_every == 0 or update + 1 == trainer.num_updates):
+        if not interactive and w.is_main and ((update + 1) % log_every == 0 or update + 1 == trainer.num_updates):
             log.info("ppo update %d/%d: score %.3f kl %.3f no-eos %.2f len %.1f (%.0f s)", update + 1,
                      trainer.num_updates, metrics["objective/scores"], metrics["objective/kl"],
                      metrics["response/no_eos_fraction"], metrics["response/length_mean"],
                      metrics["time/generate"] + metrics["time/score"] + t_train)
         if (update + 1) % cfg.checkpoint_every == 0 and update + 1 < trainer.num_updates:
-            checkpoints.save(update + 1, trainer.models, trainer.optimizer, trainer.scheduler)
+            save_checkpoint(update + 1)
     bar.close()
     if not samples:  # resumed after the last update: evaluate once more
         eval_metrics, samples = trainer.evaluate()
         last |= eval_metrics
+    if not w.is_main:
+        return {}  # rank 0 saves
     trainer.policy.eval()
     save_pretrained_atomic(trainer.policy, out_dir / "model", trainer.tokenizer)
     save_pretrained_atomic(trainer.value_model, out_dir / "value_model")

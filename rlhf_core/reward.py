@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
-from .distributed import all_reduce_sum, world
+from .distributed import all_reduce_sum, gather_to_main, world
 from .generation import first_true_indices
 from .io import write_json_atomic
 from .models import DTYPES, disable_dropout, save_pretrained_atomic
@@ -221,6 +221,7 @@ def run_reward_training(
     tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()})
     last = train_loop(model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
                       checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
+    model = gather_to_main(model, lambda: reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device))
     if not w.is_main:
         return {}  # rank 0 saves
     model.eval()

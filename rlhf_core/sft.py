@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
-from .distributed import all_reduce_sum, world
+from .distributed import all_reduce_sum, gather_to_main, world
 from .generation import decode_responses, generate, trim_left_padding
 from .io import write_json_atomic
 from .models import load_causal_lm, save_pretrained_atomic
@@ -198,6 +198,7 @@ def run_sft(
         model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
         checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="sft",
     )
+    model = gather_to_main(model, lambda: load_causal_lm(base_model_dir).to(device))  # the full weights, sharded or not
     if not w.is_main:
         return {}  # rank 0 saves and evaluates
     model.eval()

@@ -110,3 +110,23 @@ class TeeTracker:
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         for t in self.trackers:
             t.log_artifact(path, artifact_path)
+
+
+def replay(path: str | os.PathLike, tracker: Tracker, offset: int = 0) -> int:
+    """Send the records of a :class:`JsonlTracker` file, from byte ``offset`` on, to ``tracker``
+    (e.g. what a ``torchrun`` job's rank 0 wrote, into MLflow). Returns the end offset."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        data = fh.read()
+    for line in data.decode().splitlines():
+        rec = json.loads(line)
+        kind = rec.get("kind")
+        if kind == "params":
+            tracker.log_params(rec["params"])
+        elif kind == "metrics":
+            tracker.log_metrics({k: float(v) for k, v in rec["metrics"].items()}, step=rec.get("step"))
+        elif kind == "table":
+            tracker.log_table(rec["name"], rec["rows"])
+        elif kind == "artifact":
+            tracker.log_artifact(rec["path"], rec.get("artifact_path"))
+    return offset + len(data)

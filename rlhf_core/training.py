@@ -26,7 +26,16 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from .distributed import all_reduce_gradients, shard, world
+from .distributed import (
+    all_reduce_gradients,
+    load_model_state,
+    load_optimizer_state,
+    model_state,
+    optimizer_state,
+    shard,
+    shard_model,
+    world,
+)
 from .io import atomic_directory
 from .tracking import NullTracker, Tracker
 
@@ -98,6 +107,7 @@ class OptimConfig:
     max_steps: int | None
     checkpoint_every: int
     seed: int
+    strategy: str = "ddp"
 
     @classmethod
     def from_section(cls, section: Any) -> "OptimConfig":
@@ -109,7 +119,9 @@ class CheckpointManager:
 
     A checkpoint holds the model and optimiser state dicts, the scheduler state, the torch
     and Python RNG states, the step, and the stage's config digest; only checkpoints with
-    the same digest are resumed. The newest ``keep`` are kept.
+    the same digest are resumed. The newest ``keep`` are kept. Under ``torchrun`` every rank
+    calls :meth:`save` and :meth:`load_latest` (a sharded model's full state is gathered from
+    all ranks) and rank 0 alone writes.
     """
 
     def __init__(self, root: str | os.PathLike, config_digest: str, keep: int = 2):
@@ -124,19 +136,22 @@ class CheckpointManager:
         return sorted(p for p in self.root.glob("step-*") if (p / "state.pt").is_file())
 
     def save(self, step: int, model: torch.nn.Module, optimizer, scheduler, extra: dict | None = None) -> Path:
-        """Write the checkpoint taken after ``step`` optimiser steps."""
+        """Write the checkpoint taken after ``step`` optimiser steps (rank 0 writes; collective)."""
+        model_sd, optimizer_sd = model_state(model), optimizer_state(model, optimizer)
+        target = self.root / f"step-{step:06d}"
+        if not world().is_main:
+            return target
         state = {
             "step": step,
             "config_digest": self.config_digest,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optimizer_sd,
             "scheduler": scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "python_rng": random.getstate(),
             "extra": extra or {},
         }
-        target = self.root / f"step-{step:06d}"
         with atomic_directory(target, overwrite=True) as tmp:
             torch.save(state, tmp / "state.pt")
         for old in self.checkpoints()[: -self.keep]:
@@ -161,8 +176,8 @@ class CheckpointManager:
                 f"checkpoint {found[-1]} was written with a different configuration "
                 f"({state['config_digest']} != {self.config_digest}); remove {self.root} or use another output directory"
             )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        load_model_state(model, state["model"])
+        load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] and torch.cuda.is_available():
@@ -205,6 +220,7 @@ def train_loop(
     w = world()
     tracker = (tracker or NullTracker()) if w.is_main else NullTracker()
     order = batch_order(n_rows, optim.batch_size, optim.num_epochs, optim.seed)
+    shard_model(model, optim.strategy)  # in place, before the optimiser sees the parameters
     total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.learning_rate, eps=optim.adam_eps)
@@ -222,8 +238,8 @@ def train_loop(
         optimizer.zero_grad(set_to_none=True)
         metrics = step_fn(shard(order[step], w))
         if not math.isfinite(metrics["loss"]):
-            if w.is_main:
-                checkpoints.save(step, model, optimizer, scheduler)  # parameters are still the last good ones
+            # every rank has the same global loss, so all save together; parameters are the last good ones
+            checkpoints.save(step, model, optimizer, scheduler)
             raise TrainingError(f"{desc}: non-finite loss {metrics['loss']} at step {step + 1}; "
                                 f"last good state saved in {checkpoints.root}")
         all_reduce_gradients(model)
@@ -239,7 +255,7 @@ def train_loop(
         if not interactive and w.is_main and ((step + 1) % log_every == 0 or step + 1 == total):
             log.info("%s step %d/%d loss %.4f lr %.3g %.0f tok/s", desc, step + 1, total, metrics["loss"], lr,
                      last["tokens_per_s"])
-        if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total and w.is_main:
+        if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total:
             checkpoints.save(step + 1, model, optimizer, scheduler)
     bar.close()
     last.update({"steps": total, "seconds": time.perf_counter() - begin})

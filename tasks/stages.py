@@ -17,6 +17,11 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shlex
+import subprocess
+import sys
+from collections import deque
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,8 @@ from pydantic import BaseModel
 import rlhf_core
 from rlhf_core.config import PipelineConfig
 from rlhf_core.pipeline import STAGES, stage_config
-from rlhf_core.tracking import JsonlTracker, TeeTracker
+from rlhf_core.launch import DATA_PARALLEL
+from rlhf_core.tracking import JsonlTracker, TeeTracker, Tracker, replay
 
 from .storage import ArtifactStore
 
@@ -102,6 +108,70 @@ def work_root() -> Path:
     return Path(os.environ.get("RLHF_WORK_DIR") or ".rlhf-work").resolve()
 
 
+def nproc_per_node() -> int:
+    """Training processes per machine: ``$RLHF_NPROC_PER_NODE``, which the GPU work pools set from
+    their ``gpus`` job variable (infra/gpu-pool/); 1 (a single process) when unset.
+
+    Raises:
+        ValueError: not a positive integer.
+    """
+    text = os.environ.get("RLHF_NPROC_PER_NODE", "1").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"RLHF_NPROC_PER_NODE must be a positive integer, not {text!r}")
+    return int(text)
+
+
+class LaunchError(RuntimeError):
+    """A ``torchrun`` job of a stage failed; the message carries its exit code and last output lines."""
+
+
+def launch_torchrun(stage: str, cfg: PipelineConfig, inputs: list[Path], out: Path, nproc: int,
+                    tracker: Tracker) -> dict:
+    """Run ``stage`` as a ``torchrun`` job of ``nproc`` processes on this machine
+    (:mod:`rlhf_core.launch`) and relay what its rank 0 records to ``tracker``.
+
+    The whole config travels as JSON (``out/launch_config.json``). ``$RLHF_TORCHRUN_ARGS``
+    replaces the default rendezvous ``--standalone`` (e.g. ``--nnodes=2 --node_rank=0
+    --rdzv_backend=c10d --rdzv_endpoint=host:29400`` for several machines). The job's output is
+    logged line by line.
+
+    Returns:
+        The stage's metrics, as rank 0 returned them.
+
+    Raises:
+        LaunchError: the job exited non-zero.
+    """
+    log = logging.getLogger("rlhf_core.launch")
+    config_path, result_path = out / "launch_config.json", out / "launch_result.json"
+    config_path.write_text(cfg.model_dump_json(indent=1))
+    result_path.unlink(missing_ok=True)
+    rendezvous = shlex.split(os.environ.get("RLHF_TORCHRUN_ARGS", "")) or ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
+           "-m", "rlhf_core.launch", stage, "--preset", str(config_path), "--inputs", *map(str, inputs),
+           "--out", str(out), "--result", str(result_path)]
+    metrics_file = out / "metrics.jsonl"
+    offset = metrics_file.stat().st_size if metrics_file.exists() else 0
+    log.info("%s: %d processes: %s", stage, nproc, shlex.join(cmd))
+    tail: deque[str] = deque(maxlen=20)  # the ranks' own last lines, not torchrun's
+    errors: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            log.info("%s", line)
+            if line.startswith("[rank"):
+                tail.append(line)
+                if re.match(r"\[rank\d+\]: [\w.]*(Error|Exception)\b", line):
+                    errors.append(line)
+    if metrics_file.exists():
+        replay(metrics_file, tracker, offset)
+    if proc.returncode != 0:
+        cause = errors[0] if errors else "(no error line from the ranks)"
+        raise LaunchError(f"stage {stage}: torchrun with {nproc} processes exited with code {proc.returncode}: "
+                          f"{cause}\nlast lines of the ranks:\n" + "\n".join(tail))
+    return json.loads(result_path.read_text())
+
+
 @task(name="rlhf-stage", cache_key_fn=_cache_key_fn, persist_result=True, task_run_name="{stage}")
 def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, parent_run_id: str | None = None) -> dict:
     """Run one stage (or resume it from its checkpoints) and store its artifact.
@@ -132,8 +202,12 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     # metrics.jsonl travels with the artifact (the report draws training curves from it); on a
     # resumed stage it holds every attempt's records in order.
     tracker = TeeTracker(mlflow_tracker, JsonlTracker(out / "metrics.jsonl"))
+    nproc = nproc_per_node()
     try:
-        result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
+        if nproc > 1 and stage in DATA_PARALLEL:  # rank 0 writes metrics.jsonl; relayed to MLflow
+            result = launch_torchrun(stage, cfg, inputs, out, nproc, mlflow_tracker)
+        else:
+            result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
         mlflow_tracker.close()
         for name in ("metrics.json", "stats.json", "samples.jsonl", "token_lengths.png", "calibration.png",
                      "calibration.json", "import.json"):

@@ -28,10 +28,11 @@ def flow_env(root: Path) -> dict:
             "PREFECT_LOGGING_LEVEL": "INFO"}
 
 
-def run_flow(root: Path, *overrides: str, timeout: int = 900) -> tuple[dict, str]:
+def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
     result = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, *overrides,
                              "--out", str(root)],
-                            cwd=root, env=flow_env(root), capture_output=True, text=True, timeout=timeout)
+                            cwd=root, env={**flow_env(root), **(env or {})}, capture_output=True, text=True,
+                            timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     out = result.stdout
     return json.loads(out[out.index("{\n"):out.rindex("}") + 1]), result.stdout + result.stderr
@@ -93,6 +94,23 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     s = states(log)
     assert s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     assert fourth["stages"]["ppo"] == third["stages"]["ppo"]
+
+    # Two training processes (the GPU pools set RLHF_NPROC_PER_NODE from their `gpus` job
+    # variable): the task launches SFT under torchrun, 2 gloo ranks with half the micro-batch,
+    # relays rank 0's records to MLflow, and trains exactly like the single process above.
+    fifth, log = run_flow(tmp_path, "sft.micro_batch_size=2", "--until", "sft", env={"RLHF_NPROC_PER_NODE": "2"})
+    assert states(log) == {"data": "Cached", "base_model": "Cached", "sft": "Completed"}
+    assert "sft: 2 processes" in log and "torch.distributed.run" in log
+
+    def losses(record: dict) -> list[float]:
+        history = client.get_metric_history(record["mlflow_run_id"], "train/loss")
+        return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+    assert len(losses(fifth["stages"]["sft"])) == 2
+    assert losses(fifth["stages"]["sft"]) == pytest.approx(losses(first["stages"]["sft"]), rel=1e-4)
+    sft_run = client.get_run(fifth["stages"]["sft"]["mlflow_run_id"])
+    assert sft_run.info.status == "FINISHED" and "eval/rougeL" in sft_run.data.metrics
+    assert sft_run.data.params["sft.micro_batch_size"] == "2"
 
 
 def test_run_with_a_bad_setting_stops_before_starting_anything(tmp_path, capsys):

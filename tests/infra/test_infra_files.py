@@ -254,6 +254,7 @@ def test_docker_template_requests_nvidia_gpus(gpus):
     assert request["count"] == (gpus or 1)
     assert rendered["image"] == gpu_deployment()["work_pool"]["job_variables"]["image"]
     assert set(rendered["env"]) >= {"MLFLOW_TRACKING_URI", "RLHF_ARTIFACT_ROOT"}
+    assert rendered["env"]["RLHF_NPROC_PER_NODE"] == str(gpus or 1)  # one training rank per GPU
     (volume,) = rendered["volumes"]
     assert volume.endswith(":/var/lib/rlhf")  # the job image's RLHF_WORK_DIR, cache and artifacts
 
@@ -271,6 +272,7 @@ def test_kubernetes_template_requests_nvidia_gpus(gpus):
     assert container["image"] == gpu_deployment()["work_pool"]["job_variables"]["image"]
     assert set(rendered["env"]) >= {"MLFLOW_TRACKING_URI", "RLHF_ARTIFACT_ROOT"}
     assert rendered["env"]["RLHF_ARTIFACT_ROOT"].startswith("s3://")
+    assert rendered["env"]["RLHF_NPROC_PER_NODE"] == str(gpus or 1)  # one training rank per GPU
 
 
 @pytest.mark.parametrize("kind", TEMPLATES)

@@ -7,11 +7,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from rlhf_core.config import load_config
 from rlhf_core.data import prepare_data
-from rlhf_core.distributed import World, all_reduce_sum, shard
-from rlhf_core.models import import_base_model
+from rlhf_core.distributed import World, all_gather_cat, all_reduce_sum, masked_mean_var, shard, split_range
+from rlhf_core.models import import_base_model, save_pretrained_atomic
+from rlhf_core.ppo import masked_mean, masked_var, masked_whiten, whiten
+from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.tracking import read_metrics
 from rlhf_core.training import accumulation_steps
 
@@ -26,6 +31,46 @@ def test_shards_split_a_global_batch_evenly_and_in_order():
     assert accumulation_steps(128, 16, 2) == 4  # the global batch stays 128
     with pytest.raises(ValueError, match="x 3 rank"):
         accumulation_steps(128, 16, 3)
+    # evaluation prompts need not split evenly: contiguous, covering, the first ranks one more
+    parts = [split_range(7, World(r, 3)) for r in range(3)]
+    assert [list(p) for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert list(split_range(1, World(1, 2))) == []
+
+
+def _rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-dependent advantages: rank 1's are shifted and scaled, and it has fewer valid positions."""
+    g = torch.Generator().manual_seed(rank)
+    values = torch.randn(3, 5, generator=g) * (1 + 2 * rank) + 4 * rank
+    lengths = torch.tensor([4, 2, 0]) if rank else torch.tensor([4, 4, 3])
+    mask = torch.arange(5).unsqueeze(0) <= lengths.unsqueeze(1)
+    return values, mask
+
+
+def _whiten_on_rank(rank: int, world_size: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        values, mask = _rank_batch(rank)
+        whitened = whiten(values, *masked_mean_var(values, mask)) * mask
+        torch.save({"global": all_gather_cat(whitened), "mask": all_gather_cat(mask),
+                    "local": masked_whiten(values, mask) * mask}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_advantage_whitening_uses_the_global_batch_over_two_ranks(tmp_path):
+    """Detail 25 under data parallelism: each rank's share, whitened with the statistics of all
+    ranks (gloo), gives the global batch mean 0 and variance 1, the same as whitening the
+    concatenated batch in one process; whitening per rank would not."""
+    mp.spawn(_whiten_on_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    whitened, mask = got[0]["global"], got[0]["mask"]
+    torch.testing.assert_close(got[1]["global"], whitened)  # every rank sees the same statistics
+    assert masked_mean(whitened, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert masked_var(whitened, mask).item() == pytest.approx(1.0, rel=1e-5)
+    values = torch.cat([_rank_batch(r)[0] for r in range(2)])
+    torch.testing.assert_close(whitened, masked_whiten(values, mask) * mask, rtol=1e-5, atol=1e-5)
+    per_rank = torch.cat([got[0]["local"], got[1]["local"]])
+    assert not torch.allclose(per_rank, whitened, atol=1e-2)  # the test can tell the two apart
 
 
 @pytest.fixture(scope="module")
@@ -35,28 +80,34 @@ def inputs(tmp_path_factory):
     prepare_data(cfg, root / "data")
     import_base_model(cfg.model, root / "base")
     shutil.copytree(root / "base", root / "sft" / "model")  # the reward model starts from a policy's `model`
+    save_pretrained_atomic(reward_model_from_causal_lm(root / "base", seed=3), root / "reward" / "model")
     return root
 
 
-def launch(stage: str, inputs: list, out, ranks: int, *overrides: str) -> list[tuple[int, dict]]:
+def launch(stage: str, inputs: list, out, ranks: int, *overrides: str, expect: str = "") -> list[tuple[int, dict]]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            "-m", "rlhf_core.launch", stage, "--preset", "smoke", "--inputs", *map(str, inputs), "--out", str(out),
            *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert expect in result.stdout + result.stderr
     return read_metrics(out / "metrics.jsonl")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, inputs, tmp_path):
+@pytest.mark.parametrize("stage,strategy", [("sft", "ddp"), ("reward", "ddp"), ("sft", "fsdp"), ("reward", "zero2")])
+def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inputs, tmp_path):
+    """DDP sums full gradients; ZeRO-2 and FSDP (PyTorch FSDP2) shard gradients and optimiser
+    state (FSDP the parameters too). Each must train like one process, checkpoint the full
+    state from all ranks, and save a full model from rank 0."""
     if stage == "sft":
         stage_inputs, extra = [inputs / "data", inputs / "base"], ["sft.max_steps=3", "sft.eval_max_samples=1"]
     else:
         stage_inputs, extra = [inputs / "data", inputs / "sft"], ["reward.max_steps=3"]
     one = launch(stage, stage_inputs, tmp_path / "one", 1, f"{stage}.micro_batch_size=4", *extra)
-    two = launch(stage, stage_inputs, tmp_path / "two", 2, f"{stage}.micro_batch_size=2", *extra)
+    two = launch(stage, stage_inputs, tmp_path / "two", 2, f"{stage}.micro_batch_size=2", f"{stage}.strategy={strategy}",
+                 *extra, expect="" if strategy == "ddp" else f"{strategy}: 2 blocks sharded over 2 ranks")
     losses = [[m["train/loss"] for step, m in run if "train/loss" in m] for run in (one, two)]
     assert len(losses[0]) == 3 and len(losses[1]) == 3
     assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
@@ -64,3 +115,42 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, inputs, tmp_p
     tokens = [[m["tokens_per_s"] > 0 for step, m in run if "train/loss" in m] for run in (one, two)]
     assert all(tokens[0]) and all(tokens[1])
     assert (tmp_path / "two" / "model").is_dir() and not (tmp_path / "two" / "checkpoints" / "step-000004").exists()
+    # the checkpoint after step 2 holds full tensors, equal to the single process's
+    states = [torch.load(tmp_path / run / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+              for run in ("one", "two")]
+    assert states[1]["model"].keys() == states[0]["model"].keys()
+    for name, tensor in states[0]["model"].items():
+        torch.testing.assert_close(states[1]["model"][name], tensor, rtol=1e-4, atol=1e-5)
+    # and the saved models are the same full models
+    from safetensors.torch import load_file
+
+    saved = [load_file(next((tmp_path / run / "model").glob("*.safetensors"))) for run in ("one", "two")]
+    assert saved[1].keys() == saved[0].keys()
+    for name, tensor in saved[0].items():
+        torch.testing.assert_close(saved[1][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(inputs, tmp_path):
+    """PPO under torchrun with 2 gloo ranks: each samples and trains on half of every update's
+    prompts; the logged statistics are those of the gathered global batch, whose whitened
+    advantages have mean 0 and variance 1; rank 0 alone saves."""
+    out = tmp_path / "ppo"
+    metrics = launch("ppo", [inputs / "data", inputs / "sft", inputs / "reward"], out, 2,
+                     "ppo.total_episodes=16", "ppo.micro_batch_size=2", "ppo.eval_every=2", "ppo.eval_max_samples=3",
+                     "ppo.checkpoint_every=1")
+    updates = [m for step, m in metrics if "advantages/mean" in m]
+    assert len(updates) == 2
+    for m in updates:
+        assert m["advantages/mean"] == pytest.approx(0.0, abs=1e-5)
+        assert m["advantages/var"] == pytest.approx(1.0, rel=1e-3)
+        assert m["episodes"] in (8.0, 16.0)
+        assert all(v == v for v in m.values())  # no NaN
+    assert updates[0]["loss/policy"] != updates[1]["loss/policy"]
+    assert (out / "model" / "config.json").is_file() and (out / "value_model" / "config.json").is_file()
+    lines = (out / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # the 3 evaluation prompts, split 2 + 1 over the ranks and gathered
+    assert (out / "checkpoints" / "step-000001" / "state.pt").is_file()
+    state = torch.load(out / "checkpoints" / "step-000001" / "state.pt", weights_only=False)
+    rngs = state["extra"]["rank_rng"]
+    assert len(rngs) == 2 and not torch.equal(rngs[0], rngs[1])  # each rank's own sampling stream

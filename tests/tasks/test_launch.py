@@ -1,0 +1,53 @@
+"""The stage task's torchrun launcher: how many processes, relaying rank 0's records, and a failed job."""
+
+import pytest
+
+from rlhf_core.config import load_config
+from rlhf_core.tracking import JsonlTracker, read_metrics, replay
+from tasks.stages import LaunchError, launch_torchrun, nproc_per_node
+
+
+@pytest.mark.parametrize("value,expected", [(None, 1), ("", 1), ("1", 1), ("8", 8)])
+def test_process_count_comes_from_the_environment(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv("RLHF_NPROC_PER_NODE", raising=False)
+    else:
+        monkeypatch.setenv("RLHF_NPROC_PER_NODE", value)
+    assert nproc_per_node() == expected
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-2"])
+def test_a_bad_process_count_is_named(monkeypatch, value):
+    monkeypatch.setenv("RLHF_NPROC_PER_NODE", value)
+    with pytest.raises(ValueError, match=f"RLHF_NPROC_PER_NODE must be a positive integer, not '{value}'"):
+        nproc_per_node()
+
+
+def test_replay_sends_only_records_after_the_offset(tmp_path):
+    source = JsonlTracker(tmp_path / "metrics.jsonl")
+    source.log_metrics({"train/loss": 1.0}, step=1)
+    offset = (tmp_path / "metrics.jsonl").stat().st_size
+    source.log_params({"sft.batch_size": 8})
+    source.log_metrics({"train/loss": 0.5, "eval/x": float("nan")}, step=2)
+    source.log_table("samples", [{"a": 1}])
+    sink = JsonlTracker(tmp_path / "copy.jsonl")
+    end = replay(tmp_path / "metrics.jsonl", sink, offset)
+    assert end == (tmp_path / "metrics.jsonl").stat().st_size
+    records = read_metrics(tmp_path / "copy.jsonl")
+    assert [step for step, _ in records] == [2] and records[0][1]["train/loss"] == 0.5
+    text = (tmp_path / "copy.jsonl").read_text()
+    assert '"sft.batch_size": 8' in text and '"samples"' in text
+    assert replay(tmp_path / "metrics.jsonl", sink, end) == end  # nothing new
+
+
+@pytest.mark.slow
+def test_a_failed_torchrun_job_raises_with_its_exit_code_and_output(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "sft"
+    out.mkdir()
+    sink = JsonlTracker(tmp_path / "relayed.jsonl")
+    with pytest.raises(LaunchError, match=r"stage sft: torchrun with 2 processes exited with code 1") as err:
+        launch_torchrun("sft", load_config("smoke"), [tmp_path / "no-data", tmp_path / "no-model"], out, 2, sink)
+    first_line = str(err.value).splitlines()[0]
+    assert "[rank" in first_line and "no-data" in first_line  # the ranks' own error, not torchrun's
+    assert (out / "launch_config.json").is_file() and not (out / "launch_result.json").exists()
