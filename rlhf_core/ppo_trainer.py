@@ -70,7 +70,7 @@ from .ppo import (
     value_loss,
     whiten,
 )
-from .reward import ScalarModel, get_reward, padding_aware_inputs
+from .reward import ScalarModel, causal_forward, get_reward
 from .tracking import NullTracker, Tracker
 from .training import CheckpointManager, TrainingError, autocast, config_digest, micro_batches, pick_device
 
@@ -104,18 +104,21 @@ def response_logits(model: PreTrainedModel, query_responses: torch.Tensor, pad_t
     Returns:
         ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
     """
-    input_ids, attention_mask, position_ids = padding_aware_inputs(query_responses, pad_token_id)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state
+    hidden = causal_forward(
+        lambda ids, mask, pos: model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                                use_cache=False).last_hidden_state,
+        query_responses, pad_token_id,
+    )
     return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
 
 
 def response_values(value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
     """Value of the state before each response token. ``(batch, response_length)`` float32."""
-    input_ids, attention_mask, position_ids = padding_aware_inputs(query_responses, pad_token_id)
-    return value_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)[
-        :, context_length - 1 : -1
-    ]
+    values = causal_forward(
+        lambda ids, mask, pos: value_model(input_ids=ids, attention_mask=mask, position_ids=pos),
+        query_responses, pad_token_id,
+    )
+    return values[:, context_length - 1 : -1]
 
 
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:

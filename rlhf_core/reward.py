@@ -20,7 +20,7 @@ import os
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +93,7 @@ class ScalarModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:  # weights come from the backbone or a checkpoint
         pass
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
@@ -137,6 +137,48 @@ def padding_aware_inputs(query_responses: torch.Tensor, pad_token_id: int) -> tu
     return input_ids, attention_mask.long(), position_ids
 
 
+def causal_forward(
+    fn: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
+    query_responses: torch.Tensor,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """``fn(input_ids, attention_mask, position_ids)`` with padding invisible, at the cost of no mask.
+
+    When every row is one contiguous run of real tokens (left-padded query, right-padded
+    response: the layout of every batch in this project), each row is rotated so that its
+    run starts at position 0, the PAD columns after the longest run are dropped, and ``fn``
+    is called with ``attention_mask=None, position_ids=None``: the model then uses its plain
+    causal attention (fused SDPA kernels, no ``(batch, 1, length, length)`` mask) and the
+    default positions, which equal :func:`padding_aware_inputs`' positions on the rotated
+    rows. Outputs are rotated back; at PAD positions they are 0. A row with a PAD between real
+    tokens sends the whole batch through the mask of :func:`padding_aware_inputs` instead.
+    Real positions get the same values as the masked call (Detail 14), up to kernel rounding.
+
+    Args:
+        fn: a model call returning ``(batch, width, ...)`` for ``(batch, width)`` inputs.
+        query_responses: ``(batch, length)`` token ids.
+
+    Returns:
+        ``(batch, length, ...)``, the output of ``fn`` with gradients flowing through it.
+    """
+    real = query_responses != pad_token_id
+    batch, length = query_responses.shape
+    n_real = real.sum(1)
+    start = first_true_indices(real)
+    positions = torch.arange(length, device=query_responses.device)
+    contiguous = real == ((positions >= start[:, None]) & (positions < (start + n_real)[:, None]))
+    if not bool(contiguous.all()):
+        return fn(*padding_aware_inputs(query_responses, pad_token_id))
+    width = max(int(n_real.max()), 1)
+    gather = (positions[None, :width] + start[:, None]) % length  # (batch, width): rotated column -> original
+    input_ids = torch.gather(query_responses, 1, gather).masked_fill(positions[None, :width] >= n_real[:, None], 0)
+    out = fn(input_ids, None, None)  # (batch, width, ...)
+    rotated_back = out.new_zeros((batch, length, *out.shape[2:]))
+    index = gather.view(batch, width, *([1] * (out.dim() - 2))).expand_as(out)
+    keep = (positions[None, :width] < n_real[:, None]).view(batch, width, *([1] * (out.dim() - 2)))
+    return rotated_back.scatter(1, index, out * keep)
+
+
 def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scalars at every position, and the reward at each sequence's EOS (Details 12, 14).
 
@@ -152,8 +194,9 @@ def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: 
         ``(reward_logits (batch, length) float32, scores (batch,) float32,
         sequence_lengths (batch,) long)``, where ``sequence_lengths`` is the EOS index.
     """
-    input_ids, attention_mask, position_ids = padding_aware_inputs(query_responses, pad_token_id)
-    reward_logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    reward_logits = causal_forward(
+        lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos), query_responses, pad_token_id
+    )
     sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
     scores = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
     return reward_logits, scores, sequence_lengths

@@ -26,6 +26,7 @@ from .distributed import all_reduce_sum, gather_to_main, world
 from .generation import decode_responses, generate, trim_left_padding
 from .io import write_json_atomic
 from .models import load_causal_lm, save_pretrained_atomic
+from .reward import causal_forward
 from .tracking import NullTracker, Tracker
 from .training import (
     CheckpointManager,
@@ -83,8 +84,9 @@ def masked_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 def sft_loss_sum(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, int]:
     """:func:`masked_token_loss` computed without full-vocabulary logits at non-target positions.
 
-    The backbone's hidden states are gathered at the positions that predict a target,
-    and only those go through the language-model head.
+    The backbone runs through :func:`~rlhf_core.reward.causal_forward` (no attention mask,
+    no PAD columns past the longest row); its hidden states are gathered at the positions
+    that predict a target, and only those go through the language-model head.
 
     Args:
         input_ids: ``(batch, length)`` right-padded token ids.
@@ -93,8 +95,11 @@ def sft_loss_sum(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: tor
     Returns:
         ``(loss_sum, n_targets)`` as :func:`masked_token_loss`.
     """
-    attention_mask = (input_ids != pad_token_id).long()
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = causal_forward(
+        lambda ids, mask, pos: model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                                                use_cache=False).last_hidden_state,
+        input_ids, pad_token_id,
+    )
     target_mask = loss_mask[:, 1:]
     logits = model.get_output_embeddings()(hidden[:, :-1][target_mask]).float()
     targets = input_ids[:, 1:][target_mask]

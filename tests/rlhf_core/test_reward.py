@@ -13,10 +13,12 @@ from rlhf_core.reward import (
     ScalarModel,
     accuracy_by_group,
     calibration_table,
+    causal_forward,
     evaluate_reward_model,
     get_reward,
     init_head,
     normalize_reward_model,
+    padding_aware_inputs,
     preference_loss,
     reward_model_from_causal_lm,
     run_reward_training,
@@ -93,6 +95,47 @@ def test_left_and_right_padding_give_the_same_reward(smoke):
         _, left_scores, left_lengths = get_reward(rm, left, pad, context_length=len(ds[0]["query_token"]))
     assert (left[torch.arange(6), left_lengths] == stats["tokenizer"]["eos_token_id"]).all()
     torch.testing.assert_close(left_scores, right_scores, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_forward_equals_the_padding_aware_mask_with_gradients(smoke):
+    """The unmasked, rotated call gives the masked call's values and gradients at real tokens."""
+    cfg, root, sft, _, stats = smoke
+    pad = stats["tokenizer"]["pad_token_id"]
+    rm = reward_model_from_causal_lm(root / "base").eval()
+    ds = sft["train"].select(range(4))
+    rows = torch.cat([torch.tensor(ds["query_token"]), torch.tensor(ds["reference_response_token"])], dim=1)
+    real = rows != pad
+    assert (rows[:, 0] == pad).any() and (rows[:, -1] == pad).any()  # left and right padding
+
+    def call(ids, mask, pos):
+        return rm(input_ids=ids, attention_mask=mask, position_ids=pos)
+
+    calls = []
+
+    def recording(ids, mask, pos):
+        calls.append((ids.shape, mask))
+        return call(ids, mask, pos)
+
+    fast = causal_forward(recording, rows, pad)
+    assert calls[0][1] is None and calls[0][0][1] == int(real.sum(1).max()) < rows.size(1)  # no mask, PAD columns cut
+    masked = call(*padding_aware_inputs(rows, pad))
+    assert fast.shape == masked.shape
+    torch.testing.assert_close(fast[real], masked[real], rtol=1e-4, atol=1e-4)
+    assert (fast[~real] == 0).all()
+    weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)) * real
+    (grad_fast,) = torch.autograd.grad((fast * weights).sum(), rm.head.weight)
+    (grad_masked,) = torch.autograd.grad((masked * weights).sum(), rm.head.weight)
+    torch.testing.assert_close(grad_fast, grad_masked, rtol=1e-3, atol=1e-4)
+
+    holed = rows.clone()  # a PAD between real tokens: the whole batch takes the masked path
+    first = int(real[0].nonzero()[0])
+    holed[0, first + 2] = pad
+    calls.clear()
+    with torch.no_grad():
+        out = causal_forward(recording, holed, pad)
+        expected = call(*padding_aware_inputs(holed, pad))
+    assert calls[0][1] is not None
+    torch.testing.assert_close(out, expected)
 
 
 def test_preference_loss():
