@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import load_config
 from rlhf_core.data import load_prepared, prepare_data
+from rlhf_core.generation import first_true_indices
 from rlhf_core.models import import_base_model
 from rlhf_core.reward import (
     ScalarModel,
@@ -18,6 +19,7 @@ from rlhf_core.reward import (
     get_reward,
     init_head,
     normalize_reward_model,
+    pair_scores,
     padding_aware_inputs,
     preference_loss,
     reward_model_from_causal_lm,
@@ -136,6 +138,33 @@ def test_causal_forward_equals_the_padding_aware_mask_with_gradients(smoke):
         expected = call(*padding_aware_inputs(holed, pad))
     assert calls[0][1] is not None
     torch.testing.assert_close(out, expected)
+
+
+def test_pair_scores_run_the_query_once_and_equal_get_reward(smoke):
+    """Shared-prefix scoring: the same scores and gradients as scoring both rows in full."""
+    cfg, root, _, pref, stats = smoke
+    pad = stats["tokenizer"]["pad_token_id"]
+    rm = reward_model_from_causal_lm(root / "base", seed=1)
+    rows = pref["train"].select(range(4))
+    chosen, rejected = torch.tensor(rows["query_chosen_token"]), torch.tensor(rows["query_rejected_token"])
+    rejected[3] = chosen[3]  # identical responses: only the EOS is left for the second pass
+    widths = []
+    hook = rm.backbone.register_forward_hook(lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape),
+                                             with_kwargs=True)
+    c, r = pair_scores(rm, chosen, rejected, pad)
+    hook.remove()
+    query_length = int(first_true_indices(chosen[0] != rejected[0]))
+    assert widths[0][0] == 4 and widths[0][1] >= query_length  # the prefix once per pair
+    assert widths[1][0] == 8 and widths[1][1] < chosen.size(1) - query_length  # then both responses
+    _, full, _ = get_reward(rm, torch.cat([chosen, rejected]), pad)
+    torch.testing.assert_close(c, full[:4], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(r, full[4:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(c[3], r[3])
+    params = [rm.backbone.get_input_embeddings().weight, rm.head.weight]
+    grads = torch.autograd.grad(preference_loss(c, r).sum(), params)
+    expected = torch.autograd.grad(preference_loss(full[:4], full[4:]).sum(), params)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
 
 
 def test_preference_loss():
