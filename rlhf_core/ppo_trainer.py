@@ -253,23 +253,33 @@ class PPOTrainer:
                     idx = torch.tensor(micro, device=self.device)
                     qr, resp = batch["query_responses"][idx], batch["responses"][idx]
                     token_mask, value_mask = batch["token_mask"][idx], batch["value_mask"][idx]
+                    # loss = policy loss + vf_coef * value loss, and the two models share no parameters,
+                    # so each part is backpropagated on its own: the policy's activations are freed
+                    # before the value model's forward pass, and peak memory holds one model's only.
+                    # Summed over the ranks below: the gradient of the global minibatch's mean loss.
+                    scale = len(micro) / len(minibatch) / ranks
                     with autocast(self.device, cfg.bf16):
                         logits = response_logits(self.policy, qr, pad, context)
-                        vpred = response_values(self.value_model, qr, pad, context)
                     new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature)
                     new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
-                    vpred = vpred.float() * value_mask
                     pl = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx], token_mask, cfg.cliprange)
-                    vl = value_loss(vpred, batch["values"][idx], batch["returns"][idx], value_mask, cfg.cliprange_value)
-                    loss = pl["loss"] + cfg.vf_coef * vl["loss"]
-                    if not torch.isfinite(loss):
-                        failure = f"non-finite loss {loss.item()} (policy {pl['loss'].item()}, value {vl['loss'].item()})"
+                    if not torch.isfinite(pl["loss"]):
+                        failure = f"non-finite loss (policy {pl['loss'].item()})"
                         break
-                    # summed over the ranks below: the gradient of the global minibatch's mean loss
-                    (loss * len(micro) / len(minibatch) / ranks).backward()
+                    (pl["loss"] * scale).backward()
+                    with torch.no_grad():
+                        entropy = masked_mean(entropy_from_logits(logits.float() / cfg.temperature), token_mask)
+                    del logits, new_logprobs
+                    with autocast(self.device, cfg.bf16):
+                        vpred = response_values(self.value_model, qr, pad, context)
+                    vpred = vpred.float() * value_mask
+                    vl = value_loss(vpred, batch["values"][idx], batch["returns"][idx], value_mask, cfg.cliprange_value)
+                    if not torch.isfinite(vl["loss"]):
+                        failure = f"non-finite loss (value {vl['loss'].item()})"
+                        break
+                    (cfg.vf_coef * vl["loss"] * scale).backward()
                     with torch.no_grad():
                         weight = len(micro) / len(minibatch)
-                        entropy = masked_mean(entropy_from_logits(logits.float() / cfg.temperature), token_mask)
                         for key, value in (("loss/policy", pl["loss"]), ("loss/value", vl["loss"]),
                                            ("policy/clipfrac", pl["clipfrac"]), ("policy/approxkl", pl["approxkl"]),
                                            ("val/clipfrac", vl["clipfrac"]), ("policy/entropy", entropy)):
