@@ -28,7 +28,7 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install demo demo-local test test-fast stack-up stack-down stack-status clean
+.PHONY: install demo demo-local test test-fast stack-up stack-down stack-status clean bench-venv-trl bench-trl
 
 install: $(STAMP)
 
@@ -66,6 +66,27 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
+
+# Training speed against TRL (benchmarks/vs_trl.py): TRL lives in its own venv, never in $(VENV).
+# torch is pinned first so that pip takes the CPU wheel from local disk instead of CUDA wheels.
+TRL_VENV ?= .venv-trl
+TRL_BIN := $(TRL_VENV)/bin
+TRL_STAMP := $(TRL_VENV)/.installed
+TRL_VERSION ?= 1.12.0
+TRANSFORMERS_VERSION ?= $(shell $(BIN)/python -c 'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null || echo 5.23.0)
+BENCH_ARGS ?= --setting smoke
+
+bench-venv-trl: $(TRL_STAMP)
+
+$(TRL_STAMP): Makefile
+	test -x $(TRL_BIN)/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(TRL_BIN)/python -m pip install --quiet trl==$(TRL_VERSION) transformers==$(TRANSFORMERS_VERSION)
+	$(TRL_BIN)/python -c 'import trl.experimental.ppo, trl, transformers, torch; print("trl", trl.__version__, "transformers", transformers.__version__, "torch", torch.__version__)'
+	touch $(TRL_STAMP)
+
+bench-trl: $(STAMP) $(TRL_STAMP)
+	$(BIN)/python benchmarks/vs_trl.py $(BENCH_ARGS)
 
 clean: stack-down
 	rm -rf $(VENV) runs .pytest_cache $(STACK_DIR)

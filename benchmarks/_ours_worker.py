@@ -1,0 +1,234 @@
+"""Our side of ``benchmarks/vs_trl.py``: input preparation and one timed training run, in ``.venv``.
+
+Run by the benchmark as ``.venv/bin/python benchmarks/_ours_worker.py prep|run SPEC.json``.
+
+``prep`` runs the pipeline's ``data`` and ``base_model`` stages into the work directory (reused
+when their configuration is unchanged, as ``rlhf stages`` does), builds an untrained reward model
+(:class:`rlhf_core.reward.ScalarModel`) for our PPO, and writes the exact rows each stage will
+train on, in our batch order, as plain token-id lists (``rows-<stage>.json``) for both sides. It
+prints ``BENCH_RESULT {...}`` with the resolved settings (learning rates, lengths, paths) so the
+TRL side gets the same numbers.
+
+``run`` times one stage through our public entry points: ``run_sft`` and
+``run_reward_training`` (a tracker records the time at the end of every optimiser step and stops
+the stage after the last one, so the post-training save and evaluation are neither run nor
+timed), or ``PPOTrainer.rollout`` + ``PPOTrainer.train_on`` for PPO (what ``run_ppo`` does per
+update, without its evaluation and checkpoints). It prints ``BENCH_RESULT {...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _config(spec: dict):
+    from rlhf_core.config import load_config
+
+    return load_config(spec["preset"], spec.get("overrides", []))
+
+
+# ------------------------------------------------------------------------------ prep
+
+
+def prep(spec: dict) -> dict:
+    """Data, base model, our reward model, and the rows of every requested stage."""
+    from rlhf_core.cli import run_stages
+    from rlhf_core.data import load_prepared
+    from rlhf_core.models import save_pretrained_atomic
+    from rlhf_core.ppo_trainer import prompt_indices
+    from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
+    from rlhf_core.training import batch_order
+
+    work = Path(spec["work"])
+    cfg = _config(spec)
+    run_stages(cfg, work, "base_model")
+    data_dir, base_dir = work / "data", work / "base_model"
+    sft, pref, stats = load_prepared(data_dir)
+    pad = stats["tokenizer"]["pad_token_id"]
+    out: dict = {
+        "data_dir": str(data_dir),
+        "base_model_dir": str(base_dir),
+        "tokenizer_dir": str(data_dir / "tokenizer"),
+        "padded_lengths": stats["padded_lengths"],
+        "pad_token_id": pad,
+        "eos_token_id": stats["tokenizer"]["eos_token_id"],
+        "n_params": json.loads((base_dir / "import.json").read_text())["parameters"],
+        "stages": {},
+    }
+
+    def unpad(row: list[int]) -> list[int]:
+        return [t for t in row if t != pad]
+
+    for stage, s in spec["stages"].items():
+        steps, batch = s["steps"], s["batch_size"]
+        info: dict = {"rows": str(work / f"rows-{stage}.json")}
+        if stage in ("sft", "reward"):
+            section = cfg.sft if stage == "sft" else cfg.reward
+            split = sft["train"] if stage == "sft" else pref["train"]
+            per_epoch = max(1, len(split) // batch)
+            epochs = math.ceil(steps / per_epoch)
+            order = batch_order(len(split), batch, epochs, section.seed)[:steps]
+            if len(order) < steps or any(len(b) != batch for b in order):
+                raise SystemExit(f"{stage}: {len(split)} rows cannot make {steps} batches of {batch}")
+            flat = [i for b in order for i in b]
+            if stage == "sft":
+                ids = [unpad(r) for r in split.select(flat)["query_reference_response_token"]]
+                rows = {"input_ids": ids, "max_length": stats["padded_lengths"]["sft_query_response"]}
+                lengths = [len(r) for r in ids]
+            else:
+                sel = split.select(flat)
+                chosen = [unpad(r) for r in sel["query_chosen_token"]]
+                rejected = [unpad(r) for r in sel["query_rejected_token"]]
+                rows = {"chosen_ids": chosen, "rejected_ids": rejected,
+                        "max_length": stats["padded_lengths"]["rm_query_response"]["tldr"]}
+                lengths = [len(c) + len(r) for c, r in zip(chosen, rejected)]
+            rows["tokens_per_step"] = [sum(lengths[k * batch : (k + 1) * batch]) for k in range(steps)]
+            # what each side pads to: ours the dataset-wide padded length, TRL the longest row of a micro-batch
+            info.update(num_epochs=epochs, learning_rate=section.learning_rate, adam_eps=section.adam_eps,
+                        scheduler=section.scheduler, seed=section.seed, tokens_per_step=rows["tokens_per_step"],
+                        max_length=rows["max_length"])
+        else:
+            p = cfg.ppo
+            queries = list(sft["train"]["query_token"])
+            order = [i for u in range(steps) for i in prompt_indices(len(queries), batch, u, p.seed)]
+            rows = {"queries": [unpad(queries[i]) for i in order]}
+            reward_dir = work / "reward_model_untrained"
+            if not (reward_dir / "config.json").is_file():
+                rm = reward_model_from_causal_lm(base_dir, seed=cfg.reward.seed)
+                save_pretrained_atomic(rm, reward_dir)
+            ScalarModel.from_pretrained(str(reward_dir))  # loads as our PPO will load it
+            info.update(learning_rate=p.learning_rate, adam_eps=p.adam_eps, scheduler=p.scheduler, seed=p.seed,
+                        reward_model_dir=str(reward_dir),
+                        response_length=p.response_length or stats["padded_lengths"]["sft_response"],
+                        ppo={k: getattr(p, k) for k in ("ppo_epochs", "num_minibatches", "temperature", "kl_coef",
+                                                         "cliprange", "cliprange_value", "vf_coef", "gamma", "lam",
+                                                         "whiten_rewards", "non_eos_penalty")})
+            info["ppo"]["response_length"] = info["response_length"]
+        Path(info["rows"]).write_text(json.dumps(rows))
+        out["stages"][stage] = info
+    return out
+
+
+# ------------------------------------------------------------------------------- run
+
+
+class _Done(Exception):
+    """Raised by the tracker after the last timed step: skips the stage's save and evaluation."""
+
+
+class _StepClock:
+    """A tracker that records ``time.perf_counter()`` at the end of each optimiser step."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.ends: list[float] = []
+        self.tokens_per_s: list[float] = []
+        self.params_at: float | None = None
+
+    def log_params(self, params):
+        self.params_at = time.perf_counter()  # just before train_loop starts
+
+    def log_metrics(self, metrics, step=None):
+        if "tokens_per_s" not in metrics:
+            return
+        self.ends.append(time.perf_counter())
+        self.tokens_per_s.append(metrics["tokens_per_s"])
+        if step is not None and step >= self.steps:
+            raise _Done
+
+    def log_table(self, name, rows):
+        pass
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+
+def _timed_window(ends: list[float], first_step_seconds: float) -> dict:
+    """Steps 2.. when there are two or more (the first is the warm-up), else the first step alone."""
+    if len(ends) >= 2:
+        return {"timed_seconds": ends[-1] - ends[0], "timed_from_step": 1, "warmup_included": False}
+    return {"timed_seconds": first_step_seconds, "timed_from_step": 0, "warmup_included": True}
+
+
+def run(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    cfg = _config(spec)
+    stage, steps = spec["stage"], spec["steps"]
+    out_dir = Path(spec["out_dir"])
+    result: dict = {"side": "ours", "stage": stage}
+    t_load = time.perf_counter()
+    if stage in ("sft", "reward"):
+        clock = _StepClock(steps)
+        try:
+            if stage == "sft":
+                from rlhf_core.sft import run_sft
+
+                run_sft(cfg.sft, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
+            else:
+                from rlhf_core.reward import run_reward_training
+
+                run_reward_training(cfg.reward, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
+        except _Done:
+            pass
+        if len(clock.ends) != steps:
+            raise RuntimeError(f"expected {steps} steps, got {len(clock.ends)}")
+        tokens = spec["tokens_per_step"]
+        first = tokens[0] / clock.tokens_per_s[0]  # train_loop's own timing of step 1
+        result.update(_timed_window(clock.ends, first))
+        result["step_seconds"] = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+        result["train_loop_tokens_per_s"] = clock.tokens_per_s
+        result["load_seconds"] = (clock.params_at or t_load) - t_load
+        model_params = None
+    else:
+        from rlhf_core.ppo_trainer import PPOTrainer, prompt_indices
+
+        trainer = PPOTrainer(cfg.ppo, spec["data_dir"], spec["base_model_dir"], spec["reward_model_dir"],
+                             device=torch.device("cuda" if spec["device"] == "cuda" else "cpu"))
+        result["load_seconds"] = time.perf_counter() - t_load
+        n_rows, batch = len(trainer.queries), cfg.ppo.batch_size
+        begin = time.perf_counter()
+        ends, phases = [], []
+        for update in range(steps):
+            idx = prompt_indices(n_rows, batch, update, cfg.ppo.seed)
+            t0 = time.perf_counter()
+            rollout = trainer.rollout(trainer.queries[idx])
+            t1 = time.perf_counter()
+            trainer.train_on(rollout, update)
+            trainer.scheduler.step()
+            ends.append(time.perf_counter())
+            phases.append({"rollout_s": t1 - t0, "train_s": ends[-1] - t1,
+                           "generate_s": float(rollout["time_generate"]), "score_s": float(rollout["time_score"])})
+        result.update(_timed_window(ends, ends[0] - begin))
+        result["step_seconds"] = [b - a for a, b in zip(ends, ends[1:])]
+        result["phases"] = phases
+        model_params = sum(p.numel() for p in trainer.policy.parameters())
+    result["n_params"] = model_params
+    result["threads"] = torch.get_num_threads()
+    result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
+    if spec["device"] == "cuda":
+        result["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
+
+
+def main() -> None:
+    mode, path = sys.argv[1], sys.argv[2]
+    spec = json.loads(Path(path).read_text())
+    if spec.get("device") == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # our stages pick CUDA whenever one is visible
+    result = prep(spec) if mode == "prep" else run(spec)
+    print("BENCH_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
