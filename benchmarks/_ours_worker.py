@@ -165,7 +165,8 @@ def run(spec: dict) -> dict:
     cfg = _config(spec)
     stage, steps = spec["stage"], spec["steps"]
     out_dir = Path(spec["out_dir"])
-    result: dict = {"side": "ours", "stage": stage}
+    section = {"sft": cfg.sft, "reward": cfg.reward, "ppo": cfg.ppo}[stage]
+    result: dict = {"side": "ours", "stage": stage, "gradient_checkpointing": section.gradient_checkpointing}
     t_load = time.perf_counter()
     if stage in ("sft", "reward"):
         clock = _StepClock(steps)

@@ -51,8 +51,10 @@ tokenizer (with our PAD), the rows and their order (TRL gets ``train_sampling_st
 "sequential"`` and, for PPO, a non-shuffling prompt loader), global batch, micro-batch and
 gradient accumulation, the maximum lengths (TRL ``max_length`` = our padded lengths, so nothing
 is truncated or dropped), bf16 autocast, ``torch.set_num_threads`` (default 2), dropout off, no
-evaluation, no saving or checkpoints, no logging services (``report_to="none"``), no gradient
-checkpointing (TRL's configs default to it: turned off), ``torch.optim.AdamW`` with eps 1e-5,
+evaluation, no saving or checkpoints, no logging services (``report_to="none"``), no full
+gradient checkpointing (TRL's configs default to it: turned off; ours runs each stage's default,
+selective recomputation of elementwise ops for SFT and PPO, none for the reward model;
+``--our-checkpointing false`` turns it off), ``torch.optim.AdamW`` with eps 1e-5,
 weight decay 0.01 (torch's default, which ours uses; TRL applies it to non-bias, non-norm
 weights only) and our learning rate and schedule (cosine for SFT and reward, linear for PPO),
 PPO's response length, temperature, KL coefficient, clip ranges, value coefficient, gamma,
@@ -133,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s for MFU with --device cuda")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on either side")
+    p.add_argument("--our-checkpointing", choices=("default", "false", "selective", "true"), default="default",
+                   help="our stages' gradient_checkpointing (default: each stage's config default); TRL's is off")
     p.add_argument("--trl-pad-to-max", action="store_true",
                    help="TRL pads SFT/reward micro-batches to our padded length (same shapes as ours)")
     p.add_argument("--ours-python", type=Path, default=OURS_PY, help="interpreter with this project installed")
@@ -216,12 +220,15 @@ def stage_sizes(args: argparse.Namespace, stage: str) -> tuple[int, int]:
 
 
 def our_overrides(args: argparse.Namespace, stage: str, num_epochs: int = 1) -> list[str]:
-    """Config overrides for our stage: sizes, steps, bf16, no checkpoints, no gradient checkpointing."""
+    """Config overrides for our stage: sizes, steps, bf16, no checkpoints, activation checkpointing
+    as ``--our-checkpointing``."""
     batch, micro = stage_sizes(args, stage)
     bf16 = "false" if args.fp32 else "true"
     s = SECTION[stage]
     common = [f"{s}.batch_size={batch}", f"{s}.micro_batch_size={micro}", f"{s}.bf16={bf16}",
-              f"{s}.gradient_checkpointing=false", f"{s}.checkpoint_every=1000000000"]
+              f"{s}.checkpoint_every=1000000000"]
+    if args.our_checkpointing != "default":
+        common.append(f"{s}.gradient_checkpointing={args.our_checkpointing}")
     if stage in ("sft", "reward"):
         return common + [f"{s}.max_steps={args.steps}", f"{s}.num_epochs={num_epochs}", f"{s}.eval_max_samples=1"]
     rl = args.response_length or SETTINGS[args.setting]["response_length"]

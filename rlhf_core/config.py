@@ -184,7 +184,9 @@ class SFTConfig(_Strict):
     eval_temperature: float = Field(0.01, gt=0)
     checkpoint_every: int = Field(50, gt=0)
     bf16: bool = False
-    gradient_checkpointing: bool = False
+    #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
+    #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy).
+    gradient_checkpointing: bool | Literal["selective"] = "selective"
     #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
     strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
     seed: int = 1
@@ -208,7 +210,10 @@ class RewardConfig(_Strict):
     calibration_bins: int = Field(10, gt=1)
     checkpoint_every: int = Field(50, gt=0)
     bf16: bool = False
-    gradient_checkpointing: bool = False
+    #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
+    #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy). Off by
+    #: default: either kind turns off the shared-query forward pass of reward.pair_scores.
+    gradient_checkpointing: bool | Literal["selective"] = False
     #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
     strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
     seed: int = 1
@@ -246,7 +251,9 @@ class PPOConfig(_Strict):
     eval_temperature: float = Field(0.01, gt=0)
     checkpoint_every: int = Field(10, gt=0)
     bf16: bool = False
-    gradient_checkpointing: bool = False
+    #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
+    #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy).
+    gradient_checkpointing: bool | Literal["selective"] = "selective"
     seed: int = 1
 
 

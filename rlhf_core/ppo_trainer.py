@@ -72,7 +72,15 @@ from .ppo import (
 )
 from .reward import ScalarModel, causal_forward, get_reward
 from .tracking import NullTracker, Tracker
-from .training import CheckpointManager, TrainingError, autocast, config_digest, micro_batches, pick_device
+from .training import (
+    CheckpointManager,
+    TrainingError,
+    autocast,
+    config_digest,
+    enable_activation_checkpointing,
+    micro_batches,
+    pick_device,
+)
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +163,8 @@ class PPOTrainer:
         self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
         self.reward_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False)
         self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
-        if cfg.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-            self.value_model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
+        enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
         self.optimizer = torch.optim.AdamW(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
@@ -182,7 +189,8 @@ class PPOTrainer:
         context = queries.size(1)
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         t_gen = t_score = 0.0
-        self.policy.eval()
+        self.policy.eval()  # KV cache in generation, no activation checkpointing
+        self.value_model.eval()
         for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
             q = queries[mb]
             t0 = time.perf_counter()

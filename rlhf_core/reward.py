@@ -41,6 +41,7 @@ from .training import (
     accumulation_steps,
     autocast,
     config_digest,
+    enable_activation_checkpointing,
     micro_batches,
     pick_device,
     train_loop,
@@ -288,8 +289,7 @@ def run_reward_training(
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
     device = pick_device()
     model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    enable_activation_checkpointing(model, cfg.gradient_checkpointing)
     train = pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
 
     def step_fn(indices: list[int]) -> dict[str, float]:

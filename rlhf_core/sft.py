@@ -34,6 +34,7 @@ from .training import (
     accumulation_steps,
     autocast,
     config_digest,
+    enable_activation_checkpointing,
     micro_batches,
     pick_device,
     train_loop,
@@ -260,9 +261,7 @@ def run_sft(
     device = pick_device()
     torch.manual_seed(cfg.seed)
     model = load_causal_lm(base_model_dir).to(device)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+    enable_activation_checkpointing(model, cfg.gradient_checkpointing)
 
     train = sft_data["train"].with_format("torch", columns=["query_reference_response_token", "query_token_len"])
 

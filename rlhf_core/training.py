@@ -10,6 +10,7 @@ seed and the epoch, so a checkpoint needs only the step number to resume mid-epo
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import math
@@ -20,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -61,6 +62,70 @@ def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextMana
     if not bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+#: ``gradient_checkpointing`` values of the stage configs: off, every decoder layer recomputed
+#: in the backward pass, or selective recomputation (:func:`recompute_policy`).
+Checkpointing = bool | Literal["selective"]
+
+
+@functools.cache
+def _saved_ops() -> frozenset:
+    """The aten ops whose outputs :func:`recompute_policy` keeps (those this torch build has)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective activation recomputation: keep what is costly to recompute, recompute the rest.
+
+    Inside a checkpointed decoder layer, the outputs of matrix multiplications (the q/k/v,
+    output, gate, up and down projections) and of the fused attention kernels are saved in
+    the forward pass; every other op (RMSNorm, rotary embeddings, SiLU, products, residual
+    sums, dtype casts) is run again in the backward pass from them. Recomputing those costs a
+    few memory-bound elementwise passes instead of a second forward pass of the layer (full
+    checkpointing); the activations they would have saved, about half of a Llama layer's,
+    are never held. Gradients are those of the plain forward pass.
+
+    A ``policy_fn`` for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
+    (Korthikanti et al. 2022 recompute the cheap part of attention; here it is the
+    elementwise part of the whole layer).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def enable_activation_checkpointing(model: torch.nn.Module, mode: Checkpointing) -> None:
+    """Turn on activation checkpointing of every decoder layer of a Hugging Face ``model``.
+
+    ``mode`` is a stage config's ``gradient_checkpointing``: ``False`` leaves the model as it
+    is; ``True`` recomputes each layer's forward pass in the backward pass (least memory, about
+    a third more compute); ``"selective"`` recomputes only the elementwise ops
+    (:func:`recompute_policy`). Either runs ``torch.utils.checkpoint`` non-reentrantly and only
+    in training mode, so evaluation and generation keep their KV cache. Applied to
+    ``model.base_model`` (the backbone of a causal LM or of a ``ScalarModel``).
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode is False:
+        return
+    if mode is not True and mode != "selective":
+        raise ValueError(f"gradient_checkpointing must be true, false or 'selective', not {mode!r}")
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
+    base = model.base_model
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.23
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int = 1) -> int:

@@ -1,0 +1,72 @@
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from rlhf_core.config import load_config
+from rlhf_core.models import import_base_model, load_causal_lm
+from rlhf_core.reward import reward_model_from_causal_lm
+from rlhf_core.training import enable_activation_checkpointing
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "base"
+    import_base_model(load_config("smoke").model, out)
+    return out
+
+
+def _step(model, ids):
+    """Loss, parameter gradients, matmul FLOPs of forward+backward, and bytes that autograd
+    saves outside checkpointed regions."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as counter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hidden = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        loss = hidden.float().pow(2).mean()
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, counter.get_total_flops(), saved[0]
+
+
+@pytest.mark.parametrize("build", ["causal_lm", "scalar_model"])
+def test_selective_recomputation_keeps_gradients_and_recomputes_no_matmul(base_dir, build):
+    """``"selective"`` gives the plain forward's loss and gradients, saves far fewer tensors
+    outside the checkpointed layers, and, unlike full checkpointing, runs no matmul twice."""
+    def make(mode):
+        torch.manual_seed(0)
+        model = load_causal_lm(base_dir) if build == "causal_lm" else reward_model_from_causal_lm(base_dir, seed=0)
+        model.train()
+        enable_activation_checkpointing(model, mode)
+        return model
+
+    ids = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(1))
+    loss0, grads0, flops0, saved0 = _step(make(False), ids)
+    loss_sel, grads_sel, flops_sel, saved_sel = _step(make("selective"), ids)
+    loss_full, grads_full, flops_full, saved_full = _step(make(True), ids)
+
+    torch.testing.assert_close(loss_sel, loss0)
+    torch.testing.assert_close(loss_full, loss0)
+    assert grads_sel.keys() == grads0.keys() and len(grads0) > 0
+    for name in grads0:
+        torch.testing.assert_close(grads_sel[name], grads0[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(grads_full[name], grads0[name], rtol=1e-4, atol=1e-6)
+    assert flops_sel == flops0  # matmul and attention outputs are kept, never recomputed
+    assert flops_full > flops0 * 1.2  # full checkpointing runs each layer's forward again
+    assert saved_sel < saved0 / 2 and saved_full < saved0 / 2  # the layers' activations are held elsewhere
+
+
+def test_selective_recomputation_is_off_in_eval_mode_and_a_bad_mode_is_named(base_dir):
+    model = load_causal_lm(base_dir)
+    enable_activation_checkpointing(model, "selective")
+    model.eval()
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 16  # generation keeps its cache
+    with pytest.raises(ValueError, match="'partial'"):
+        enable_activation_checkpointing(load_causal_lm(base_dir), "partial")
