@@ -87,8 +87,9 @@ def recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     the forward pass; every other op (RMSNorm, rotary embeddings, SiLU, products, residual
     sums, dtype casts) is run again in the backward pass from them. Recomputing those costs a
     few memory-bound elementwise passes instead of a second forward pass of the layer (full
-    checkpointing); the activations they would have saved, about half of a Llama layer's,
-    are never held. Gradients are those of the plain forward pass.
+    checkpointing); the activations only they would have saved are never held (SmolLM2-135M,
+    8 x 491 tokens, forward and backward: peak memory 8.3 GB -> 5.8 GB). Gradients are those of
+    the plain forward pass.
 
     A ``policy_fn`` for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
     (Korthikanti et al. 2022 recompute the cheap part of attention; here it is the
