@@ -108,7 +108,9 @@ def enable_activation_checkpointing(model: torch.nn.Module, mode: Checkpointing)
     a third more compute); ``"selective"`` recomputes only the elementwise ops
     (:func:`recompute_policy`). Either runs ``torch.utils.checkpoint`` non-reentrantly and only
     in training mode, so evaluation and generation keep their KV cache. Applied to
-    ``model.base_model`` (the backbone of a causal LM or of a ``ScalarModel``).
+    ``model.base_model`` (the backbone of a causal LM or of a ``ScalarModel``), in place.
+    Source: activation checkpointing (Chen et al. 2016), which Huang et al. 2024 use for the
+    single-GPU 1B runs; selective recomputation after Korthikanti et al. 2022.
 
     Raises:
         ValueError: an unknown ``mode``.
@@ -123,7 +125,7 @@ def enable_activation_checkpointing(model: torch.nn.Module, mode: Checkpointing)
 
         kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, recompute_policy)
     base = model.base_model
-    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.23
+    if hasattr(base, "activation_checkpointing_enable"):  # newer transformers; older ones have only the next
         base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
