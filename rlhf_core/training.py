@@ -109,8 +109,8 @@ def enable_activation_checkpointing(model: torch.nn.Module, mode: Checkpointing)
     (:func:`recompute_policy`). Either runs ``torch.utils.checkpoint`` non-reentrantly and only
     in training mode, so evaluation and generation keep their KV cache. Applied to
     ``model.base_model`` (the backbone of a causal LM or of a ``ScalarModel``), in place.
-    Source: activation checkpointing (Chen et al. 2016), which Huang et al. 2024 use for the
-    single-GPU 1B runs; selective recomputation after Korthikanti et al. 2022.
+    Source: activation checkpointing (Chen et al. 2016; Huang et al. 2024 do not describe it);
+    selective recomputation after Korthikanti et al. 2022.
 
     Raises:
         ValueError: an unknown ``mode``.
