@@ -57,9 +57,69 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager:
-    """bf16 autocast on ``device`` when ``bf16`` is true, else a no-op context."""
-    if not bf16:
+#: The ``bf16`` setting of every stage: ``true`` (bf16 autocast), ``false`` (float32) or
+#: ``"auto"`` (bf16 autocast where the hardware computes in bf16 natively, :func:`resolve_bf16`).
+Precision = bool | Literal["auto"]
+
+#: CPU features with native bf16 arithmetic: AVX512-BF16 dot products, AMX-BF16 tiles.
+NATIVE_BF16_CPU_FEATURES = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """Names of the CPU's instruction-set features that are present (lower case, e.g. ``avx512_bf16``).
+
+    From ``torch.cpu.get_capabilities()`` (cpuinfo, the library PyTorch dispatches with); where
+    this torch has no such call, from the ``flags`` line of ``/proc/cpuinfo``.
+    """
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is not None:
+        return frozenset(k.lower() for k, v in get().items() if v is True)
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bf16 matrix products natively: a CUDA device with bf16
+    support (compute capability 8.0 or newer), or a CPU with AVX512-BF16 or AMX-BF16.
+
+    Elsewhere bf16 autocast is emulated through float32 and slower than float32 itself.
+    """
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return any(f in cpu_features() for f in NATIVE_BF16_CPU_FEATURES)
+    return False
+
+
+def resolve_bf16(setting: Precision, device: torch.device) -> bool:
+    """A stage's ``bf16`` setting as a decision: ``"auto"`` is :func:`native_bf16` of ``device``.
+
+    Raises:
+        ValueError: a setting other than true, false or ``"auto"``.
+    """
+    if setting == "auto":
+        return native_bf16(device)
+    if isinstance(setting, bool):
+        return setting
+    raise ValueError(f"bf16 must be true, false or 'auto', not {setting!r}")
+
+
+def precision_name(setting: Precision, device: torch.device) -> str:
+    """``"bf16-autocast"`` or ``"float32"``: what ``setting`` resolves to on ``device`` (logged per stage)."""
+    return "bf16-autocast" if resolve_bf16(setting, device) else "float32"
+
+
+def autocast(device: torch.device, bf16: Precision) -> contextlib.AbstractContextManager:
+    """bf16 autocast on ``device`` when ``bf16`` resolves to true (:func:`resolve_bf16`), else a
+    no-op context (float32)."""
+    if not resolve_bf16(bf16, device):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 

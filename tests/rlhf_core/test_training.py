@@ -5,7 +5,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from rlhf_core.config import load_config
 from rlhf_core.models import import_base_model, load_causal_lm
 from rlhf_core.reward import reward_model_from_causal_lm
-from rlhf_core.training import enable_activation_checkpointing
+from rlhf_core import training
+from rlhf_core.training import autocast, enable_activation_checkpointing, precision_name, resolve_bf16
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,39 @@ def test_selective_recomputation_is_off_in_eval_mode_and_a_bad_mode_is_named(bas
     assert out.past_key_values is not None and out.past_key_values.get_seq_length() == 16  # generation keeps its cache
     with pytest.raises(ValueError, match="'partial'"):
         enable_activation_checkpointing(load_causal_lm(base_dir), "partial")
+
+
+@pytest.mark.parametrize("features, native", [
+    (frozenset({"avx2", "avx512_f", "avx512_bw", "avx512_vnni"}), False),  # AVX-512 without bf16: emulated
+    (frozenset({"avx2", "avx512_f", "avx512_bf16"}), True),
+    (frozenset({"avx2", "amx_tile", "amx_bf16"}), True),
+    (frozenset(), False),
+])
+def test_bf16_auto_follows_the_cpu_features(monkeypatch, features, native):
+    """`bf16: auto` is bf16 autocast exactly where the CPU computes bf16 natively."""
+    monkeypatch.setattr(training, "cpu_features", lambda: features)
+    cpu = torch.device("cpu")
+    assert resolve_bf16("auto", cpu) is native
+    assert precision_name("auto", cpu) == ("bf16-autocast" if native else "float32")
+    assert resolve_bf16(True, cpu) is True and resolve_bf16(False, cpu) is False  # explicit settings win
+    layer = torch.nn.Linear(4, 4)
+    with autocast(cpu, "auto"):
+        out = layer(torch.ones(1, 4))
+    assert out.dtype == (torch.bfloat16 if native else torch.float32)
+
+
+def test_bf16_setting_is_validated():
+    with pytest.raises(ValueError, match="bf16 must be true, false or 'auto'"):
+        resolve_bf16("sometimes", torch.device("cpu"))
+    assert load_config("cpu-demo").sft.bf16 == "auto"  # every stage's default, presets included
+    with pytest.raises(Exception, match="sft.bf16"):
+        load_config("smoke", ["sft.bf16=sometimes"])
+
+
+def test_cpu_features_are_read_from_this_machine():
+    features = training.cpu_features()
+    with open("/proc/cpuinfo") as fh:
+        flags = next((line.split(":", 1)[1].split() for line in fh if line.startswith("flags")), [])
+    if flags:  # torch's cpuinfo and the kernel agree on the feature that decides the precision
+        assert ("avx512_bf16" in features) == ("avx512_bf16" in flags)
+        assert ("avx2" in features) == ("avx2" in flags)
