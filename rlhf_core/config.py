@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
 CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
+#: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
+REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
 
 
 class ConfigError(ValueError):
@@ -183,7 +186,9 @@ class SFTConfig(_Strict):
     eval_max_samples: int | None = Field(None, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
     checkpoint_every: int = Field(50, gt=0)
-    bf16: bool = False
+    #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
+    #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
+    bf16: bool | Literal["auto"] = "auto"
     #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
     #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy).
     gradient_checkpointing: bool | Literal["selective"] = "selective"
@@ -209,7 +214,9 @@ class RewardConfig(_Strict):
     eval_max_samples: int | None = Field(None, gt=0)
     calibration_bins: int = Field(10, gt=1)
     checkpoint_every: int = Field(50, gt=0)
-    bf16: bool = False
+    #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
+    #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
+    bf16: bool | Literal["auto"] = "auto"
     #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
     #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy). Off by
     #: default: either kind turns off the shared-query forward pass of reward.pair_scores.
@@ -224,7 +231,19 @@ class PPOConfig(_Strict):
 
     ``response_length`` of ``None`` uses the SFT response length derived from the data
     (Detail 4). ``non_eos_penalty`` is the score given to responses without EOS
-    (the EOS trick, Detail 23).
+    (the EOS trick, Detail 23); ``None`` turns the trick off, so every response keeps its
+    own score (for rewards that need no finished summary, such as the learning check of
+    ``tests/rlhf_core/test_ppo_learning.py``, whose random model never samples EOS).
+
+    ``reward`` is what PPO maximises. ``model`` (the paper's): the normalised reward model.
+    ``python:MODULE:FUNCTION``: a function ``f(queries, responses, query_ids, response_ids)``
+    of four equally long lists (query texts, response texts up to their first EOS, query
+    token ids without PAD, response token ids up to, not including, the first EOS, without
+    PAD) returning one float per response (a list or a ``(n,)`` tensor), such as the rule
+    rewards of :mod:`rlhf_core.rule_rewards`. Its output takes the place of the reward
+    model's score; the EOS trick, the KL penalty and the reward and advantage whitening
+    apply unchanged, and PPO's evaluation reports the same reward. The format is checked
+    here, the import when PPO starts (:func:`rlhf_core.rule_rewards.load_reward_function`).
     """
 
     total_episodes: int = Field(1_000_000, gt=0)
@@ -243,18 +262,29 @@ class PPOConfig(_Strict):
     vf_coef: float = Field(0.1, ge=0)
     temperature: float = Field(0.7, gt=0)
     response_length: int | None = Field(None, gt=0)
-    non_eos_penalty: float = -1.0
+    non_eos_penalty: float | None = -1.0
+    reward: str = "model"
     whiten_rewards: bool = False
     score_position: Literal["eos", "after_eos"] = "eos"
     eval_every: int = Field(10, gt=0)
     eval_max_samples: int | None = Field(None, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
     checkpoint_every: int = Field(10, gt=0)
-    bf16: bool = False
+    #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
+    #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
+    bf16: bool | Literal["auto"] = "auto"
     #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
     #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy).
     gradient_checkpointing: bool | Literal["selective"] = "selective"
     seed: int = 1
+
+    @field_validator("reward")
+    @classmethod
+    def _check_reward(cls, spec: str) -> str:
+        if spec != "model" and not REWARD_SPEC.fullmatch(spec):
+            raise ValueError(f"ppo.reward must be 'model' or 'python:MODULE:FUNCTION' "
+                             f"(e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}")
+        return spec
 
 
 class EvalConfig(_Strict):
@@ -276,7 +306,9 @@ class EvalConfig(_Strict):
     concurrency: int = Field(4, gt=0)
     temperature: float = Field(0.01, gt=0)
     batch_size: int = Field(8, gt=0)
-    bf16: bool = False
+    #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
+    #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
+    bf16: bool | Literal["auto"] = "auto"
     length_bins: int = Field(6, gt=0)
     diversity_prompts: int = Field(8, ge=0)
     diversity_samples: int = Field(4, gt=1)

@@ -102,6 +102,41 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
     return low, high
 
 
+def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict[str, float | int]:
+    """Mean of the paired differences ``a[i] - b[i]`` with a normal-approximation interval.
+
+    ``mean ± z * sd / sqrt(n)`` with ``sd`` the Bessel-corrected standard deviation of the
+    differences and ``z`` the standard normal quantile at ``(1 + confidence) / 2``; for
+    ``n >= 30`` this is within 2% of Student's t interval. Used for two policies scored on the
+    same prompts (e.g. PPO's and SFT's reward-model scores), where pairing removes the
+    prompt-to-prompt spread.
+
+    Args:
+        a, b: equally long sequences of numbers, one pair per prompt.
+
+    Returns:
+        ``mean``, ``ci_low``, ``ci_high``, ``std`` (of the differences) and ``n``; the interval
+        is ``nan`` for fewer than two pairs.
+
+    Raises:
+        ValueError: ``a`` and ``b`` differ in length, or ``confidence`` is outside (0, 1).
+    """
+    if len(a) != len(b):
+        raise ValueError(f"paired_difference: {len(a)} values against {len(b)}")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+    n = len(d)
+    if n == 0:
+        return {"mean": NAN, "ci_low": NAN, "ci_high": NAN, "std": NAN, "n": 0}
+    mean = float(d.mean())
+    if n < 2:
+        return {"mean": mean, "ci_low": NAN, "ci_high": NAN, "std": NAN, "n": n}
+    std = float(d.std(ddof=1))
+    half = NormalDist().inv_cdf((1.0 + confidence) / 2.0) * std / math.sqrt(n)
+    return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half, "std": std, "n": n}
+
+
 # --------------------------------------------------------------------------- length control
 
 

@@ -20,7 +20,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,84 +28,20 @@ import torch
 from . import diagnostics as diag
 from .config import EvalConfig, PipelineConfig
 from .data import load_data_tokenizer, load_prepared
-from .generation import decode_responses, generate, trim_left_padding, truncate_after_eos
+from .generation import Summaries, summarize, trim_left_padding
 from .io import atomic_file, write_json_atomic, write_jsonl_atomic
 from .judging import AnthropicJudge, Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .models import ModelSourceError, load_causal_lm, resolve_source
 from .report import plot_training_curves, write_report
-from .reward import ScalarModel, get_reward
+from .reward import ResponseScores, ScalarModel, score_responses
 from .sft import rouge_l
-from .tracking import NullTracker, Tracker
-from .training import autocast, pick_device
+from .tracking import NullTracker, Tracker, read_metrics
+from .training import pick_device, precision_name
 
 log = logging.getLogger(__name__)
 
 #: The policies compared with the references, in report order: (key, display name).
 POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"))
-
-
-@dataclass
-class Summaries:
-    """One policy's summaries of the evaluation prompts.
-
-    Attributes:
-        texts: ``n`` decoded summaries (up to their first EOS).
-        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
-    """
-
-    texts: list[str]
-    responses: torch.Tensor
-
-
-@torch.no_grad()
-def summarize(model, tokenizer, queries: torch.Tensor, max_new_tokens: int, temperature: float, batch_size: int,
-              seed: int, bf16: bool = False) -> Summaries:
-    """Sample one summary per left-padded query, stopping at EOS.
-
-    Args:
-        queries: ``(n, query_length)`` long token ids, left-padded.
-        max_new_tokens: the response length (the SFT response length of the data).
-
-    Returns:
-        :class:`Summaries` with ``(n, max_new_tokens)`` responses.
-    """
-    device = next(model.parameters()).device
-    model.eval()
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    torch.manual_seed(seed)
-    texts, rows = [], []
-    for start in range(0, len(queries), batch_size):
-        q = trim_left_padding(queries[start : start + batch_size], pad).to(device)
-        with autocast(device, bf16):
-            responses = generate(model, q, pad, max_new_tokens, temperature, eos_token_id=eos)
-        responses = truncate_after_eos(responses, eos, pad).cpu()
-        rows.append(responses)
-        texts += decode_responses(tokenizer, responses, eos, pad)
-    return Summaries(texts, torch.cat(rows) if rows else torch.zeros(0, max_new_tokens, dtype=torch.long))
-
-
-@torch.no_grad()
-def score_responses(reward_model: ScalarModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                    batch_size: int, bf16: bool = False) -> torch.Tensor:
-    """Reward-model scores of query + response pairs (Huang et al. 2024, Detail 14).
-
-    Args:
-        queries: ``(n, query_length)`` left-padded long token ids.
-        responses: ``(n, response_length)`` long token ids, PAD after the EOS.
-
-    Returns:
-        ``(n,)`` float32 scores (CPU), read at each response's EOS (or last token).
-    """
-    device = next(reward_model.parameters()).device
-    reward_model.eval()
-    out = []
-    for start in range(0, len(queries), batch_size):
-        q = trim_left_padding(queries[start : start + batch_size], pad_token_id)
-        seq = torch.cat([q, responses[start : start + batch_size]], dim=1).to(device)
-        with autocast(device, bf16):
-            _, scores, _ = get_reward(reward_model, seq, pad_token_id, q.size(1))
-        out.append(scores.float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
 
 
 @torch.no_grad()
@@ -164,6 +99,101 @@ def _free(*_):
         torch.cuda.empty_cache()
 
 
+#: PPO metrics the report plots per update: score, KL, EOS rate and response length.
+PPO_CURVE_KEYS = ["objective/scores", "objective/kl", "response/eos_rate", "response/length_mean"]
+
+
+def _interval(low: float, high: float, percent: bool = False) -> str:
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return "n/a"
+    return f"[{low:.1%}, {high:.1%}]" if percent else f"[{low:+.3f}, {high:+.3f}]"
+
+
+def learning_checks(sft_metrics: dict[str, float], sft_samples: list[dict], rm_metrics: dict[str, float],
+                    ppo_last: dict[str, float], ppo: ResponseScores, sft: ResponseScores) -> tuple[list[dict], dict[str, float]]:
+    """Whether each stage learned, measured on rows its training never saw: the report's first table.
+
+    - SFT (its stage's evaluation prompts): share of greedy summaries that end with EOS within
+      the response length, with a 95% Wilson interval (target at least 95%), and the ROUGE-L
+      gain over the base model on the same prompts, with a 95% paired interval (target +0.05).
+    - Reward model: accuracy on the validation comparisons with a 95% Wilson interval (target:
+      the interval lies above 0.5, chance), and on the CNN/DM comparisons (reported).
+    - PPO (the evaluation prompts): the mean difference between PPO's and SFT's normalised
+      reward-model scores (with the EOS trick, Detail 23) on the same prompts, with a 95% paired
+      interval (target: above 0); PPO's EOS rate (target at least 90%); KL to the SFT policy per
+      summary and per token, from the last PPO update's samples (reported).
+
+    Args:
+        sft_metrics: the SFT stage's ``metrics.json``; sft_samples: its ``samples.jsonl`` rows
+            (``rougeL_sft``, ``rougeL_base``); rm_metrics: the reward-model evaluation's
+            ``metrics.json``; ppo_last: the last PPO update's metrics (``objective/kl``,
+            ``objective/kl_per_token``); ppo, sft: both policies' scores on the same prompts.
+
+    Returns:
+        ``(rows, metrics)``: table rows (stage, check, result, 95% interval, n, target, met)
+        and flat metrics (``eval/checks/...``). A check whose inputs are missing is left out.
+    """
+    rows: list[dict] = []
+    metrics: dict[str, float] = {}
+
+    def add(stage, check, result, interval, n, target, met):
+        rows.append({"stage": stage, "check": check, "result": result, "95% interval": interval, "n": n,
+                     "target": target, "met": met})
+
+    n_sft = int(sft_metrics.get("eval/samples", 0))
+    if "eval/eos_rate" in sft_metrics and n_sft:
+        rate = sft_metrics["eval/eos_rate"]
+        low, high = diag.wilson_interval(round(rate * n_sft), n_sft)
+        base = sft_metrics.get("eval/eos_rate_base", float("nan"))
+        add("SFT", "greedy summaries that end with EOS", f"{rate:.1%} (base model {base:.1%})",
+            _interval(low, high, True), n_sft, "≥ 95%", rate >= 0.95)
+        metrics.update({"eval/checks/sft_eos_rate": rate, "eval/checks/sft_eos_rate_ci_low": low,
+                        "eval/checks/sft_eos_rate_ci_high": high})
+    pairs = [(r["rougeL_sft"], r["rougeL_base"]) for r in sft_samples if "rougeL_sft" in r and "rougeL_base" in r]
+    if pairs:
+        gain = diag.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+        add("SFT", "ROUGE-L gain over the base model",
+            f"{gain['mean']:+.3f} (SFT {_mean([a for a, _ in pairs]):.3f}, base {_mean([b for _, b in pairs]):.3f})",
+            _interval(gain["ci_low"], gain["ci_high"]), gain["n"], "≥ +0.05", gain["mean"] >= 0.05)
+        metrics.update({"eval/checks/sft_rougeL_gain": gain["mean"], "eval/checks/sft_rougeL_gain_ci_low": gain["ci_low"],
+                        "eval/checks/sft_rougeL_gain_ci_high": gain["ci_high"]})
+    for prefix, name, target in (("eval", "TL;DR validation comparisons", "interval above 50%"),
+                                 ("eval/validation_cnndm", "CNN/DM comparisons", "reported")):
+        if f"{prefix}/accuracy" in rm_metrics:
+            acc, n = rm_metrics[f"{prefix}/accuracy"], int(rm_metrics.get(f"{prefix}/count", 0))
+            low = rm_metrics.get(f"{prefix}/accuracy_ci_low", float("nan"))
+            high = rm_metrics.get(f"{prefix}/accuracy_ci_high", float("nan"))
+            add("reward model", f"accuracy, {name}", f"{acc:.1%}", _interval(low, high, True), n, target,
+                bool(low > 0.5) if target != "reported" else None)
+    if len(ppo.scores) and len(ppo.scores) == len(sft.scores):
+        diff = diag.paired_difference(ppo.scores.tolist(), sft.scores.tolist())
+        add("PPO", "RM score of PPO minus SFT summaries, same prompts",
+            f"{diff['mean']:+.3f} (PPO {ppo.scores.mean().item():+.3f}, SFT {sft.scores.mean().item():+.3f})",
+            _interval(diff["ci_low"], diff["ci_high"]), diff["n"], "interval above 0", bool(diff["ci_low"] > 0))
+        eos = int(ppo.has_eos.sum().item())
+        low, high = diag.wilson_interval(eos, len(ppo.has_eos))
+        add("PPO", "greedy summaries that end with EOS", f"{eos / len(ppo.has_eos):.1%}", _interval(low, high, True),
+            len(ppo.has_eos), "≥ 90%", eos / len(ppo.has_eos) >= 0.9)
+        metrics.update({"eval/checks/ppo_minus_sft_score": diff["mean"],
+                        "eval/checks/ppo_minus_sft_score_ci_low": diff["ci_low"],
+                        "eval/checks/ppo_minus_sft_score_ci_high": diff["ci_high"],
+                        "eval/checks/ppo_eos_rate_ci_low": low, "eval/checks/ppo_eos_rate_ci_high": high})
+    if "objective/kl" in ppo_last:
+        per_token = ppo_last.get("objective/kl_per_token", float("nan"))
+        add("PPO", "KL to the SFT policy, last update's samples",
+            f"{ppo_last['objective/kl']:.3f} nats per summary, {per_token:.4f} per token", "", None, "reported", None)
+        metrics.update({"eval/checks/ppo_kl": ppo_last["objective/kl"], "eval/checks/ppo_kl_per_token": per_token})
+    return rows, metrics
+
+
+def _last_record_with(path: Path, key: str) -> dict[str, float]:
+    """The last stepped record of a ``metrics.jsonl`` that holds ``key`` (``{}`` if none)."""
+    if not path.is_file():
+        return {}
+    records = [m for step, m in read_metrics(path) if step is not None and key in m]
+    return records[-1] if records else {}
+
+
 def run_evaluation(
     cfg: PipelineConfig,
     data_dir: str | os.PathLike,
@@ -178,8 +208,9 @@ def run_evaluation(
     """Evaluate the base, SFT and PPO policies and write the run's report.
 
     Args:
-        cfg: the pipeline config; reads ``cfg.eval`` and ``cfg.ppo.temperature`` (the training
-            temperature, for diversity).
+        cfg: the pipeline config; reads ``cfg.eval``, ``cfg.ppo.temperature`` (the training
+            temperature, for diversity) and ``cfg.ppo.non_eos_penalty`` (the score of a summary
+            without EOS, as in PPO: Detail 23).
         data_dir, base_model_dir, sft_dir, ppo_dir: stage outputs (``sft_dir/model``,
             ``ppo_dir/model``; their ``metrics.jsonl`` give the training curves).
         reward_dirs: ``{"reward": ..., "reward_norm": ..., "reward_eval": ...}`` stage outputs:
@@ -190,7 +221,9 @@ def run_evaluation(
 
     Returns:
         Flat metrics: ``eval/{policy}/win_rate`` (and ``_ci_low``, ``_ci_high``, ``_n_valid``,
-        ``_invalid``, ``_errors``), ``eval/{policy}/rougeL``, ``eval/{policy}/score``,
+        ``_invalid``, ``_errors``), ``eval/{policy}/rougeL``, ``eval/{policy}/score`` (mean
+        reward-model score with the EOS trick), ``eval/{policy}/raw_score`` (without it),
+        ``eval/{policy}/eos_rate`` (share of summaries ending with EOS),
         ``eval/{policy}/title_copy_rate``, ``eval/{policy}/diversity``,
         ``eval/{policy}/agreement`` for base, sft and ppo; ``eval/reference/score``,
         ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``, ``eval/seconds``.
@@ -218,7 +251,8 @@ def run_evaluation(
     posts, titles, ids = list(ds["post"]), list(ds["title"]), [str(i) for i in ds["id"]]
     max_new = stats["padded_lengths"]["sft_response"]
     device = pick_device()
-    tracker.log_params({f"eval.{k}": v for k, v in ecfg.model_dump().items()})
+    tracker.log_params({f"eval.{k}": v for k, v in ecfg.model_dump().items()}
+                      | {"eval.precision": precision_name(ecfg.bf16, device)})
 
     # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
     model_dirs = {"base": Path(base_model_dir), "sft": Path(sft_dir) / "model", "ppo": Path(ppo_dir) / "model"}
@@ -238,11 +272,14 @@ def run_evaluation(
         model = None
         _free()
 
-    # 2. Reward-model scores of every summary and of the references.
+    # 2. Reward-model scores of every summary and of the references, with PPO's EOS trick (Detail 23).
     reward_model = ScalarModel.from_pretrained(str(Path(reward_dirs["reward_norm"]) / "model")).to(device)
-    scores = {key: score_responses(reward_model, queries, summaries[key].responses, pad, ecfg.batch_size, ecfg.bf16)
-              for key, _ in POLICIES}
-    scores["reference"] = score_responses(reward_model, queries, reference_tokens, pad, ecfg.batch_size, ecfg.bf16)
+    responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": reference_tokens}
+    scored: dict[str, ResponseScores] = {
+        key: score_responses(reward_model, queries, tokens, pad, tokenizer.eos_token_id, cfg.ppo.non_eos_penalty,
+                             ecfg.batch_size, ecfg.bf16)
+        for key, tokens in responses.items()}
+    scores = {key: s.scores for key, s in scored.items()}
     reward_model = None
     _free()
 
@@ -301,12 +338,15 @@ def run_evaluation(
             f"eval/{key}/win_rate_ci_high": wr["ci_high"], f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
             f"eval/{key}/win_rate_invalid": float(counts["invalid"]), f"eval/{key}/win_rate_errors": float(counts["errors"]),
             f"eval/{key}/rougeL": _mean(rouge), f"eval/{key}/score": scores[key].mean().item(),
+            f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
+            f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
             f"eval/{key}/title_copy_rate": float(title["rate"]), f"eval/{key}/diversity": float(div["mean"]),
             f"eval/{key}/agreement": float(agree["agreement"]),
             f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
         })
         headline.append({"policy": label, "win rate vs reference": wr, "ROUGE-L": _mean(rouge),
-                         "RM score": scores[key].mean().item(), "title copy": float(title["rate"]),
+                         "RM score": scores[key].mean().item(), "RM raw score": scored[key].raw_scores.mean().item(),
+                         "EOS rate": scored[key].has_eos.double().mean().item(), "title copy": float(title["rate"]),
                          "diversity": float(div["mean"]), "RM-judge agreement": float(agree["agreement"]),
                          "words": _mean([len(diag.words(t)) for t in texts])})
     ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
@@ -315,6 +355,8 @@ def run_evaluation(
                     "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
                     "eval/samples": float(n)})
     headline.append({"policy": "human reference", "RM score": scores["reference"].mean().item(),
+                     "RM raw score": scored["reference"].raw_scores.mean().item(),
+                     "EOS rate": scored["reference"].has_eos.double().mean().item(),
                      "title copy": float(ref_title["rate"]),
                      "words": _mean([len(diag.words(t)) for t in references])})
 
@@ -325,7 +367,8 @@ def run_evaluation(
                "reference_score": scores["reference"][i].item()}
         for key, _ in POLICIES:
             row.update({key: summaries[key].texts[i], f"{key}_score": scores[key][i].item(),
-                        f"{key}_wins": wins[key][i]})
+                        f"{key}_raw_score": scored[key].raw_scores[i].item(),
+                        f"{key}_has_eos": bool(scored[key].has_eos[i]), f"{key}_wins": wins[key][i]})
         rows.append(row)
     write_jsonl_atomic(out / "summaries.jsonl", rows)
     write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in judgements))
@@ -348,6 +391,18 @@ def run_evaluation(
     tables = {"Reward model": [{"split": name, "accuracy": rm_metrics[key]} for name, key in
                                (("TL;DR validation comparisons", "eval/accuracy"),
                                 ("CNN/DM comparisons", "eval/validation_cnndm/accuracy")) if key in rm_metrics]}
+    sft_samples_file = Path(sft_dir) / "samples.jsonl"
+    sft_samples = [json.loads(line) for line in sft_samples_file.open()] if sft_samples_file.is_file() else []
+    checks, check_metrics = learning_checks(_read_json(Path(sft_dir) / "metrics.json"), sft_samples, rm_metrics,
+                                            _last_record_with(metric_files["PPO"], "objective/kl"),
+                                            scored["ppo"], scored["sft"])
+    metrics.update(check_metrics)
+    if metric_files["PPO"].is_file():
+        try:
+            plots = {"PPO per update": plot_training_curves({"PPO": metric_files["PPO"]}, out / "ppo_curves.png",
+                                                           keys={"PPO": PPO_CURVE_KEYS}, max_columns=4)} | plots
+        except ValueError:  # no stepped PPO record: nothing to plot
+            pass
     judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
     notes = [f"Win rates: share of valid judgements preferring the policy's summary to the human reference, "
              f"judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, A/B order randomised; "
@@ -365,13 +420,23 @@ def run_evaluation(
                  f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
                  f"({k} prompts). RM-judge agreement: share of judged pairs where the reward model and the judge "
                  "prefer the same summary (Detail 17).")
+    if cfg.ppo.non_eos_penalty is None:
+        notes.append("RM score: the normalised reward model's output at the summary's last token, EOS or not "
+                     "(ppo.non_eos_penalty: null, no EOS trick), the same as RM raw score. EOS rate: share of "
+                     "summaries that end with EOS.")
+    else:
+        notes.append(f"RM score: the normalised reward model's score with PPO's EOS trick (Detail 23): a summary "
+                     f"that does not end with EOS within {max_new} tokens scores {cfg.ppo.non_eos_penalty:g} "
+                     f"(ppo.non_eos_penalty). RM raw score: the reward model's output at the summary's last token, "
+                     f"EOS or not. EOS rate: share of summaries that end with EOS.")
     samples = [{"post": r["post"], "reference": r["reference"], "reference_score": r["reference_score"],
-                **{key: r[key] for key, _ in POLICIES}, **{f"{key}_score": r[f"{key}_score"] for key, _ in POLICIES}}
+                **{key: r[key] for key, _ in POLICIES}, **{f"{key}_score": r[f"{key}_score"] for key, _ in POLICIES},
+                **{f"{key}_raw_score": r[f"{key}_raw_score"] for key, _ in POLICIES}}
                for r in rows[: ecfg.report_samples]]
     write_report(out, title=f"RLHF on TL;DR: {cfg.name}",
                  intro=f"Base model: {base_name}; evaluation on {n} {ecfg.split} prompts at temperature "
                        f"{ecfg.temperature}.",
-                 headline=headline, tables=tables, plots=plots, samples=samples,
+                 summary=checks, headline=headline, tables=tables, plots=plots, samples=samples,
                  html_blocks={"Token shift (Table 8): PPO and SFT summaries coloured by rank under the base model":
                               shift_html} if shift_html else None,
                  notes=notes)
@@ -379,8 +444,8 @@ def run_evaluation(
     write_json_atomic(out / "metrics.json", metrics)
     tracker.log_metrics(metrics)
     tracker.log_table("evaluation_samples", rows[:32])
-    for name in ("report.html", "report.md", "length_control.png", "training_curves.png", "calibration.png",
-                 "token_shift.html"):
+    for name in ("report.html", "report.md", "length_control.png", "training_curves.png", "ppo_curves.png",
+                 "calibration.png", "token_shift.html"):
         if (out / name).is_file():
             tracker.log_artifact(out / name)
     log.info("evaluation: win rates %s", {key: round(metrics[f"eval/{key}/win_rate"], 3) for key, _ in POLICIES})

@@ -1,6 +1,14 @@
-"""Sampling responses from left-padded queries, and post-processing them (Details 5, 23)."""
+"""Sampling responses from left-padded queries, and post-processing them (Details 3, 5, 12, 23).
+
+PAD is never sampled: it marks where a response ends (Details 3, 12), so a sampled PAD would
+end a response before its EOS. :func:`generate` removes it from the sampling distribution,
+and :func:`rlhf_core.ppo.sampling_logits` removes it from the distribution PPO trains, so the
+two are the same.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -47,6 +55,38 @@ def truncate_after_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id:
     return torch.where(positions > eos_index.unsqueeze(1), torch.full_like(responses, pad_token_id), responses)
 
 
+def last_token_indices(responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Index of each response's last real token, the one before its first PAD: where the
+    reward model's score is read (Detail 12).
+
+    Args:
+        responses: ``(batch, response_length)`` token ids, PAD after the end.
+
+    Returns:
+        ``(batch,)`` long: ``response_length - 1`` when there is no PAD, ``-1`` when the
+        response starts with PAD.
+    """
+    return first_true_indices(responses == pad_token_id) - 1
+
+
+def ends_with_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """Whether each response's last real token (:func:`last_token_indices`) is EOS (Details 12, 23).
+
+    The reward is read at that token, so a response counts as having an EOS only when the
+    token there is one: a response without EOS, one that starts with PAD and one with a PAD
+    before its EOS are all False.
+
+    Args:
+        responses: ``(batch, response_length)`` token ids, PAD after the first EOS
+            (:func:`truncate_after_eos`).
+
+    Returns:
+        ``(batch,)`` bool.
+    """
+    last = last_token_indices(responses, pad_token_id).clamp(min=0)  # a response starting with PAD: its PAD
+    return torch.gather(responses, 1, last.unsqueeze(1)).squeeze(1) == eos_token_id
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -59,14 +99,17 @@ def generate(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sample responses for a batch of left-padded queries with the KV cache.
 
-    Sampling is plain temperature sampling (no top-k, no top-p). With ``eos_token_id`` a
-    sequence stops at its EOS and is padded; with ``None`` exactly ``max_new_tokens``
-    tokens are sampled, EOS or not (PPO rollouts, Detail 23). Position ids follow the
-    attention mask, so left padding does not shift positions (Detail 14).
+    Sampling is plain temperature sampling (no top-k, no top-p) from the model's
+    distribution without PAD: PAD's logit is set to ``-inf`` before sampling, so PAD only
+    ever follows a stop (:func:`rlhf_core.ppo.sampling_logits` is the same distribution).
+    With ``eos_token_id`` a sequence stops at its EOS and is padded; with ``None`` exactly
+    ``max_new_tokens`` tokens are sampled, EOS or not (PPO rollouts, Detail 23). Position
+    ids follow the attention mask, so left padding does not shift positions (Detail 14).
 
     Args:
         queries: ``(batch, query_length)`` token ids, left-padded with ``pad_token_id``.
-        return_logits: also return the raw (untempered) logits of every sampled position.
+        return_logits: also return the raw logits of every sampled position (untempered,
+            PAD included).
 
     Returns:
         ``(batch, max_new_tokens)`` response token ids, PAD after a stop; with
@@ -83,6 +126,7 @@ def generate(
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
         bos_token_id=None,
+        suppress_tokens=[pad_token_id],
         output_logits=return_logits,
         return_dict_in_generate=True,
     )
@@ -120,3 +164,65 @@ def decode_responses(
         ids = [t for t in row if t not in (eos_token_id, pad_token_id)]
         texts.append(tokenizer.decode(ids, skip_special_tokens=True).strip())
     return texts
+
+
+@dataclass
+class Summaries:
+    """One policy's summaries of a set of queries.
+
+    Attributes:
+        texts: ``n`` decoded summaries (up to their first EOS).
+        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
+        has_eos: ``(n,)`` bool, the summary ends with EOS within the response length
+            (:func:`ends_with_eos`).
+        lengths: ``(n,)`` long, tokens up to and including the last real token (the EOS,
+            or all ``response_length`` without one).
+    """
+
+    texts: list[str]
+    responses: torch.Tensor
+    has_eos: torch.Tensor
+    lengths: torch.Tensor
+
+
+@torch.no_grad()
+def summarize(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    queries: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    batch_size: int,
+    seed: int,
+    bf16: bool | str = False,
+) -> Summaries:
+    """Sample one summary per left-padded query, stopping at EOS, in batches of ``batch_size``.
+
+    The SFT stage's, PPO's and the evaluation stage's summaries all come from here. The
+    global RNG is seeded with ``seed`` first, so the same call gives the same summaries
+    (callers that must not disturb their own RNG stream wrap it in ``torch.random.fork_rng``).
+
+    Args:
+        queries: ``(n, query_length)`` long token ids, left-padded (CPU or the model's device).
+        max_new_tokens: the response length (the SFT response length of the data, Detail 4).
+        bf16: the stage's precision setting (:func:`rlhf_core.training.autocast`).
+
+    Returns:
+        :class:`Summaries` with ``(n, max_new_tokens)`` responses, all on the CPU.
+    """
+    from .training import autocast  # training -> distributed -> ppo imports this module
+
+    device = next(model.parameters()).device
+    model.eval()
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(seed)
+    texts, rows = [], []
+    for start in range(0, len(queries), batch_size):
+        q = trim_left_padding(queries[start : start + batch_size], pad).to(device)
+        with autocast(device, bf16):
+            responses = generate(model, q, pad, max_new_tokens, temperature, eos_token_id=eos)
+        responses = truncate_after_eos(responses, eos, pad).cpu()
+        rows.append(responses)
+        texts += decode_responses(tokenizer, responses, eos, pad)
+    responses = torch.cat(rows) if rows else torch.zeros(0, max_new_tokens, dtype=torch.long)
+    return Summaries(texts, responses, ends_with_eos(responses, eos, pad), last_token_indices(responses, pad) + 1)

@@ -112,7 +112,7 @@ STAGES: dict[str, Stage] = {
         Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval),
         Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo),
         Stage("evaluation", ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
-              ("eval", "ppo.temperature"), _evaluation),
+              ("eval", "ppo.temperature", "ppo.non_eos_penalty"), _evaluation),
     )
 }
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .generation import ends_with_eos
+
 #: Log-probability written at invalid (post-EOS) positions; never used in a loss.
 INVALID_LOGPROB = 1.0
 
@@ -96,8 +98,35 @@ def compute_advantages(
     return advantages, returns
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probability of ``tokens`` under ``softmax(logits / temperature)`` (Detail 23: the sampling temperature).
+def sampling_logits(logits: torch.Tensor, temperature: float, pad_token_id: int | None) -> torch.Tensor:
+    """The logits of the distribution responses are sampled from: ``logits / temperature`` in
+    float32, with PAD's logit at the float32 minimum (Detail 23).
+
+    :func:`rlhf_core.generation.generate` samples at ``temperature`` and never samples PAD
+    (PAD marks the end of a response, Details 3, 12). The rollout's, the reference's and the
+    training pass's log-probabilities all go through this function, so the policy PPO trains
+    is the one that sampled: the ratio is 1 before the first update and the KL penalty
+    compares the two policies on the tokens they can sample. PAD's probability is exactly 0
+    (``exp`` of the float32 minimum underflows); a finite minimum, unlike ``-inf``, keeps
+    ``p * log p`` in the entropy at 0.
+
+    Args:
+        logits: ``(batch, length, vocab)`` raw language-model logits.
+        pad_token_id: the PAD id, or ``None`` to keep every token.
+
+    Returns:
+        ``(batch, length, vocab)`` float32; gradients flow to the other tokens' logits.
+    """
+    tempered = logits.float() / temperature
+    if pad_token_id is not None:
+        tempered[..., pad_token_id] = torch.finfo(tempered.dtype).min
+    return tempered
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                         pad_token_id: int | None) -> torch.Tensor:
+    """Log-probability of ``tokens`` under the sampling distribution :func:`sampling_logits`
+    (Detail 23: the sampling temperature; PAD is never sampled).
 
     Args:
         logits: ``(batch, length, vocab)``; tokens: ``(batch, length)`` long.
@@ -105,7 +134,7 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature
     Returns:
         ``(batch, length)`` float32.
     """
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = F.log_softmax(sampling_logits(logits, temperature, pad_token_id), dim=-1)
     return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -131,13 +160,26 @@ def response_mask(sequence_lengths: torch.Tensor, response_length: int, extra: i
     return positions <= (sequence_lengths + extra).unsqueeze(1)
 
 
-def apply_eos_trick(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, penalty: float) -> torch.Tensor:
-    """Replace the score of every response without an EOS by ``penalty`` (Detail 23).
+def apply_eos_trick(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int,
+                    penalty: float | None) -> torch.Tensor:
+    """Replace the score of every response without an EOS by ``penalty`` (Detail 23); with
+    ``penalty`` ``None`` (``ppo.non_eos_penalty: null``) return ``scores`` unchanged.
+
+    A response has an EOS when the token its score is read at, the one before its first PAD
+    (Detail 12), is EOS (:func:`rlhf_core.generation.ends_with_eos`): a response that starts
+    with PAD, or has a PAD before its EOS, was not scored at an EOS and gets ``penalty``.
 
     Args:
-        scores: ``(batch,)`` reward-model scores; responses: ``(batch, response_length)``.
+        scores: ``(batch,)`` reward-model scores.
+        responses: ``(batch, response_length)``, PAD after the first EOS
+            (:func:`rlhf_core.generation.truncate_after_eos`).
+
+    Returns:
+        ``(batch,)``, the dtype of ``scores``.
     """
-    has_eos = (responses == eos_token_id).any(dim=1)
+    if penalty is None:
+        return scores
+    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
     return torch.where(has_eos, scores, torch.full_like(scores, penalty))
 
 

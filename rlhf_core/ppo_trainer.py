@@ -6,10 +6,14 @@ value model initialised from the reward model (Detail 22). Each update:
 
 1. takes ``batch_size`` prompts from the shuffled SFT train split, reshuffled whenever it
    is used up (Detail 21);
-2. samples exactly ``response_length`` tokens at ``temperature`` (Detail 23), with the
-   log-probabilities of policy and reference from logits divided by the temperature;
+2. samples exactly ``response_length`` tokens at ``temperature`` (Detail 23), never PAD,
+   with the log-probabilities of policy and reference from the same distribution (logits
+   divided by the temperature, PAD excluded: :func:`rlhf_core.ppo.sampling_logits`);
 3. truncates after the first EOS, fills with PAD, scores with the reward model at the EOS,
-   and gives responses without EOS the score ``non_eos_penalty`` (the EOS trick);
+   and gives responses without EOS the score ``non_eos_penalty`` (the EOS trick,
+   :func:`rlhf_core.reward.score_responses`); with ``ppo.reward: python:MODULE:FUNCTION`` a
+   rule reward (:mod:`rlhf_core.rule_rewards`) gives the score in place of the reward model,
+   which is then not loaded (:meth:`PPOTrainer.score`);
 4. forms per-token rewards (KL penalty plus the score), optionally whitens them
    (Detail 24), computes GAE advantages and whitens them (Detail 25);
 5. runs ``ppo_epochs`` passes of clipped policy and value updates.
@@ -53,12 +57,11 @@ from .distributed import (
     split_range,
     world,
 )
-from .generation import decode_responses, first_true_indices, generate, trim_left_padding, truncate_after_eos
+from .generation import generate, last_token_indices, summarize, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic
 from .models import load_causal_lm, save_pretrained_atomic
 from .ppo import (
     INVALID_LOGPROB,
-    apply_eos_trick,
     compute_advantages,
     entropy_from_logits,
     logprobs_from_logits,
@@ -67,10 +70,19 @@ from .ppo import (
     per_token_rewards,
     policy_loss,
     response_mask,
+    sampling_logits,
     value_loss,
     whiten,
 )
-from .reward import ScalarModel, causal_forward, get_reward
+from .reward import (
+    ResponseScores,
+    ScalarModel,
+    causal_forward,
+    response_scores,
+    reward_model_from_causal_lm,
+    score_responses,
+)
+from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
 from .training import (
     CheckpointManager,
@@ -80,6 +92,7 @@ from .training import (
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
+    precision_name,
 )
 
 log = logging.getLogger(__name__)
@@ -129,6 +142,60 @@ def response_values(value_model: ScalarModel, query_responses: torch.Tensor, pad
     return values[:, context_length - 1 : -1]
 
 
+def rollout_targets(
+    responses: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scored: ResponseScores,
+    cfg: PPOConfig,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """Masks, per-token rewards, advantages and returns of a batch of sampled responses (Details 23-25).
+
+    A response ends at its last real token once truncated after its first EOS: the EOS, or
+    the last position when there is none (Detail 23). Up to and including that token
+    (``token_mask``) the log-probabilities count and the KL penalty applies; the score lands
+    on it (``cfg.score_position: eos``) or one position later (``after_eos``), and
+    ``value_mask`` covers the positions up to the score. Rewards are optionally whitened
+    (Detail 24) and advantages whitened (Detail 25), with the statistics of the global
+    batch (every rank's share, :func:`rlhf_core.distributed.masked_mean_var`).
+
+    Args:
+        responses: ``(batch, response_length)`` sampled token ids, not truncated.
+        logprobs, ref_logprobs: ``(batch, response_length)`` float32 log-probabilities of the
+            sampled tokens under the policy and the reference
+            (:func:`rlhf_core.ppo.logprobs_from_logits`).
+        values: ``(batch, response_length)`` float32, the value before each token.
+        scored: the scores of ``truncate_after_eos(responses)`` (:meth:`PPOTrainer.score`: the
+            reward model's, :func:`rlhf_core.reward.score_responses`, or a rule reward's),
+            ``(batch,)`` each.
+
+    Returns:
+        ``sequence_lengths`` ``(batch,)`` long (index of the last real token; 0 for a
+        response that starts with PAD); ``token_mask``, ``value_mask`` ``(batch,
+        response_length)`` bool; ``logprobs``, ``ref_logprobs`` (``INVALID_LOGPROB`` outside
+        ``token_mask``), ``values``, ``rewards``, ``non_score_reward``, ``advantages``,
+        ``returns`` ``(batch, response_length)`` float32, 0 outside their mask.
+    """
+    post = truncate_after_eos(responses, eos_token_id, pad_token_id)
+    sequence_lengths = torch.clamp(last_token_indices(post, pad_token_id), min=0)
+    token_mask = response_mask(sequence_lengths, responses.size(1))
+    logprobs = torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB)
+    ref_logprobs = torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB)
+    rewards, non_score_reward, value_mask = per_token_rewards(
+        logprobs, ref_logprobs, scored.scores, sequence_lengths, cfg.kl_coef, cfg.score_position)
+    values = values * value_mask
+    if cfg.whiten_rewards:  # Detail 24
+        rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
+    advantages, returns = compute_advantages(rewards, values, value_mask, cfg.gamma, cfg.lam)
+    advantages = whiten(advantages, *masked_mean_var(advantages, token_mask)) * token_mask  # Detail 25
+    return {"sequence_lengths": sequence_lengths, "token_mask": token_mask, "value_mask": value_mask,
+            "logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values, "rewards": rewards,
+            "non_score_reward": non_score_reward, "advantages": advantages, "returns": returns}
+
+
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
     x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
     denom = math.sqrt(float((x * x).sum() * (y * y).sum()))
@@ -145,8 +212,11 @@ class PPOTrainer:
     """Holds the four models and runs rollouts, updates and evaluations. See :func:`run_ppo`."""
 
     def __init__(self, cfg: PPOConfig, data_dir: str | os.PathLike, sft_model_dir: str | os.PathLike,
-                 reward_model_dir: str | os.PathLike, device: torch.device | None = None):
+                 reward_model_dir: str | os.PathLike | None, device: torch.device | None = None):
         self.cfg = cfg
+        self.reward_fn = load_reward_function(cfg.reward)  # None: the reward model scores
+        if self.reward_fn is None and reward_model_dir is None:
+            raise ValueError("ppo.reward 'model' needs a reward model directory (reward_model_dir is None)")
         self.device = device or pick_device()
         sft, _, self.stats = load_prepared(data_dir)
         self.sft = sft
@@ -161,8 +231,12 @@ class PPOTrainer:
         torch.manual_seed(cfg.seed)
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
         self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
-        self.reward_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False)
-        self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
+        self.reward_model = None if self.reward_fn is not None else (
+            ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
+        if reward_model_dir is not None:
+            self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
+        else:  # no reward model (a rule reward): the SFT backbone with a fresh head (Details 10, 11)
+            self.value_model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(self.device)
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
         enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
@@ -173,6 +247,33 @@ class PPOTrainer:
         if self.world.rank:
             torch.manual_seed(cfg.seed + self.world.rank)  # each rank samples its own responses
 
+    # ------------------------------------------------------------------ scoring
+
+    @torch.no_grad()
+    def score(self, queries: torch.Tensor, responses: torch.Tensor) -> ResponseScores:
+        """The score PPO maximises (``ppo.reward``), with the EOS trick (Detail 23).
+
+        ``model``: the reward model's output at each response's last real token
+        (:func:`rlhf_core.reward.score_responses`); ``python:MODULE:FUNCTION``: the function's
+        value on the decoded texts and ids (:func:`rlhf_core.rule_rewards.rule_scores`). Either
+        is ``raw_scores``; ``scores`` replaces it by ``ppo.non_eos_penalty`` for a response
+        without EOS. Rollouts and evaluations score through here.
+
+        Args:
+            queries: ``(n, query_length)`` long token ids, left-padded.
+            responses: ``(n, response_length)`` long token ids, PAD after the first EOS
+                (:func:`rlhf_core.generation.truncate_after_eos`).
+
+        Returns:
+            :class:`rlhf_core.reward.ResponseScores` on the device of ``responses``.
+        """
+        cfg, pad, eos = self.cfg, self.pad_id, self.eos_id
+        if self.reward_fn is None:
+            return score_responses(self.reward_model, queries, responses, pad, eos, cfg.non_eos_penalty,
+                                   cfg.micro_batch_size, cfg.bf16)
+        raw = rule_scores(self.reward_fn, cfg.reward, self.tokenizer, queries, responses, pad, eos)
+        return response_scores(raw.to(responses.device), responses, eos, pad, cfg.non_eos_penalty)
+
     # ------------------------------------------------------------------ rollout
 
     @torch.no_grad()
@@ -182,7 +283,8 @@ class PPOTrainer:
         Returns tensors on the device: ``query_responses`` ``(B, C + R)``, ``responses``,
         ``logprobs``, ``ref_logprobs``, ``values``, ``rewards``, ``non_score_reward``,
         ``advantages``, ``returns`` ``(B, R)``, ``token_mask`` and ``value_mask`` ``(B, R)``
-        bool, ``scores``, ``raw_scores`` ``(B,)``, ``sequence_lengths`` ``(B,)``, and timings.
+        bool, ``scores``, ``raw_scores`` ``(B,)``, ``has_eos`` ``(B,)`` bool,
+        ``sequence_lengths`` ``(B,)``, and timings (see :func:`rollout_targets`).
         """
         cfg, pad, eos, R = self.cfg, self.pad_id, self.eos_id, self.response_length
         queries = trim_left_padding(queries, pad).to(self.device)
@@ -197,43 +299,29 @@ class PPOTrainer:
             with autocast(self.device, cfg.bf16):
                 responses, logits = generate(self.policy, q, pad, R, cfg.temperature, eos_token_id=None,
                                              return_logits=True)
-            logprobs = logprobs_from_logits(logits, responses, cfg.temperature)
+            logprobs = logprobs_from_logits(logits, responses, cfg.temperature, pad)
             del logits
             t1 = time.perf_counter()
             query_responses = torch.cat([q, responses], dim=1)
             post = truncate_after_eos(responses, eos, pad)
             with autocast(self.device, cfg.bf16):
                 ref_logprobs = logprobs_from_logits(response_logits(self.ref_policy, query_responses, pad, context),
-                                                    responses, cfg.temperature)
+                                                    responses, cfg.temperature, pad)
                 values = response_values(self.value_model, query_responses, pad, context)
-                _, raw_scores, _ = get_reward(self.reward_model, torch.cat([q, post], dim=1), pad, context)
+            scored = self.score(q, post)
             t_gen += t1 - t0
             t_score += time.perf_counter() - t1
-            for name, value in (("query_responses", query_responses), ("responses", responses), ("post", post),
+            for name, value in (("query_responses", query_responses), ("responses", responses),
                                 ("logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values.float()),
-                                ("raw_scores", raw_scores.float())):
+                                ("raw_scores", scored.raw_scores), ("scores", scored.scores),
+                                ("has_eos", scored.has_eos)):
                 parts[name].append(value)
         batch = {k: torch.cat(v) for k, v in parts.items()}
-        post = batch.pop("post")
-        # index of the last real token (the EOS, or R - 1 without one); 0 if PAD was sampled first
-        sequence_lengths = torch.clamp(first_true_indices(post == pad) - 1, min=0)
-        scores = apply_eos_trick(batch["raw_scores"], post, eos, cfg.non_eos_penalty)
-        token_mask = response_mask(sequence_lengths, R)
-        logprobs = torch.masked_fill(batch["logprobs"], ~token_mask, INVALID_LOGPROB)
-        ref_logprobs = torch.masked_fill(batch["ref_logprobs"], ~token_mask, INVALID_LOGPROB)
-        rewards, non_score_reward, value_mask = per_token_rewards(
-            logprobs, ref_logprobs, scores, sequence_lengths, cfg.kl_coef, cfg.score_position)
-        values = batch["values"] * value_mask
-        if cfg.whiten_rewards:  # Detail 24, over the global batch
-            rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
-        advantages, returns = compute_advantages(rewards, values, value_mask, cfg.gamma, cfg.lam)
-        advantages = whiten(advantages, *masked_mean_var(advantages, token_mask)) * token_mask  # Detail 25
-        batch.update(
-            logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, rewards=rewards,
-            non_score_reward=non_score_reward, advantages=advantages, returns=returns, token_mask=token_mask,
-            value_mask=value_mask, scores=scores, sequence_lengths=sequence_lengths, context_length=torch.tensor(context),
-            time_generate=torch.tensor(t_gen), time_score=torch.tensor(t_score), has_eos=(post == eos).any(1),
-        )
+        scored = ResponseScores(batch["raw_scores"], batch["scores"], batch["has_eos"])
+        batch.update(rollout_targets(batch["responses"], batch["logprobs"], batch["ref_logprobs"], batch["values"],
+                                     scored, cfg, eos, pad))
+        batch.update(context_length=torch.tensor(context), time_generate=torch.tensor(t_gen),
+                     time_score=torch.tensor(t_score))
         return batch
 
     # ------------------------------------------------------------------- update
@@ -268,7 +356,7 @@ class PPOTrainer:
                     scale = len(micro) / len(minibatch) / ranks
                     with autocast(self.device, cfg.bf16):
                         logits = response_logits(self.policy, qr, pad, context)
-                    new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature)
+                    new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
                     new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
                     pl = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx], token_mask, cfg.cliprange)
                     if not torch.isfinite(pl["loss"]):
@@ -276,7 +364,8 @@ class PPOTrainer:
                         break
                     (pl["loss"] * scale).backward()
                     with torch.no_grad():
-                        entropy = masked_mean(entropy_from_logits(logits.float() / cfg.temperature), token_mask)
+                        entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)),
+                                              token_mask)
                     del logits, new_logprobs
                     with autocast(self.device, cfg.bf16):
                         vpred = response_values(self.value_model, qr, pad, context)
@@ -314,52 +403,45 @@ class PPOTrainer:
 
     @torch.no_grad()
     def evaluate(self, split: str = "validation") -> tuple[dict[str, float], list[dict]]:
-        """Near-greedy policy summaries on held-out prompts, scored by the reward model against the references.
+        """Near-greedy policy summaries on held-out prompts, scored as in training (:meth:`score`:
+        the reward model, or the rule reward of ``ppo.reward``) against the references.
 
-        The prompts are split over the ranks and the results gathered, in order, on every rank.
+        ``eval/score_policy`` is the mean score with the EOS trick (``non_eos_penalty`` for a
+        summary without EOS, Detail 23), the score PPO optimises; ``eval/raw_score_policy``
+        the mean score without the trick (the reward model's own output) and ``eval/eos_rate_policy`` the share of
+        summaries that end with EOS. The references always end with EOS. The prompts are split
+        over the ranks and the results gathered, in order, on every rank.
         """
         cfg = self.cfg
         ds = self.sft[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
         mine = ds.select(split_range(len(ds), self.world))
-        policy_scores, reference_scores, texts = [], [], []
+        rows: list[tuple[float, float, bool, float, str]] = []
         self.policy.eval()
         if len(mine):
             queries = torch.tensor(mine["query_token"])
-            reference = torch.tensor(mine["reference_response_token"])
+            references = torch.tensor(mine["reference_response_token"])
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                torch.manual_seed(cfg.seed + self.world.rank)  # the same samples every time, training's RNG untouched
-                for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
-                    self._evaluate_batch(queries[mb], reference[mb], policy_scores, reference_scores, texts)
-        gathered = all_gather_object(([t for s in policy_scores for t in s.tolist()],
-                                      [t for s in reference_scores for t in s.tolist()], texts))
-        sp = torch.tensor([x for g in gathered for x in g[0]])
-        sr = torch.tensor([x for g in gathered for x in g[1]])
-        texts = [x for g in gathered for x in g[2]]
+                # the same samples every time, training's RNG untouched
+                summaries = summarize(self.policy, self.tokenizer, queries, self.response_length, cfg.eval_temperature,
+                                      cfg.micro_batch_size, cfg.seed + self.world.rank, cfg.bf16)
+            policy = self.score(queries, summaries.responses)
+            reference = self.score(queries, references)
+            rows = list(zip(policy.scores.tolist(), policy.raw_scores.tolist(), policy.has_eos.tolist(),
+                            reference.scores.tolist(), summaries.texts))
+        rows = [row for rank_rows in all_gather_object(rows) for row in rank_rows]
+        sp, raw, has_eos, sr = (torch.tensor([row[i] for row in rows], dtype=torch.float64) for i in range(4))
         metrics = {
             "eval/score_policy": sp.mean().item(),
+            "eval/raw_score_policy": raw.mean().item(),
+            "eval/eos_rate_policy": has_eos.mean().item(),
             "eval/score_reference": sr.mean().item(),
-            "eval/rm_win_rate_vs_reference": (sp > sr).float().mean().item(),
+            "eval/rm_win_rate_vs_reference": (sp > sr).double().mean().item(),
         }
-        samples = [{"post": p, "reference": r.strip(), "policy": t, "score_policy": a, "score_reference": b}
-                   for p, r, t, a, b in zip(ds["post"], ds["reference_response"], texts, sp.tolist(), sr.tolist())]
+        samples = [{"post": p, "reference": r.strip(), "policy": row[4], "score_policy": row[0],
+                    "raw_score_policy": row[1], "score_reference": row[3]}
+                   for p, r, row in zip(ds["post"], ds["reference_response"], rows)]
         return metrics, samples
-
-
-    def _evaluate_batch(self, queries, references, policy_scores, reference_scores, texts) -> None:
-        cfg, pad = self.cfg, self.pad_id
-        q = trim_left_padding(queries, pad).to(self.device)
-        context = q.size(1)
-        with autocast(self.device, cfg.bf16):
-            responses = generate(self.policy, q, pad, self.response_length, cfg.eval_temperature,
-                                 eos_token_id=self.eos_id)
-            post = truncate_after_eos(responses, self.eos_id, pad)
-            _, s_policy, _ = get_reward(self.reward_model, torch.cat([q, post], 1), pad, context)
-            _, s_ref, _ = get_reward(self.reward_model, torch.cat([q, references.to(self.device)], 1), pad, context)
-        s_policy = apply_eos_trick(s_policy.float(), post, self.eos_id, cfg.non_eos_penalty)
-        policy_scores.append(s_policy.cpu())
-        reference_scores.append(s_ref.float().cpu())
-        texts += decode_responses(self.tokenizer, post.cpu(), self.eos_id, pad)
 
 
 class _NonFinite(RuntimeError):
@@ -377,7 +459,8 @@ def _rollout_metrics(local: dict[str, torch.Tensor]) -> dict[str, float]:
     lengths = (batch["sequence_lengths"] + 1).float()
     return {
         "objective/scores": batch["scores"].mean().item(),
-        "objective/kl": kl.mean().item(),
+        "objective/kl": kl.mean().item(),  # nats per response
+        "objective/kl_per_token": (kl.sum() / token_mask.sum().clamp(min=1)).item(),
         "objective/entropy": (-batch["logprobs"] * token_mask).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": (batch["scores"] + non_score).mean().item(),
@@ -390,6 +473,7 @@ def _rollout_metrics(local: dict[str, torch.Tensor]) -> dict[str, float]:
         "response/length_mean": lengths.mean().item(),
         "response/length_score_corr": _pearson(lengths, batch["scores"]),
         "response/no_eos_fraction": 1.0 - batch["has_eos"].float().mean().item(),
+        "response/eos_rate": batch["has_eos"].float().mean().item(),
     }
 
 
@@ -397,12 +481,17 @@ def run_ppo(
     cfg: PPOConfig,
     data_dir: str | os.PathLike,
     sft_model_dir: str | os.PathLike,
-    reward_model_dir: str | os.PathLike,
+    reward_model_dir: str | os.PathLike | None,
     out_dir: str | os.PathLike,
     tracker: Tracker | None = None,
 ) -> dict[str, float]:
     """Run (or resume) PPO and write ``out_dir/model`` (the policy), ``out_dir/value_model``,
     ``out_dir/samples.jsonl`` (the last evaluation) and ``out_dir/metrics.json``.
+
+    ``reward_model_dir`` is the reward model (``ppo.reward: model``) and the value model's
+    initialisation (Detail 22); with a rule reward (``ppo.reward: python:...``) it may be
+    ``None``, and the value model starts from the SFT backbone with a fresh head. The
+    resolved reward is logged as the param ``ppo.reward_resolved``.
 
     Checkpoints (policy, value, optimiser, schedule, RNG, update count) are written to
     ``out_dir/checkpoints`` every ``cfg.checkpoint_every`` updates; a restarted run with the
@@ -423,7 +512,8 @@ def run_ppo(
     if not w.is_main:
         tracker = NullTracker()
     digest = config_digest(cfg.model_dump_json(), json.dumps(trainer.stats, sort_keys=True),
-                     str(Path(sft_model_dir).resolve()), str(Path(reward_model_dir).resolve()))
+                     str(Path(sft_model_dir).resolve()),
+                     str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else "none")
     checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
     resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
     start = resumed["step"] if resumed else 0
@@ -435,7 +525,10 @@ def run_ppo(
         states = all_gather_object(torch.get_rng_state())
         checkpoints.save(step, trainer.models, trainer.optimizer, trainer.scheduler, extra={"rank_rng": states})
 
-    tracker.log_params({f"ppo.{k}": v for k, v in cfg.model_dump().items()} | {"ppo.response_length_used": trainer.response_length})
+    tracker.log_params({f"ppo.{k}": v for k, v in cfg.model_dump().items()}
+                      | {"ppo.response_length_used": trainer.response_length,
+                         "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
+                         "ppo.precision": precision_name(cfg.bf16, trainer.device)})
     interactive = sys.stderr.isatty() and w.is_main
     bar = tqdm(total=trainer.num_updates, initial=start, desc="ppo", disable=not interactive, dynamic_ncols=True)
     log_every = max(1, trainer.num_updates // 20)

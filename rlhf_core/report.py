@@ -243,8 +243,11 @@ def _sample_columns(samples: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _score_text(sample: dict[str, Any], col: str) -> str | None:
-    score = sample.get(f"{col}_score")
-    return None if score is None else f"score {format_value(score)}"
+    score, raw = sample.get(f"{col}_score"), sample.get(f"{col}_raw_score")
+    if score is None:
+        return None
+    text = f"score {format_value(score)}"
+    return text if raw is None or raw == score else f"{text}, raw {format_value(raw)}"
 
 
 def _html_samples(samples: Sequence[dict[str, Any]], post_chars: int) -> str:
@@ -309,6 +312,7 @@ def write_report(
     *,
     title: str,
     headline: Sequence[dict[str, Any]],
+    summary: Sequence[dict[str, Any]] | None = None,
     tables: dict[str, Sequence[dict[str, Any]]] | None = None,
     plots: dict[str, str | os.PathLike] | None = None,
     captions: dict[str, str] | None = None,
@@ -320,8 +324,9 @@ def write_report(
 ) -> tuple[Path, Path]:
     """Write ``report.html`` and ``report.md`` to ``out_dir``, each atomically.
 
-    Sections, in order: title and ``intro``; the headline table; notes; each further table;
-    each plot with its caption; the samples; each raw HTML block. All text is HTML-escaped
+    Sections, in order: title and ``intro``; the ``summary`` table ("Does it learn?"); the
+    headline table; notes; each further table; each plot with its caption; the samples; each
+    raw HTML block. All text is HTML-escaped
     except the ``html_blocks`` values.
 
     Args:
@@ -332,6 +337,8 @@ def write_report(
             Columns are the union of the rows' keys, in first-seen order; cells go through
             :func:`format_value` (a :func:`~rlhf_core.diagnostics.win_rate` result prints
             as ``"62.5% [48.1, 75.0] (n=40)"``).
+        summary: rows of the first table, e.g. one per learning check
+            (:func:`rlhf_core.evaluation.learning_checks`); left out when empty.
         tables: ``{heading: rows}`` of further tables (e.g. reward-model accuracy).
         plots: ``{heading: image file}``; the HTML embeds each image as a base64 ``data:``
             URI; the markdown links it by file name, so the caller keeps the images next
@@ -341,7 +348,9 @@ def write_report(
         samples: one dict per post: ``post`` (truncated to ``post_chars`` characters in
             the HTML behind an expandable ``<details>``, and in the markdown), then a
             column per other key (e.g. ``reference``, ``base``, ``sft``, ``ppo``); a key
-            ``{column}_score`` is shown under that column's text as its reward score.
+            ``{column}_score`` is shown under that column's text as its reward score, and
+            ``{column}_raw_score`` beside it when it differs (a score replaced by the EOS
+            trick's penalty, Detail 23).
         html_blocks: ``{heading: trusted HTML fragment}`` inserted unescaped into the HTML
             (e.g. :func:`rlhf_core.diagnostics.token_shift_html`); the markdown points to
             the HTML for them.
@@ -375,6 +384,9 @@ def write_report(
     if intro:
         h.append(f'<p class="text">{esc(intro)}</p>')
         m += [intro, ""]
+    if summary:
+        h += ["<h2>Does it learn? Checks on rows no training saw</h2>", _html_table(summary)]
+        m += ["## Does it learn? Checks on rows no training saw", "", _md_table(summary), ""]
     h += ["<h2>Headline</h2>", _html_table(headline)]
     m += ["## Headline", "", _md_table(headline), ""]
     if notes:

@@ -19,6 +19,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -29,11 +30,13 @@ from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedMode
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
+from .diagnostics import wilson_interval
 from .distributed import all_reduce_sum, gather_to_main, is_sharded, world
-from .generation import first_true_indices
+from .generation import ends_with_eos, first_true_indices, last_token_indices, trim_left_padding
 from .io import write_json_atomic
 from .models import DTYPES, disable_dropout, save_pretrained_atomic
 from .plots import plot_calibration
+from .ppo import apply_eos_trick
 from .tracking import NullTracker, Tracker
 from .training import (
     CheckpointManager,
@@ -44,6 +47,7 @@ from .training import (
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
+    precision_name,
     train_loop,
 )
 
@@ -198,7 +202,7 @@ def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: 
     reward_logits = causal_forward(
         lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos), query_responses, pad_token_id
     )
-    sequence_lengths = first_true_indices(query_responses[:, context_length:] == pad_token_id) - 1 + context_length
+    sequence_lengths = last_token_indices(query_responses[:, context_length:], pad_token_id) + context_length
     scores = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
     return reward_logits, scores, sequence_lengths
 
@@ -314,7 +318,8 @@ def run_reward_training(
         return out
 
     digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(sft_model_dir).resolve()))
-    tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()})
+    tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()}
+                      | {"reward.precision": precision_name(cfg.bf16, device)})
     last = train_loop(model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
                       checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
     model = gather_to_main(model, lambda: reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device))
@@ -328,26 +333,104 @@ def run_reward_training(
     return metrics
 
 
-@torch.no_grad()
-def score_sequences(model: ScalarModel, sequences: torch.Tensor, pad_token_id: int, batch_size: int,
-                    bf16: bool = False, desc: str | None = None) -> torch.Tensor:
-    """Rewards of right-padded query+response rows, in batches, without gradients.
+@dataclass
+class ResponseScores:
+    """The reward model's verdict on a batch of responses (Details 12, 23).
+
+    Attributes:
+        raw_scores: ``(n,)`` float32, the reward model's output at each response's last real
+            token (the one before its first PAD), or a rule reward's value (``ppo.reward``,
+            :meth:`rlhf_core.ppo_trainer.PPOTrainer.score`).
+        scores: ``(n,)`` float32, ``raw_scores`` with the EOS trick: ``non_eos_penalty`` where
+            the response has no EOS.
+        has_eos: ``(n,)`` bool, the last real token is EOS
+            (:func:`rlhf_core.generation.ends_with_eos`).
+    """
+
+    raw_scores: torch.Tensor
+    scores: torch.Tensor
+    has_eos: torch.Tensor
+
+
+def response_scores(raw_scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int,
+                    non_eos_penalty: float | None) -> ResponseScores:
+    """:class:`ResponseScores` from the reward model's raw scores: the EOS trick (Detail 23).
 
     Args:
-        sequences: ``(n, length)`` token ids.
+        raw_scores: ``(n,)`` scores read at each response's last real token.
+        responses: ``(n, response_length)`` token ids, PAD after the first EOS.
 
     Returns:
-        ``(n,)`` float32 scores (CPU).
+        :class:`ResponseScores` on the device of ``raw_scores``.
+    """
+    raw_scores = raw_scores.float()
+    return ResponseScores(raw_scores=raw_scores,
+                          scores=apply_eos_trick(raw_scores, responses, eos_token_id, pad_token_id, non_eos_penalty),
+                          has_eos=ends_with_eos(responses, eos_token_id, pad_token_id))
+
+
+@torch.no_grad()
+def score_responses(reward_model: ScalarModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
+                    eos_token_id: int, non_eos_penalty: float | None, batch_size: int,
+                    bf16: bool | str = False) -> ResponseScores:
+    """Reward-model scores of query + response pairs, in batches, without gradients (Details 12, 14, 23).
+
+    Every sampled or reference response scored outside reward-model training goes through
+    here: PPO's rollouts and evaluations, the evaluation stage, and the reference summaries of
+    reward normalisation (which end with EOS, Detail 3, so that their ``scores`` equal their
+    ``raw_scores``). Preference pairs are scored by :func:`pair_scores` (training) and
+    :func:`score_pairs` (evaluation), which read the same position. The score is read at each
+    response's last real token; queries may be left-padded (the padding is invisible, Detail 14).
+
+    Args:
+        queries: ``(n, query_length)`` long token ids, left-padded.
+        responses: ``(n, response_length)`` long token ids, PAD after the first EOS
+            (:func:`rlhf_core.generation.truncate_after_eos`).
+        non_eos_penalty: the score of a response without EOS (``ppo.non_eos_penalty``;
+            ``None``: no EOS trick, ``scores`` equal ``raw_scores``).
+        bf16: the stage's precision setting (:func:`rlhf_core.training.autocast`).
+
+    Returns:
+        :class:`ResponseScores` on the device of ``responses``.
+    """
+    device = next(reward_model.parameters()).device
+    reward_model.eval()
+    raw = []
+    for start in range(0, len(queries), batch_size):
+        q = trim_left_padding(queries[start : start + batch_size], pad_token_id)
+        query_responses = torch.cat([q, responses[start : start + batch_size].to(q.device)], dim=1).to(device)
+        with autocast(device, bf16):
+            _, scores, _ = get_reward(reward_model, query_responses, pad_token_id, q.size(1))
+        raw.append(scores.float().to(responses.device))
+    raw_scores = torch.cat(raw) if raw else torch.zeros(0, device=responses.device)
+    return response_scores(raw_scores, responses, eos_token_id, pad_token_id, non_eos_penalty)
+
+
+@torch.no_grad()
+def score_pairs(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int,
+                batch_size: int, bf16: bool | str = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of preference pairs, in batches, without gradients: the training pass
+    (:func:`pair_scores`, the shared query run once) in evaluation mode.
+
+    Args:
+        chosen, rejected: ``(n, length)`` right-padded query+response token ids of each pair.
+        bf16: the stage's precision setting (:func:`rlhf_core.training.autocast`).
+
+    Returns:
+        ``(chosen_scores, rejected_scores)``, each ``(n,)`` float32 on the CPU, read at each
+        response's EOS (Details 12, 14).
     """
     device = next(model.parameters()).device
     model.eval()
-    out = []
-    for start in range(0, len(sequences), batch_size):
-        batch = sequences[start : start + batch_size].to(device)
+    out_chosen, out_rejected = [], []
+    for start in range(0, len(chosen), batch_size):
         with autocast(device, bf16):
-            _, scores, _ = get_reward(model, batch, pad_token_id)
-        out.append(scores.float().cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+            c, r = pair_scores(model, chosen[start : start + batch_size].to(device),
+                               rejected[start : start + batch_size].to(device), pad_token_id)
+        out_chosen.append(c.float().cpu())
+        out_rejected.append(r.float().cpu())
+    empty = torch.zeros(0)
+    return (torch.cat(out_chosen) if out_chosen else empty), (torch.cat(out_rejected) if out_rejected else empty)
 
 
 def normalize_reward_model(
@@ -362,38 +445,57 @@ def normalize_reward_model(
     Scores ``query + reference_response`` of the SFT split ``cfg.normalization_split``
     (its first ``cfg.normalization_max_samples`` rows when set; the paper uses all),
     subtracts their mean from the head's bias, scores them again, and writes the
-    normalised model to ``out_dir/model``.
+    normalised model to ``out_dir/model``. With ``cfg.normalize`` false the references are
+    scored all the same and the model is written unchanged (no shift, ``mean_after`` equals
+    ``mean_before``).
 
     Returns:
         ``normalization/mean_before``, ``normalization/mean_after`` (within float error of
-        0), ``normalization/std``, ``normalization/count``.
+        0 when normalising), ``normalization/shift`` (the mean subtracted; 0 when not
+        normalising), ``normalization/std``, ``normalization/count``.
     """
     tracker = tracker or NullTracker()
     out_dir = Path(out_dir)
     sft, _, _ = load_prepared(data_dir)
     tokenizer = load_data_tokenizer(data_dir)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     device = pick_device()
     model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
     ds = sft[cfg.normalization_split]
     ds = ds.select(range(min(len(ds), cfg.normalization_max_samples or len(ds))))
-    ds = ds.with_format("torch", columns=["query_reference_response_token"])
-    sequences = ds["query_reference_response_token"]
-    before = score_sequences(model, sequences, tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+    rows = ds.with_format("torch", columns=["query_token", "reference_response_token"])[:]
+    queries, references = rows["query_token"], rows["reference_response_token"]
+
+    def reference_scores() -> torch.Tensor:  # references end with EOS (Detail 3): their raw scores
+        return score_responses(model, queries, references, pad, eos, float("nan"), cfg.micro_batch_size,
+                               cfg.bf16).raw_scores
+
+    before = reference_scores()
     mean = before.double().mean().item()
-    with torch.no_grad():
-        model.head.bias -= mean
-    model.config.normalization_mean = model.config.normalization_mean + mean
-    after = score_sequences(model, sequences, tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+    shift = mean if cfg.normalize else 0.0
+    if cfg.normalize:
+        with torch.no_grad():
+            model.head.bias -= shift
+        model.config.normalization_mean = model.config.normalization_mean + shift
+        after = reference_scores()
+    else:
+        after = before
     metrics = {
         "normalization/mean_before": mean,
         "normalization/mean_after": after.double().mean().item(),
+        "normalization/shift": shift,
         "normalization/std": before.double().std().item() if len(before) > 1 else 0.0,
         "normalization/count": float(len(before)),
     }
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
     tracker.log_metrics(metrics)
     write_json_atomic(out_dir / "metrics.json", metrics)
-    log.info("reward normalisation: mean %.4f -> %.2e over %d references", mean, metrics["normalization/mean_after"], len(before))
+    if cfg.normalize:
+        log.info("reward normalisation: mean %.4f -> %.2e over %d references", mean,
+                 metrics["normalization/mean_after"], len(before))
+    else:
+        log.info("reward normalisation off (reward.normalize: false): model written unchanged; mean %.4f over "
+                 "%d references", mean, len(before))
     return metrics
 
 
@@ -410,12 +512,15 @@ def accuracy_by_group(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
         prefix: key prefix, e.g. ``"eval"``.
 
     Returns:
-        ``{f"{prefix}/accuracy": a, f"{prefix}/accuracy/{group}/{value}": a_v,
-        f"{prefix}/count/{group}/{value}": n_v, ...}``; a pair is correct when
-        ``chosen > rejected``.
+        ``{f"{prefix}/accuracy": a, f"{prefix}/accuracy_ci_low": lo, f"{prefix}/accuracy_ci_high": hi,
+        f"{prefix}/accuracy/{group}/{value}": a_v, f"{prefix}/count/{group}/{value}": n_v, ...}``;
+        a pair is correct when ``chosen > rejected``; ``lo``, ``hi`` bound the overall
+        accuracy by the 95% Wilson interval (:func:`rlhf_core.diagnostics.wilson_interval`).
     """
     correct = (chosen_scores > rejected_scores).float()
-    out = {f"{prefix}/accuracy": correct.mean().item(), f"{prefix}/count": float(len(correct))}
+    low, high = wilson_interval(int(correct.sum().item()), len(correct))
+    out = {f"{prefix}/accuracy": correct.mean().item(), f"{prefix}/count": float(len(correct)),
+           f"{prefix}/accuracy_ci_low": low, f"{prefix}/accuracy_ci_high": high}
     for group, labels in groups.items():
         buckets: dict[str, list[int]] = defaultdict(list)
         for i, label in enumerate(labels):
@@ -497,9 +602,9 @@ def evaluate_reward_model(
             raise KeyError(f"reward.eval_splits names {split!r}, not a preference split ({', '.join(pref)})")
         ds = pref[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
-        torch_ds = ds.with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
-        chosen = score_sequences(model, torch_ds["query_chosen_token"], tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
-        rejected = score_sequences(model, torch_ds["query_rejected_token"], tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+        torch_ds = ds.with_format("torch", columns=["query_chosen_token", "query_rejected_token"])[:]
+        chosen, rejected = score_pairs(model, torch_ds["query_chosen_token"], torch_ds["query_rejected_token"],
+                                       tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
         prefix = "eval" if split == "validation" else f"eval/{split}"
         groups = {"batch": list(ds["batch"]), "confidence": list(ds["confidence"]), "split": list(ds["split"])}
         metrics.update(accuracy_by_group(chosen, rejected, groups, prefix))

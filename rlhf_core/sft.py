@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from rouge_score import rouge_scorer
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import all_reduce_sum, gather_to_main, world
-from .generation import decode_responses, generate, trim_left_padding
+from .generation import summarize
 from .io import write_json_atomic
 from .models import load_causal_lm, save_pretrained_atomic
 from .reward import causal_forward
@@ -37,6 +37,7 @@ from .training import (
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
+    precision_name,
     train_loop,
 )
 
@@ -199,35 +200,6 @@ def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
     return [scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references)]
 
 
-def sample_summaries(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    query_tokens: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    batch_size: int,
-    seed: int,
-) -> list[str]:
-    """Near-greedy summaries for left-padded queries, cut at the first EOS.
-
-    Args:
-        query_tokens: ``(n, query_length)`` left-padded token ids.
-
-    Returns:
-        ``n`` summary strings.
-    """
-    device = next(model.parameters()).device
-    model.eval()
-    torch.manual_seed(seed)
-    texts: list[str] = []
-    for start in range(0, len(query_tokens), batch_size):
-        queries = trim_left_padding(query_tokens[start : start + batch_size], tokenizer.pad_token_id).to(device)
-        responses = generate(model, queries, tokenizer.pad_token_id, max_new_tokens, temperature,
-                             eos_token_id=tokenizer.eos_token_id)
-        texts += decode_responses(tokenizer, responses.cpu(), tokenizer.eos_token_id, tokenizer.pad_token_id)
-    return texts
-
-
 def run_sft(
     cfg: SFTConfig,
     data_dir: str | os.PathLike,
@@ -244,6 +216,9 @@ def run_sft(
 
     Returns:
         Flat metrics: ``train/loss`` (last step), ``eval/rougeL`` (SFT), ``eval/rougeL_base``,
+        ``eval/eos_rate`` and ``eval/eos_rate_base`` (share of summaries ending with EOS
+        within the response length), ``eval/response_length`` and
+        ``eval/response_length_base`` (mean tokens up to and including the EOS),
         ``eval/samples``, ``train/steps``, ``train/seconds``.
 
     Raises:
@@ -283,7 +258,8 @@ def run_sft(
         return {"loss": total / n_targets, "tokens": tokens}
 
     digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(base_model_dir).resolve()))
-    tracker.log_params({f"sft.{k}": v for k, v in cfg.model_dump().items()})
+    tracker.log_params({f"sft.{k}": v for k, v in cfg.model_dump().items()}
+                      | {"sft.precision": precision_name(cfg.bf16, device)})
     train_metrics = train_loop(
         model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
         checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="sft",
@@ -302,15 +278,20 @@ def run_sft(
     references = [r.strip() for r in eval_ds["reference_response"]]
     max_new = stats["padded_lengths"]["sft_response"]
     t0 = time.perf_counter()
-    sft_texts = sample_summaries(model, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed)
+    sft_out = summarize(model, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed,
+                        cfg.bf16)
     model = None  # free the SFT model before loading the base model
     base = load_causal_lm(base_model_dir).to(device)
-    base_texts = sample_summaries(base, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed)
+    base_out = summarize(base, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed,
+                         cfg.bf16)
     base = None
-    sft_rouge, base_rouge = rouge_l(sft_texts, references), rouge_l(base_texts, references)
+    sft_rouge, base_rouge = rouge_l(sft_out.texts, references), rouge_l(base_out.texts, references)
     samples = [
-        {"post": p, "reference": r, "base": b, "sft": s, "rougeL_base": rb, "rougeL_sft": rs}
-        for p, r, b, s, rb, rs in zip(eval_ds["post"], references, base_texts, sft_texts, base_rouge, sft_rouge)
+        {"post": p, "reference": r, "base": b, "sft": s, "rougeL_base": rb, "rougeL_sft": rs,
+         "has_eos_base": eb, "has_eos_sft": es, "length_base": lb, "length_sft": ls}
+        for p, r, b, s, rb, rs, eb, es, lb, ls in zip(
+            eval_ds["post"], references, base_out.texts, sft_out.texts, base_rouge, sft_rouge,
+            base_out.has_eos.tolist(), sft_out.has_eos.tolist(), base_out.lengths.tolist(), sft_out.lengths.tolist())
     ]
     with open(out_dir / "samples.jsonl", "w") as fh:
         fh.writelines(json.dumps(s) + "\n" for s in samples)
@@ -320,12 +301,17 @@ def run_sft(
         "train/seconds": train_metrics["seconds"],
         "eval/rougeL": sum(sft_rouge) / n_eval,
         "eval/rougeL_base": sum(base_rouge) / n_eval,
+        "eval/eos_rate": sft_out.has_eos.double().mean().item(),
+        "eval/eos_rate_base": base_out.has_eos.double().mean().item(),
+        "eval/response_length": sft_out.lengths.double().mean().item(),
+        "eval/response_length_base": base_out.lengths.double().mean().item(),
         "eval/samples": float(n_eval),
         "eval/seconds": time.perf_counter() - t0,
     }
     tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=train_metrics["steps"])
     tracker.log_table("sft_samples", samples[:32])
     write_json_atomic(out_dir / "metrics.json", metrics)
-    log.info("sft: ROUGE-L %.4f (base %.4f) on %d %s prompts", metrics["eval/rougeL"], metrics["eval/rougeL_base"],
-             n_eval, cfg.eval_split)
+    log.info("sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts", metrics["eval/rougeL"],
+             metrics["eval/rougeL_base"], metrics["eval/eos_rate"], metrics["eval/eos_rate_base"], n_eval,
+             cfg.eval_split)
     return metrics

@@ -33,6 +33,7 @@ from pydantic import BaseModel
 import rlhf_core
 from rlhf_core.config import PipelineConfig
 from rlhf_core.pipeline import STAGES, stage_config
+from rlhf_core.rule_rewards import reward_code_digest
 from rlhf_core.launch import DATA_PARALLEL
 from rlhf_core.tracking import JsonlTracker, TeeTracker, Tracker, replay
 
@@ -62,7 +63,9 @@ def code_version() -> str:
 
 def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]) -> str:
     """The cache key of ``stage``: the settings it reads, its upstream digests, the code version and
-    the artifact root (``RLHF_ARTIFACT_ROOT``)."""
+    the artifact root (``RLHF_ARTIFACT_ROOT``). For PPO with a rule reward (``ppo.reward:
+    python:MODULE:FUNCTION``, part of the settings) also the source of that module, which may
+    live outside ``rlhf_core``."""
     payload = {
         "stage": stage,
         "config": stage_config(cfg, stage),
@@ -71,6 +74,9 @@ def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]
         # a cache entry is only as good as the store its artifact lives in
         "store": ArtifactStore().uri(""),
     }
+    reward_code = reward_code_digest(cfg.ppo.reward) if stage == "ppo" else None
+    if reward_code is not None:  # absent otherwise: the keys of the reward model's runs are unchanged
+        payload["reward_code"] = reward_code
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -109,6 +109,7 @@ def test_console_script_prints_gpu_preset():
     ("reward.learning_rate=1e-4", {"reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
     ("eval.title_copy_threshold=0.5", {"evaluation"}),
     ("ppo.temperature=0.9", {"ppo", "evaluation"}),
+    ("ppo.non_eos_penalty=-2", {"ppo", "evaluation"}),
     ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
 ])
 def test_a_setting_changes_the_digests_of_its_stage_and_those_downstream_only(override, changed):

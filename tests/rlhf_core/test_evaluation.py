@@ -9,10 +9,11 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.data import load_data_tokenizer, load_prepared, prepare_data
-from rlhf_core.evaluation import response_token_ranks, run_evaluation, score_responses, summarize
-from rlhf_core.generation import trim_left_padding, truncate_after_eos
+from rlhf_core.diagnostics import paired_difference
+from rlhf_core.evaluation import learning_checks, response_token_ranks, run_evaluation
+from rlhf_core.generation import summarize, trim_left_padding, truncate_after_eos
 from rlhf_core.models import import_base_model, load_causal_lm, save_pretrained_atomic
-from rlhf_core.reward import ScalarModel, get_reward, reward_model_from_causal_lm
+from rlhf_core.reward import ResponseScores, ScalarModel, get_reward, reward_model_from_causal_lm, score_responses
 from tests.messages_api import MessagesAPI, error_reply, text_reply
 
 
@@ -51,11 +52,13 @@ def test_scores_and_ranks_match_direct_forward_passes(stages):
     assert truncate_after_eos(out.responses, tokenizer.eos_token_id, pad).equal(out.responses)  # PAD after EOS
 
     rm = ScalarModel.from_pretrained(str(root / "reward_norm" / "model"))
-    scores = score_responses(rm, queries, out.responses, pad, batch_size=2)
+    scored = score_responses(rm, queries, out.responses, pad, tokenizer.eos_token_id, -1.0, batch_size=2)
     for i in range(3):
         q = trim_left_padding(queries[i : i + 1], pad)
         _, expected, _ = get_reward(rm, torch.cat([q, out.responses[i : i + 1]], 1), pad, q.size(1))
-        assert scores[i].item() == pytest.approx(expected.item(), abs=1e-5)
+        assert scored.raw_scores[i].item() == pytest.approx(expected.item(), abs=1e-5)
+    assert scored.has_eos.equal(out.has_eos)
+    assert scored.scores.equal(torch.where(out.has_eos, scored.raw_scores, -1.0))
 
     base = load_causal_lm(root / "base")
     ranks = response_token_ranks(base, queries, out.responses, pad)
@@ -96,7 +99,20 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         assert len(calls) == 13  # 12 comparisons, one of them retried after the 429
         for policy in ("base", "sft", "ppo"):
             assert metrics[f"eval/{policy}/win_rate"] == 0.0 and metrics[f"eval/{policy}/win_rate_n_valid"] == 4
+        rows = [json.loads(line) for line in (tmp_path / "out" / "summaries.jsonl").read_text().splitlines()]
+        for policy in ("base", "sft", "ppo"):  # score: with the EOS trick (ppo.non_eos_penalty); raw_score: without
+            scores = [r[f"{policy}_raw_score"] if r[f"{policy}_has_eos"] else cfg.ppo.non_eos_penalty for r in rows]
+            assert metrics[f"eval/{policy}/score"] == pytest.approx(sum(scores) / 4)
+            assert metrics[f"eval/{policy}/raw_score"] == pytest.approx(sum(r[f"{policy}_raw_score"] for r in rows) / 4)
+            assert metrics[f"eval/{policy}/eos_rate"] == sum(r[f"{policy}_has_eos"] for r in rows) / 4
+        # the first table: PPO against SFT on the same prompts, paired
+        diffs = [r["ppo_score"] - r["sft_score"] for r in rows]
+        assert metrics["eval/checks/ppo_minus_sft_score"] == pytest.approx(sum(diffs) / 4)
+        assert metrics["eval/checks/ppo_minus_sft_score_ci_low"] <= sum(diffs) / 4 <= \
+            metrics["eval/checks/ppo_minus_sft_score_ci_high"]
         report = (tmp_path / "out" / "report.html").read_text()
+        assert report.index("Does it learn?") < report.index("Headline")
+        assert "RM score of PPO minus SFT summaries" in report and "accuracy, TL;DR validation comparisons" in report
         assert "claude-test-judge" in report and "sk-test-secret" not in report
         assert "0.0% [0.0, 49.0] (n=4)" in report  # Wilson interval of 0/4
         # a second run is answered from the judgement cache: no request at all
@@ -107,3 +123,43 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
     for path in (tmp_path / "out").iterdir():
         if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
             assert "sk-test-secret" not in path.read_text(), path
+
+
+def test_paired_difference():
+    d = paired_difference([1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 1.0])  # differences 1, 2, 3, 3
+    assert d["mean"] == pytest.approx(2.25) and d["n"] == 4
+    assert d["std"] == pytest.approx(0.957427, abs=1e-6)
+    assert (d["ci_low"], d["ci_high"]) == pytest.approx((2.25 - 1.959964 * 0.957427 / 2, 2.25 + 1.959964 * 0.957427 / 2),
+                                                        abs=1e-5)
+    with pytest.raises(ValueError):
+        paired_difference([1.0], [1.0, 2.0])
+
+
+def test_learning_checks_state_each_target_with_its_interval():
+    """The report's first table: each stage's check, its interval, and whether the target is met."""
+    n = 100
+    sft_metrics = {"eval/samples": float(n), "eval/eos_rate": 0.97, "eval/eos_rate_base": 0.0}
+    sft_samples = [{"rougeL_sft": 0.25 + 0.01 * (i % 3), "rougeL_base": 0.15} for i in range(n)]
+    rm_metrics = {"eval/accuracy": 0.58, "eval/count": 603.0, "eval/accuracy_ci_low": 0.54, "eval/accuracy_ci_high": 0.62,
+                  "eval/validation_cnndm/accuracy": 0.55, "eval/validation_cnndm/count": 64.0}
+    sft = ResponseScores(raw_scores=torch.zeros(64), scores=torch.zeros(64), has_eos=torch.ones(64, dtype=torch.bool))
+    ppo_scores = torch.linspace(0.1, 0.5, 64)
+    has_eos = torch.ones(64, dtype=torch.bool)
+    has_eos[:8] = False  # 56 of 64 = 87.5%: below the 90% target
+    ppo = ResponseScores(raw_scores=ppo_scores, scores=ppo_scores, has_eos=has_eos)
+    rows, metrics = learning_checks(sft_metrics, sft_samples, rm_metrics, {"objective/kl": 2.0,
+                                                                           "objective/kl_per_token": 0.05}, ppo, sft)
+    by_check = {(r["stage"], r["check"]): r for r in rows}
+    eos = by_check[("SFT", "greedy summaries that end with EOS")]
+    assert eos["met"] is True and eos["n"] == n and eos["95% interval"] == "[91.5%, 99.0%]"  # Wilson, 97 of 100
+    gain = by_check[("SFT", "ROUGE-L gain over the base model")]
+    assert gain["met"] is True and metrics["eval/checks/sft_rougeL_gain"] == pytest.approx(0.11, abs=0.001)
+    assert by_check[("reward model", "accuracy, TL;DR validation comparisons")]["met"] is True
+    assert by_check[("reward model", "accuracy, CNN/DM comparisons")]["met"] is None  # reported, no target
+    better = by_check[("PPO", "RM score of PPO minus SFT summaries, same prompts")]
+    assert better["met"] is True and metrics["eval/checks/ppo_minus_sft_score"] == pytest.approx(0.3)
+    assert by_check[("PPO", "greedy summaries that end with EOS")]["met"] is False
+    assert metrics["eval/checks/ppo_kl_per_token"] == 0.05
+    # a reward model at chance: its interval includes 0.5
+    rows, _ = learning_checks({}, [], rm_metrics | {"eval/accuracy_ci_low": 0.46}, {}, ppo, sft)
+    assert [r["met"] for r in rows if r["check"] == "accuracy, TL;DR validation comparisons"] == [False]

@@ -17,6 +17,7 @@ from rlhf_core.ppo import (
     per_token_rewards,
     policy_loss,
     response_mask,
+    sampling_logits,
     value_loss,
 )
 from rlhf_core.ppo_trainer import prompt_indices
@@ -83,8 +84,18 @@ def test_rewards_put_kl_on_tokens_and_score_at_eos():
 
 
 def test_eos_trick():
-    responses = torch.tensor([[5, 9, 0], [5, 6, 7]])
-    assert apply_eos_trick(torch.tensor([2.0, 3.0]), responses, eos_token_id=9, penalty=-1.0).tolist() == [2.0, -1.0]
+    """Detail 23: a response is scored as ended only when the token its score is read at
+    (before the first PAD, Detail 12) is EOS."""
+    responses = torch.tensor([
+        [5, 9, 0],  # EOS, then PAD: keeps its score
+        [5, 6, 7],  # no EOS
+        [0, 5, 9],  # PAD sampled first: read in the query, not at an EOS
+        [5, 0, 9],  # PAD before the EOS: read at 5
+        [9, 0, 0],  # EOS first: keeps its score
+    ])
+    scores = torch.tensor([2.0, 3.0, 4.0, 5.0, 6.0])
+    got = apply_eos_trick(scores, responses, eos_token_id=9, pad_token_id=0, penalty=-1.0)
+    assert got.tolist() == [2.0, -1.0, -1.0, -1.0, 6.0]
 
 
 def test_response_mask():
@@ -116,11 +127,30 @@ def test_logprobs_use_the_sampling_temperature():
     torch.manual_seed(0)
     logits = torch.randn(2, 3, 7)
     tokens = torch.randint(0, 7, (2, 3))
-    got = logprobs_from_logits(logits, tokens, temperature=0.7)
+    got = logprobs_from_logits(logits, tokens, temperature=0.7, pad_token_id=None)
     expected = F.log_softmax(logits / 0.7, -1).gather(2, tokens[..., None]).squeeze(-1)
     torch.testing.assert_close(got, expected)
     uniform = entropy_from_logits(torch.zeros(4, 8))
     torch.testing.assert_close(uniform, torch.full((4,), math.log(8)))
+
+
+def test_sampling_distribution_excludes_pad():
+    """PAD is never sampled, so the trained distribution is the softmax over the other tokens."""
+    torch.manual_seed(0)
+    pad = 3
+    logits = torch.randn(2, 4, 7, requires_grad=True)
+    tokens = torch.tensor([[0, 1, 2, 4], [5, 6, 0, 1]])
+    got = logprobs_from_logits(logits, tokens, temperature=0.7, pad_token_id=pad)
+    keep = [t for t in range(7) if t != pad]
+    without_pad = F.log_softmax(logits[..., keep] / 0.7, -1)
+    index = torch.tensor([keep.index(t) for t in tokens.flatten().tolist()]).view_as(tokens)
+    torch.testing.assert_close(got, without_pad.gather(2, index[..., None]).squeeze(-1))
+    tempered = sampling_logits(logits, 0.7, pad)
+    assert (F.softmax(tempered, -1)[..., pad] == 0).all()
+    entropy = entropy_from_logits(tempered)
+    torch.testing.assert_close(entropy, -(without_pad.exp() * without_pad).sum(-1))
+    got.sum().backward()
+    assert torch.isfinite(logits.grad).all() and (logits.grad[..., pad] == 0).all()
 
 
 def test_prompts_are_drawn_without_replacement_and_reshuffled():

@@ -13,12 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config import load_config
-from rlhf_core.data import prepare_data
+from rlhf_core.config import PPOConfig, load_config
+from rlhf_core.data import load_data_tokenizer, load_prepared, prepare_data
+from rlhf_core.generation import trim_left_padding, truncate_after_eos
 from rlhf_core.models import import_base_model
 from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits
-from rlhf_core.ppo_trainer import PPOTrainer, response_logits, run_ppo
-from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
+from rlhf_core.ppo_trainer import PPOTrainer, response_logits, rollout_targets, run_ppo
+from rlhf_core.reward import ScalarModel, response_scores, reward_model_from_causal_lm, score_responses
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import TrainingError
 
@@ -63,18 +64,118 @@ def test_rollout_is_consistent(smoke):
     # rollout log-probabilities equal a fresh forward pass of the same policy (dropout off, Detail 7)
     with torch.no_grad():
         logits = response_logits(trainer.policy, batch["query_responses"], trainer.pad_id, int(batch["context_length"]))
-    fresh = logprobs_from_logits(logits, batch["responses"], cfg.ppo.temperature)
+    fresh = logprobs_from_logits(logits, batch["responses"], cfg.ppo.temperature, trainer.pad_id)
     torch.testing.assert_close(batch["logprobs"][mask], fresh[mask], rtol=1e-4, atol=1e-4)
     # the reference is the same network at the start: KL is zero
     torch.testing.assert_close(batch["logprobs"][mask], batch["ref_logprobs"][mask], rtol=1e-4, atol=1e-4)
     assert (batch["logprobs"][~mask] == INVALID_LOGPROB).all()
+    assert (batch["responses"] != trainer.pad_id).all()  # PAD is never sampled
     # no EOS in a random model's samples: the EOS trick gives every response the penalty
     no_eos = ~batch["has_eos"]
+    assert no_eos.any()
     assert (batch["scores"][no_eos] == cfg.ppo.non_eos_penalty).all()
+    assert (batch["raw_scores"] != cfg.ppo.non_eos_penalty).all()
     # whitened advantages over valid tokens
     adv = batch["advantages"][mask]
     assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-2
     assert (batch["advantages"][~mask] == 0).all()
+
+
+def test_first_minibatch_trains_the_policy_that_sampled(smoke):
+    """Before the first optimiser step the training pass recomputes the rollout's
+    log-probabilities: the same network at the same temperature with PAD excluded in both
+    (Detail 23), so every probability ratio is 1 and the approximate KL 0."""
+    cfg, root = smoke
+    # one epoch of one minibatch: every micro-batch's log-probabilities come before the only step
+    ppo_cfg = cfg.ppo.model_copy(update={"ppo_epochs": 1, "num_minibatches": 1, "bf16": False})
+    assert ppo_cfg.temperature != 1.0  # a pass that forgot the temperature would give other log-probabilities
+    trainer = PPOTrainer(ppo_cfg, root / "data", root / "sft", root / "rm")
+    batch = trainer.rollout(trainer.queries[: ppo_cfg.batch_size])
+    stats = trainer.train_on(batch, update=0)
+    # The rollout's log-probabilities come from generation (one position at a time against the
+    # KV cache), the training pass's from one forward pass over the whole sequence: float32
+    # kernels that round differently, by up to ~2e-6 in a log-probability on the smoke model
+    # (mean ratio 1 - 2e-8, variance 1e-13), hence the bounds below with room to spare. A
+    # training pass at temperature 1 instead of 0.7 gives a mean ratio of 1.0045 even on this
+    # random model, whose logits are nearly flat.
+    assert abs(stats["val/ratio"] - 1.0) < 1e-5
+    assert stats["val/ratio_var"] < 1e-9
+    assert stats["policy/approxkl"] < 1e-10
+    assert stats["policy/clipfrac"] == 0.0
+
+
+def test_responses_are_scored_at_their_last_real_token(smoke):
+    """Detail 12: the reward model's output at the token before the first PAD; Detail 23:
+    responses that are not scored at an EOS get the penalty."""
+    cfg, root = smoke
+    tok = load_data_tokenizer(root / "data")
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    rm = ScalarModel.from_pretrained(root / "rm").eval()
+    queries = torch.tensor(load_prepared(root / "data")[0]["validation"]["query_token"][:4])
+    a, b, c, d, e, f = tok(" a short summary of the post here", add_special_tokens=False)["input_ids"][:6]
+    responses = torch.tensor([
+        [a, b, eos, pad, pad, pad],  # EOS at 2
+        [a, b, c, d, e, f],  # no EOS: read at 5
+        [eos, pad, pad, pad, pad, pad],  # EOS at 0
+        [a, pad, eos, pad, pad, pad],  # PAD before the EOS: read at 0, not an EOS
+    ])
+    last = [2, 5, 0, 0]
+    scored = score_responses(rm, queries, responses, pad, eos, -3.0, batch_size=3)
+    with torch.no_grad():
+        expected = torch.stack([
+            rm(input_ids=torch.cat([trim_left_padding(queries[i : i + 1], pad), responses[i : i + 1, : last[i] + 1]], 1))[0, -1]
+            for i in range(4)])
+    torch.testing.assert_close(scored.raw_scores, expected, rtol=1e-5, atol=1e-5)
+    assert scored.has_eos.tolist() == [True, False, True, False]
+    assert scored.scores[[0, 2]].equal(scored.raw_scores[[0, 2]])
+    assert scored.scores[[1, 3]].tolist() == [-3.0, -3.0]
+
+
+def test_rollout_targets_end_each_response_at_its_eos():
+    """Responses with an EOS part way (Details 23-25): the mask, the KL penalty and the score
+    stop at the EOS, and a response without EOS scores the penalty at its last token."""
+    pad, eos, penalty, kl_coef = 0, 9, -4.0, 0.1
+    responses = torch.tensor([
+        [5, 6, eos, 7, 8, eos],  # EOS at 2, then more sampled tokens
+        [5, 6, 7, 8, 4, 3],  # no EOS
+        [eos, 5, 6, 7, 8, 4],  # EOS at 0
+        [5, 6, 7, 8, 4, eos],  # EOS at the last position
+    ])
+    eos_at = [2, 5, 0, 5]  # the last real token of each
+    raw_scores = torch.tensor([1.5, 2.5, -0.5, 3.0])
+    torch.manual_seed(0)
+    logprobs, ref_logprobs = -torch.rand(4, 6), -torch.rand(4, 6)
+    values = torch.randn(4, 6)
+    post = truncate_after_eos(responses, eos, pad)
+    assert post[0].tolist() == [5, 6, eos, pad, pad, pad]  # what the reward model reads: PAD after the EOS
+    scored = response_scores(raw_scores, post, eos, pad, penalty)
+    assert scored.scores.tolist() == [1.5, penalty, -0.5, 3.0]
+    cfg = PPOConfig(kl_coef=kl_coef, score_position="eos", whiten_rewards=False, non_eos_penalty=penalty)
+    out = rollout_targets(responses, logprobs, ref_logprobs, values, scored, cfg, eos, pad)
+    assert out["sequence_lengths"].tolist() == eos_at
+    positions = torch.arange(6)
+    mask = torch.stack([positions <= i for i in eos_at])
+    assert out["token_mask"].equal(mask) and out["value_mask"].equal(mask)
+    kl_penalty = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), 0.0)
+    torch.testing.assert_close(out["non_score_reward"], kl_penalty)
+    assert out["logprobs"].equal(torch.where(mask, logprobs, INVALID_LOGPROB))
+    assert out["ref_logprobs"].equal(torch.where(mask, ref_logprobs, INVALID_LOGPROB))
+    score_at = torch.zeros(4, 6)
+    score_at[torch.arange(4), torch.tensor(eos_at)] = scored.scores
+    torch.testing.assert_close(out["rewards"], kl_penalty + score_at)
+    assert out["values"].equal(torch.where(mask, values, 0.0))
+    assert (out["advantages"][~mask] == 0).all() and (out["returns"][~mask] == 0).all()
+
+    # score_position after_eos: one position later (the last one when there is no room)
+    cfg = cfg.model_copy(update={"score_position": "after_eos"})
+    out = rollout_targets(responses, logprobs, ref_logprobs, values, scored, cfg, eos, pad)
+    assert out["token_mask"].equal(mask)
+    value_mask = torch.stack([positions <= i + 1 for i in eos_at])
+    assert out["value_mask"].equal(value_mask)
+    torch.testing.assert_close(out["non_score_reward"], kl_penalty)
+    score_at = torch.zeros(4, 6)
+    score_at[torch.arange(4), torch.tensor([3, 5, 1, 5])] = scored.scores
+    torch.testing.assert_close(out["rewards"], kl_penalty + score_at)
 
 
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):
@@ -88,6 +189,7 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
         for key in REPORTED:
             assert key in m and math.isfinite(m[key]), key
         assert "eval/score_policy" in m and "eval/score_reference" in m
+        assert math.isfinite(m["eval/raw_score_policy"]) and 0 <= m["eval/eos_rate_policy"] <= 1
     assert records[-1][1]["episodes"] == 16
     assert records[0][1]["lr"] == pytest.approx(ppo_cfg.learning_rate)
     assert records[1][1]["lr"] == pytest.approx(ppo_cfg.learning_rate / 2)  # linear decay to 0 over 2 updates
@@ -97,7 +199,8 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     assert any(not torch.equal(policy[k], sft[k]) for k in sft)
     assert ScalarModel.from_pretrained(tmp_path / "ppo" / "value_model").head.weight.shape[0] == 1
     samples = [json.loads(l) for l in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 4 and {"post", "reference", "policy", "score_policy"} <= set(samples[0])
+    assert len(samples) == 4 and {"post", "reference", "policy", "score_policy", "raw_score_policy"} <= set(samples[0])
+    assert metrics["eval/score_policy"] == pytest.approx(sum(s["score_policy"] for s in samples) / 4)
 
 
 def test_non_finite_scores_stop_with_the_update_named(smoke, tmp_path):

@@ -92,7 +92,8 @@ def written(tmp_path):
         plots={"Length control": out / "length_control.png", "Training": out / "training_curves.png"},
         captions={"Training": "Loss | accuracy per step."},
         samples=[{"post": long_post, "reference": "Cat > dog?", "reference_score": 0.5,
-                  "sft": "I love pets.", "sft_score": 1.25, "ppo": "Cat & dog | love", "ppo_score": -0.75},
+                  "sft": "I love pets.", "sft_score": 1.25, "sft_raw_score": 1.25, "ppo": "Cat & dog | love",
+                  "ppo_score": -0.75, "ppo_raw_score": 2.5},
                  {"post": "short post", "reference": "r", "sft": "s", "ppo": "p"}],
         html_blocks={"Token shift": token_shift_html(["Hello", " <world>"], [1, 5])},
         notes=["Judged by a small offline judge (SmolLM2-135M): not comparable with GPT-3.5 <or> Claude."],
@@ -128,6 +129,8 @@ def test_report_html_content_is_escaped_and_readable(written):
     assert "<b>really" not in text and "I &lt;b&gt;really&lt;/b&gt; love my cat &amp; dog" in text
     assert "<details><summary>" in text and text.count("<details>") == 1  # only the long post folds
     assert "score 1.250" in text and "score -0.750" in text
+    assert "score -0.750, raw 2.500" in text and "raw 1.250" not in text  # raw shown only where it differs
+    assert "<th>ppo_raw_score</th>" not in text  # not a column of its own
     assert "Cat &gt; dog?" in text
     assert "GPT-3.5 &lt;or&gt; Claude" in text
     assert "Loss | accuracy per step." in text  # the caller's caption
@@ -146,5 +149,5 @@ def test_report_markdown_carries_the_tables_and_links_plots(written):
     assert "| PPO | 0.247 | 62.5% [47.0, 75.8] (n=40) | 12.5% |" in text
     assert "](length_control.png)" in text and "](training_curves.png)" in text
     assert "| validation | 0.679 |" in text
-    assert "Cat &amp; dog \\| love (score -0.750)" in text
+    assert "Cat &amp; dog \\| love (score -0.750, raw 2.500)" in text
     assert "data:image" not in text

