@@ -51,7 +51,7 @@ def main() -> None:
     split = load_split(cfg.data, "sft", cfg.data.sft_splits["train"], cfg.data.tldr_format)
     rows = split.rows[: args.batch]
     ids = [truncate_query(r, tokenizer, cfg.data.tldr_format)[1] for r in rows]
-    ids = [(i + i)[: args.tokens] for i in ids]  # real text, every row exactly `tokens` long
+    ids = [(i * (args.tokens // len(i) + 1))[: args.tokens] for i in ids]  # real text, every row `tokens` long
     input_ids = torch.tensor(ids)
     queries = torch.tensor([i[:128] for i in ids])
     with tempfile.TemporaryDirectory() as tmp:
