@@ -235,8 +235,11 @@ class PPOTrainer:
             ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
         if reward_model_dir is not None:
             self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
-        else:  # no reward model (a rule reward): the SFT backbone with a fresh head (Details 10, 11)
+        else:  # no reward model (a rule reward): the SFT backbone with a zero head (V = 0 until it
+            # learns), so the first advantages are the lambda-returns of the rewards. Detail 11's random
+            # head gives SmolLM2-135M per-token values of sd ~1.3 that dwarf a score in [-1, 0].
             self.value_model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(self.device)
+            nn.init.zeros_(self.value_model.head.weight)
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
         enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
@@ -490,7 +493,7 @@ def run_ppo(
 
     ``reward_model_dir`` is the reward model (``ppo.reward: model``) and the value model's
     initialisation (Detail 22); with a rule reward (``ppo.reward: python:...``) it may be
-    ``None``, and the value model starts from the SFT backbone with a fresh head. The
+    ``None``, and the value model starts from the SFT backbone with a zero head (values 0). The
     resolved reward is logged as the param ``ppo.reward_resolved``.
 
     Checkpoints (policy, value, optimiser, schedule, RNG, update count) are written to

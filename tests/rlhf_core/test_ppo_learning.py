@@ -10,6 +10,8 @@ import torch
 from rlhf_core.config import load_config
 from rlhf_core.data import prepare_data
 from rlhf_core.models import import_base_model
+from rlhf_core.distributed import masked_mean_var
+from rlhf_core.ppo import whiten
 from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
 from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
 from rlhf_core.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
@@ -102,18 +104,24 @@ def test_eos_trick_applies_to_a_rule_reward(tiny):
     assert (batch["raw_scores"] > trainer.cfg.non_eos_penalty).all()  # the rule's own values, in [0, 1]
 
 
-def test_value_model_without_a_reward_model_is_the_sft_backbone_with_a_fresh_head(tiny):
+def test_value_model_without_a_reward_model_is_the_sft_backbone_with_a_zero_head(tiny):
     _, root = tiny
-    trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}"), root / "data", root / "sft", None)
+    trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.non_eos_penalty=null", "ppo.response_length=8"),
+                         root / "data", root / "sft", None)
     backbone = trainer.value_model.backbone.state_dict()
     sft = trainer.ref_policy.model.state_dict()
     assert backbone.keys() == sft.keys()
     for key in sft:
         assert torch.equal(backbone[key], sft[key]), key
     head = trainer.value_model.head
-    assert torch.equal(head.bias, torch.zeros_like(head.bias))
-    assert head.weight.std().item() == pytest.approx(1 / (trainer.value_model.config.hidden_size + 1) ** 0.5, rel=0.3)
+    assert not head.weight.any() and not head.bias.any()
     assert all(p.requires_grad for p in trainer.value_model.parameters())
+    # values are 0, so the first advantages are the whitened lambda-returns of the rewards
+    batch = trainer.rollout(trainer.queries[:4])
+    assert not batch["values"].any()
+    mask = batch["token_mask"]
+    expected = whiten(batch["returns"], *masked_mean_var(batch["returns"], mask)) * mask
+    torch.testing.assert_close(batch["advantages"], expected)
 
 
 def test_value_model_starts_from_the_reward_model_when_one_is_given(tiny):
