@@ -216,6 +216,11 @@ def test_non_finite_scores_stop_with_the_update_named(smoke, tmp_path):
     assert not (tmp_path / "ppo" / "model").exists()
 
 
+# Bitwise equality needs MKL's strict reproducibility mode: by default its matrix products may
+# round differently with the memory alignment of their operands, which varies from run to run.
+_BITWISE_ENV = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     """Kill `rlhf ppo` with SIGKILL after a checkpoint; the resumed run's final policy is identical."""
@@ -225,7 +230,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     exe = str(Path(sys.executable).with_name("rlhf"))
     killed, clean = tmp_path / "killed", tmp_path / "clean"
     proc = subprocess.Popen([exe, "ppo", "--preset", "smoke", *overrides, "--out", str(killed)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_BITWISE_ENV)
     checkpoint = killed / "ppo" / "checkpoints" / "step-000002" / "state.pt"
     deadline = time.time() + 600
     while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
@@ -236,7 +241,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     logs = {}
     for out in (killed, clean):
         result = subprocess.run([exe, "ppo", "--preset", "smoke", *overrides, "--out", str(out)],
-                                capture_output=True, text=True, env=os.environ, timeout=900)
+                                capture_output=True, text=True, env=_BITWISE_ENV, timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
         logs[out] = result.stderr
     assert "resumed from" in logs[killed] and "stage reward_eval: finished earlier" in logs[killed]
