@@ -12,8 +12,8 @@ TRL side gets the same numbers.
 ``run`` times one stage through our public entry points: ``run_sft`` and
 ``run_reward_training`` (a tracker records the time at the end of every optimiser step and stops
 the stage after the last one, so the post-training save and evaluation are neither run nor
-timed), or ``PPOTrainer.rollout`` + ``PPOTrainer.train_on`` for PPO (what ``run_ppo`` does per
-update, without its evaluation and checkpoints). It prints ``BENCH_RESULT {...}``.
+timed), and ``run_ppo`` likewise, its evaluation and checkpoints set beyond the timed updates.
+It prints ``BENCH_RESULT {...}``.
 """
 
 from __future__ import annotations
@@ -148,6 +148,27 @@ class _StepClock:
         pass
 
 
+class _UpdateClock(_StepClock):
+    """A tracker that records the end of each PPO update and the phase times ``run_ppo`` logs."""
+
+    def __init__(self, steps: int):
+        super().__init__(steps)
+        self.phases: list[dict] = []
+
+    def log_params(self, params):
+        self.params_at = time.perf_counter()  # the four models are loaded
+
+    def log_metrics(self, metrics, step=None):
+        if "time/train" not in metrics:
+            return
+        self.ends.append(time.perf_counter())
+        self.phases.append({"rollout_s": metrics["time/generate"] + metrics["time/score"],
+                            "train_s": metrics["time/train"], "generate_s": metrics["time/generate"],
+                            "score_s": metrics["time/score"]})
+        if step is not None and step >= self.steps:
+            raise _Done
+
+
 def _timed_window(ends: list[float], first_step_seconds: float) -> dict:
     """Steps 2.. when there are two or more (the first is the warm-up), else the first step alone."""
     if len(ends) >= 2:
@@ -191,28 +212,25 @@ def run(spec: dict) -> dict:
         result["load_seconds"] = (clock.params_at or t_load) - t_load
         model_params = None
     else:
-        from rlhf_core.ppo_trainer import PPOTrainer, prompt_indices
+        from rlhf_core.ppo_trainer import run_ppo
 
-        trainer = PPOTrainer(cfg.ppo, spec["data_dir"], spec["base_model_dir"], spec["reward_model_dir"],
-                             device=torch.device("cuda" if spec["device"] == "cuda" else "cpu"))
-        result["load_seconds"] = time.perf_counter() - t_load
-        n_rows, batch = len(trainer.queries), cfg.ppo.batch_size
-        begin = time.perf_counter()
-        ends, phases = [], []
-        for update in range(steps):
-            idx = prompt_indices(n_rows, batch, update, cfg.ppo.seed)
-            t0 = time.perf_counter()
-            rollout = trainer.rollout(trainer.queries[idx])
-            t1 = time.perf_counter()
-            trainer.train_on(rollout, update)
-            trainer.scheduler.step()
-            ends.append(time.perf_counter())
-            phases.append({"rollout_s": t1 - t0, "train_s": ends[-1] - t1,
-                           "generate_s": float(rollout["time_generate"]), "score_s": float(rollout["time_score"])})
-        result.update(_timed_window(ends, ends[0] - begin))
-        result["step_seconds"] = [b - a for a, b in zip(ends, ends[1:])]
-        result["phases"] = phases
-        model_params = sum(p.numel() for p in trainer.policy.parameters())
+        # no evaluation or checkpoint inside the timed updates, and the run stopped after them
+        p = cfg.ppo
+        ppo_cfg = p.model_copy(update={"eval_every": steps + 1, "checkpoint_every": steps + 1,
+                                       "total_episodes": max(p.total_episodes, (steps + 1) * p.batch_size)})
+        clock = _UpdateClock(steps)
+        try:  # on the device main() left visible
+            run_ppo(ppo_cfg, spec["data_dir"], spec["base_model_dir"], spec["reward_model_dir"], out_dir, clock)
+        except _Done:
+            pass
+        if len(clock.ends) != steps:
+            raise RuntimeError(f"expected {steps} updates, got {len(clock.ends)}")
+        result["load_seconds"] = (clock.params_at or t_load) - t_load
+        first = clock.ends[0] - (clock.params_at or t_load)
+        result.update(_timed_window(clock.ends, first))
+        result["step_seconds"] = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+        result["phases"] = clock.phases
+        model_params = None
     result["n_params"] = model_params
     result["threads"] = torch.get_num_threads()
     result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}

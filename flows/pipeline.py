@@ -11,6 +11,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
 from rlhf_core.config import flatten, load_config
+from rlhf_core.evaluation import REPORT_FILES
 from rlhf_core.pipeline import STAGES
 from tasks.mlflow_tracking import MLflowTracker, experiment_id, tracking_client
 from tasks.stages import StageRecord, run_stage, work_root
@@ -87,8 +88,7 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
             tracker.log_metrics({f"{stage}/{k}": v for k, v in record.metrics.items()})
         if "evaluation" in records:  # the run's report, readable from the parent run in the MLflow UI
             report_dir = store.local_path(records["evaluation"].key, work_root() / "downloads")
-            for name in ("report.html", "report.md", "length_control.png", "training_curves.png", "calibration.png",
-                         "token_shift.html"):
+            for name in REPORT_FILES:
                 if (report_dir / name).is_file():
                     client.log_artifact(parent_id, str(report_dir / name), "report")
         versions = {model: register(client, model, records[stage])

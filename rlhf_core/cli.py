@@ -9,7 +9,6 @@ sub-commands write plain directories and need neither Prefect nor MLflow; the in
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -23,16 +22,10 @@ import yaml
 from .config import ConfigError, PipelineConfig, available_presets, load_config
 from .data import DataError
 from .models import ModelSourceError
-from .pipeline import STAGES, upstream_config
+from .pipeline import STAGES, stage_keys
 from .training import TrainingError
 
 log = logging.getLogger("rlhf")
-
-
-def config_digest(cfg: PipelineConfig, stage: str) -> str:
-    """SHA-256 (hex, 16 chars) of the settings ``stage`` and its upstream stages depend on."""
-    payload = json.dumps(upstream_config(cfg, stage), sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def _stage_marker(out: Path) -> dict:
@@ -43,37 +36,46 @@ def _stage_marker(out: Path) -> dict:
 def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = False) -> dict:
     """Run the stages up to ``until`` into ``root/<stage>``.
 
-    A stage finished earlier with the same configuration is reused; one interrupted with
-    the same configuration resumes from its checkpoints; one made with another
-    configuration is removed and run again.
+    A stage finished earlier with the same key (its settings, its inputs' keys and the code
+    version: :func:`rlhf_core.pipeline.stage_key`) is reused; one interrupted with the same
+    key resumes from its checkpoints; one made with another key is removed and run again. With
+    ``RLHF_NPROC_PER_NODE`` above 1, SFT, the reward model and PPO run as a ``torchrun`` job of
+    that many processes (:func:`rlhf_core.launch.launch_torchrun`).
+
+    Raises:
+        LaunchError: a ``torchrun`` job failed; ValueError: a bad ``RLHF_NPROC_PER_NODE``.
     """
     import shutil
 
     from .io import write_json_atomic
-    from .tracking import JsonlTracker
+    from .launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
+    from .tracking import JsonlTracker, NullTracker
 
+    nproc = nproc_per_node()
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    names = list(STAGES)
     summary = {}
-    for name in names[: names.index(until) + 1]:
+    for name, key in stage_keys(cfg, until).items():
         stage = STAGES[name]
         out = root / name
-        digest = config_digest(cfg, name)
         marker = _stage_marker(out)
-        if marker.get("config_digest") == digest and marker.get("status") == "done" and not overwrite:
-            log.info("stage %s: finished earlier with the same config, reused (%s)", name, out)
+        if marker.get("key") == key and marker.get("status") == "done" and not overwrite:
+            log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
             summary[name] = {"reused": True}
             continue
-        if out.exists() and (marker.get("config_digest") != digest or overwrite):
+        if out.exists() and (marker.get("key") != key or overwrite):
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / "stage.json", {"config_digest": digest, "status": "running"})
+        write_json_atomic(out / "stage.json", {"key": key, "status": "running"})
         log.info("stage %s: running into %s", name, out)
         start = time.perf_counter()
-        result = stage.run(cfg, [root / dep for dep in stage.inputs], out, JsonlTracker(out / "metrics.jsonl"))
+        inputs = [root / dep for dep in stage.inputs]
+        if nproc > 1 and name in DATA_PARALLEL:  # rank 0 of the job writes out/metrics.jsonl itself
+            result = launch_torchrun(name, cfg, inputs, out, nproc, NullTracker())
+        else:
+            result = stage.run(cfg, inputs, out, JsonlTracker(out / "metrics.jsonl"))
         seconds = time.perf_counter() - start
-        write_json_atomic(out / "stage.json", {"config_digest": digest, "status": "done", "seconds": round(seconds, 3)})
+        write_json_atomic(out / "stage.json", {"key": key, "status": "done", "seconds": round(seconds, 3)})
         summary[name] = {"reused": False, "seconds": round(seconds, 1)}
         if isinstance(result, dict) and name not in ("data", "base_model"):
             summary[name]["metrics"] = {k: v for k, v in result.items() if isinstance(v, (int, float))}
@@ -114,12 +116,14 @@ def _until(stage: str):
 
 @dataclass(frozen=True)
 class Command:
-    """A sub-command: its function, help line, and whether it takes ``--out`` and ``--until``."""
+    """A sub-command: its function, help line, whether it takes ``--out`` and ``--until``, and
+    other names it answers to (older names kept working)."""
 
     run: Callable[[PipelineConfig, argparse.Namespace], int]
     help: str
     out: str = "required"  # "required", "optional" or "none"
     until: bool = False
+    aliases: tuple[str, ...] = ()
 
 
 COMMANDS: dict[str, Command] = {
@@ -127,7 +131,8 @@ COMMANDS: dict[str, Command] = {
     "data": Command(cmd_data, "prepare the TL;DR SFT and preference datasets into --out (Details 1-6)"),
     "model": Command(cmd_model, "import the base model into --out as safetensors with its tokenizer"),
     "sft": Command(_until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"),
-    "rm": Command(_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run directory --out"),
+    "reward": Command(_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run "
+                      "directory --out", aliases=("rm",)),
     "ppo": Command(_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
     "stages": Command(_until(list(STAGES)[-1]), "run every stage in order in the run directory --out, "
                       "without Prefect or MLflow (stage.json marks finished stages)", until=True),
@@ -139,7 +144,7 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF with PPO for Reddit TL;DR: one sub-command per stage.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in (commands or COMMANDS).items():
-        p = sub.add_parser(name, help=command.help, description=command.help)
+        p = sub.add_parser(name, help=command.help, description=command.help, aliases=list(command.aliases))
         p.add_argument("--preset", default=None, help=f"preset name ({', '.join(available_presets())}) or YAML path")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
         if command.out != "none":
@@ -161,6 +166,7 @@ def main(argv: list[str] | None = None, commands: dict[str, Command] | None = No
     """Entry point of the ``rlhf`` commands; returns the process exit code."""
     commands = commands or COMMANDS
     args = build_parser(commands).parse_args(argv)
+    args.command = next((name for name, c in commands.items() if args.command in c.aliases), args.command)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not sys.stderr.isatty():  # progress bars in a terminal, plain log lines otherwise
         import datasets

@@ -171,20 +171,18 @@ class ModelConfig(_Strict):
 # ------------------------------------------------------------------------- stages
 
 
-class SFTConfig(_Strict):
-    """Supervised fine-tuning (Detail 9, Table 3)."""
+class TrainerConfig(_Strict):
+    """Settings every trainer has: AdamW and its schedule, the batch (optimiser step) and
+    micro-batch (one forward and backward pass) sizes, precision, activation checkpointing,
+    mid-stage checkpoints, evaluation size and the seed. Each stage's section inherits them and
+    sets the paper's defaults for its stage (Tables 3, 4 and 7)."""
 
     learning_rate: float = Field(3e-6, gt=0)
     adam_eps: float = Field(1e-5, gt=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    batch_size: int = Field(128, gt=0)
+    batch_size: int = Field(64, gt=0)
     micro_batch_size: int = Field(16, gt=0)
-    num_epochs: int = Field(1, gt=0)
-    max_steps: int | None = Field(None, gt=0)
-    loss_on: Literal["sequence", "response"] = "sequence"
-    eval_split: str = "validation"
-    eval_max_samples: int | None = Field(None, gt=0)
-    eval_temperature: float = Field(0.01, gt=0)
+    #: Optimiser steps (PPO: updates) between mid-stage checkpoints.
     checkpoint_every: int = Field(50, gt=0)
     #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
     #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
@@ -192,46 +190,52 @@ class SFTConfig(_Strict):
     #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
     #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy).
     gradient_checkpointing: bool | Literal["selective"] = "selective"
-    #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
-    strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
+    #: Rows of each evaluation split used (None: all).
+    eval_max_samples: int | None = Field(None, gt=0)
     seed: int = 1
 
 
-class RewardConfig(_Strict):
+class EpochTrainerConfig(TrainerConfig):
+    """A trainer that passes over a dataset in shuffled batches (:func:`rlhf_core.training.train_loop`):
+    SFT and the reward model."""
+
+    num_epochs: int = Field(1, gt=0)
+    #: Stop after this many optimiser steps (None: all of ``num_epochs``).
+    max_steps: int | None = Field(None, gt=0)
+    #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
+    strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
+
+
+class SFTConfig(EpochTrainerConfig):
+    """Supervised fine-tuning (Detail 9, Table 3)."""
+
+    batch_size: int = Field(128, gt=0)
+    loss_on: Literal["sequence", "response"] = "sequence"
+    eval_split: str = "validation"
+    eval_temperature: float = Field(0.01, gt=0)
+
+
+class RewardConfig(EpochTrainerConfig):
     """Reward model training, normalisation and evaluation (Details 10-18, Table 4)."""
 
-    learning_rate: float = Field(3e-6, gt=0)
-    adam_eps: float = Field(1e-5, gt=0)
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    batch_size: int = Field(64, gt=0)
     micro_batch_size: int = Field(8, gt=0)
-    num_epochs: int = Field(1, gt=0)
-    max_steps: int | None = Field(None, gt=0)
+    #: Off by default: either kind of checkpointing turns off the shared-query forward pass of
+    #: reward.pair_scores.
+    gradient_checkpointing: bool | Literal["selective"] = False
     normalize: bool = True
     normalization_split: str = "train"
     normalization_max_samples: int | None = Field(None, gt=0)
     eval_splits: list[str] = Field(default_factory=lambda: ["validation", "validation_cnndm"])
-    eval_max_samples: int | None = Field(None, gt=0)
     calibration_bins: int = Field(10, gt=1)
-    checkpoint_every: int = Field(50, gt=0)
-    #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
-    #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
-    bf16: bool | Literal["auto"] = "auto"
-    #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
-    #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy). Off by
-    #: default: either kind turns off the shared-query forward pass of reward.pair_scores.
-    gradient_checkpointing: bool | Literal["selective"] = False
-    #: Data parallelism under torchrun: ddp, zero2 or fsdp (rlhf_core.distributed.STRATEGIES).
-    strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
-    seed: int = 1
 
 
-class PPOConfig(_Strict):
+class PPOConfig(TrainerConfig):
     """PPO against the normalised reward model (Details 20-25, Table 7).
 
     ``response_length`` of ``None`` uses the SFT response length derived from the data
     (Detail 4). ``non_eos_penalty`` is the score given to responses without EOS
-    (the EOS trick, Detail 23); ``None`` turns the trick off, so every response keeps its
+    (the EOS trick, Detail 23; ``penalty_reward_value`` in the paper's code): it replaces the
+    score, where TRL's ``missing_eos_penalty`` is subtracted from it. ``None`` turns the trick off, so every response keeps its
     own score (for rewards that need no finished summary, such as the learning check of
     ``tests/rlhf_core/test_ppo_learning.py``, whose random model never samples EOS).
 
@@ -249,11 +253,8 @@ class PPOConfig(_Strict):
     total_episodes: int = Field(1_000_000, gt=0)
     batch_size: int = Field(512, gt=0)
     num_minibatches: int = Field(1, gt=0)
-    micro_batch_size: int = Field(16, gt=0)
     ppo_epochs: int = Field(4, gt=0)
-    learning_rate: float = Field(3e-6, gt=0)
-    adam_eps: float = Field(1e-5, gt=0)
-    scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    scheduler: Literal["cosine", "linear", "constant"] = "linear"
     kl_coef: float = Field(0.05, ge=0)
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
@@ -267,16 +268,8 @@ class PPOConfig(_Strict):
     whiten_rewards: bool = False
     score_position: Literal["eos", "after_eos"] = "eos"
     eval_every: int = Field(10, gt=0)
-    eval_max_samples: int | None = Field(None, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
     checkpoint_every: int = Field(10, gt=0)
-    #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
-    #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
-    bf16: bool | Literal["auto"] = "auto"
-    #: Activation checkpointing of the decoder layers: false, true (recompute each layer) or
-    #: "selective" (recompute only elementwise ops; rlhf_core.training.recompute_policy).
-    gradient_checkpointing: bool | Literal["selective"] = "selective"
-    seed: int = 1
 
     @field_validator("reward")
     @classmethod

@@ -1,5 +1,6 @@
 """Evaluation diagnostics beyond one win rate: uncertainty, length control, copying, diversity.
 
+* :func:`rouge_l` — ROUGE-L F1 of summaries against references (SFT and evaluation).
 * :func:`win_rate` — a judge's win rate with a Wilson score interval (Huang et al. 2024, Figure 1).
 * :func:`length_log_ratio`, :func:`length_control`, :func:`plot_length_control` — win rate
   against ``log(summary length / reference length)`` (Huang et al. 2024, Figure 8).
@@ -35,6 +36,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from rouge_score import rouge_scorer  # noqa: E402
 from rouge_score import tokenize as _rouge_tokenize  # noqa: E402
 
 from .io import atomic_file  # noqa: E402
@@ -43,6 +45,12 @@ NAN = float("nan")
 
 
 # --------------------------------------------------------------------------- win rate
+
+
+def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
+    """ROUGE-L F1 of each prediction against its reference (``rouge-score``, Porter stemming)."""
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return [scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references)]
 
 
 def win_rate(wins: Sequence[bool | None], confidence: float = 0.95) -> dict[str, float | int]:

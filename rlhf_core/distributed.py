@@ -20,7 +20,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .ppo import masked_mean, masked_var
 
 log = logging.getLogger(__name__)
 
@@ -238,32 +237,3 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * world().size
     dist.all_gather_object(out, obj)
     return out
-
-
-def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of ``values`` over the positions where ``mask`` is True, on
-    every rank together: the statistics of the global batch (Huang et al. 2024, Details 24-25
-    whiten over the whole batch, not over one rank's share).
-
-    Args:
-        values: ``(rows, length)`` float on this rank; mask: the same shape, bool.
-
-    Returns:
-        ``(mean, var)``, 0-d tensors of ``values``' dtype and device, equal on every rank. On
-        one rank exactly :func:`rlhf_core.ppo.masked_mean` and :func:`~rlhf_core.ppo.masked_var`.
-
-    Raises:
-        ValueError: fewer than two valid positions over all ranks.
-    """
-    if world().size == 1:
-        return masked_mean(values, mask), masked_var(values, mask)
-    m = mask.to(torch.float64)
-    v = values.detach().to(torch.float64)
-    total, count = all_reduce_sum([(v * m).sum().item(), m.sum().item()])
-    if count < 2:
-        raise ValueError("masked_mean_var: an unbiased variance needs at least two valid positions over all ranks")
-    mean = total / count
-    (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
-    var = sq / (count - 1)
-    return (torch.tensor(mean, dtype=values.dtype, device=values.device),
-            torch.tensor(var, dtype=values.dtype, device=values.device))

@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,10 @@ from .config import EvalConfig, PipelineConfig
 from .data import load_data_tokenizer, load_prepared
 from .generation import Summaries, summarize, trim_left_padding
 from .io import atomic_file, write_json_atomic, write_jsonl_atomic
-from .judging import AnthropicJudge, Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
+from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .models import ModelSourceError, load_causal_lm, resolve_source
 from .report import plot_training_curves, write_report
 from .reward import ResponseScores, ScalarModel, score_responses
-from .sft import rouge_l
 from .tracking import NullTracker, Tracker, read_metrics
 from .training import pick_device, precision_name
 
@@ -79,6 +79,8 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str) -> Judge:
         a local model directory.
     """
     if cfg.judge == "anthropic":
+        from .judging.anthropic_judge import AnthropicJudge  # the SDK only when the API judge is used
+
         return AnthropicJudge(cfg.judge_model)
     if cfg.judge_model is None:
         return OfflineJudge.from_pretrained(base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size)
@@ -194,6 +196,218 @@ def _last_record_with(path: Path, key: str) -> dict[str, float]:
     return records[-1] if records else {}
 
 
+#: The files of the report, in ``out_dir``, that are logged as artifacts (those present).
+REPORT_FILES = ("report.html", "report.md", "length_control.png", "training_curves.png", "ppo_curves.png",
+                "calibration.png", "token_shift.html")
+
+
+@dataclass
+class EvalPrompts:
+    """The evaluation split's first ``eval.max_samples`` rows.
+
+    Attributes:
+        queries, reference_tokens: ``(n, query_length)`` and ``(n, response_length)`` long, left-
+            and right-padded as prepared (Details 2-4).
+        references, posts, titles, ids: ``n`` strings each (references stripped).
+        max_new: tokens sampled per summary: the SFT response length (Detail 4).
+        split: the split's name.
+    """
+
+    queries: torch.Tensor
+    reference_tokens: torch.Tensor
+    references: list[str]
+    posts: list[str]
+    titles: list[str]
+    ids: list[str]
+    max_new: int
+    split: str
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def load_eval_prompts(data_dir: str | os.PathLike, ecfg: EvalConfig) -> EvalPrompts:
+    """The prompts of ``ecfg.split``.
+
+    Raises:
+        KeyError: ``ecfg.split`` is not an SFT split.
+    """
+    sft_data, _, stats = load_prepared(data_dir)
+    if ecfg.split not in sft_data:
+        raise KeyError(f"eval.split names {ecfg.split!r}, not an SFT split ({', '.join(sft_data)})")
+    ds = sft_data[ecfg.split]
+    ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
+    return EvalPrompts(queries=torch.tensor(ds["query_token"]), reference_tokens=torch.tensor(ds["reference_response_token"]),
+                       references=[r.strip() for r in ds["reference_response"]], posts=list(ds["post"]),
+                       titles=list(ds["title"]), ids=[str(i) for i in ds["id"]],
+                       max_new=stats["padded_lengths"]["sft_response"], split=ecfg.split)
+
+
+def sample_policies(model_dirs: dict[str, Path], tokenizer, prompts: EvalPrompts, ecfg: EvalConfig,
+                    train_temperature: float, device: torch.device
+                    ) -> tuple[dict[str, Summaries], dict[str, list[list[str]]]]:
+    """Each policy's near-greedy summaries (``eval.temperature``) of every prompt, for the win
+    rates, and ``eval.diversity_samples`` samples at the training temperature of each of the
+    first ``eval.diversity_prompts`` prompts, for diversity. One model in memory at a time.
+
+    Returns:
+        ``({policy: Summaries}, {policy: [samples of prompt i]})``.
+    """
+    summaries: dict[str, Summaries] = {}
+    diverse: dict[str, list[list[str]]] = {}
+    k, q = min(ecfg.diversity_prompts, len(prompts)), prompts.queries
+    for key, _ in POLICIES:
+        model = load_causal_lm(model_dirs[key]).to(device)
+        log.info("evaluation: %s summaries of %d %s prompts", key, len(prompts), prompts.split)
+        summaries[key] = summarize(model, tokenizer, q, prompts.max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed,
+                                   ecfg.bf16)
+        if k:
+            repeated = q[:k].repeat_interleave(ecfg.diversity_samples, dim=0)
+            texts = summarize(model, tokenizer, repeated, prompts.max_new, train_temperature, ecfg.batch_size,
+                              ecfg.seed + 1, ecfg.bf16).texts
+            diverse[key] = [texts[i * ecfg.diversity_samples : (i + 1) * ecfg.diversity_samples] for i in range(k)]
+        model = None
+        _free()
+    return summaries, diverse
+
+
+def score_policies(reward_model_dir: Path, tokenizer, prompts: EvalPrompts, summaries: dict[str, Summaries],
+                   ecfg: EvalConfig, non_eos_penalty: float | None, device: torch.device) -> dict[str, ResponseScores]:
+    """Reward-model scores of every policy's summaries and of the references, with PPO's EOS
+    trick (Detail 23; :func:`rlhf_core.reward.score_responses`). Keys: the policies and ``reference``."""
+    reward_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
+    responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": prompts.reference_tokens}
+    scored = {key: score_responses(reward_model, prompts.queries, tokens, tokenizer.pad_token_id,
+                                   tokenizer.eos_token_id, non_eos_penalty, ecfg.batch_size, ecfg.bf16)
+              for key, tokens in responses.items()}
+    reward_model = None
+    _free()
+    return scored
+
+
+def token_shift_blocks(base_model_dir: Path, tokenizer, prompts: EvalPrompts, summaries: dict[str, Summaries],
+                       ecfg: EvalConfig, device: torch.device) -> list[str]:
+    """HTML blocks of the first ``eval.token_shift_samples`` SFT and PPO summaries, each token
+    coloured by its rank under the base model (Table 8)."""
+    m = min(ecfg.token_shift_samples, len(prompts))
+    blocks: list[str] = []
+    if not m:
+        return blocks
+    base = load_causal_lm(base_model_dir).to(device)
+    for key in ("sft", "ppo"):
+        ranks = response_token_ranks(base, prompts.queries[:m], summaries[key].responses[:m], tokenizer.pad_token_id)
+        for i in range(m):
+            tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
+            blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>" + diag.token_shift_html(tokens, ranks[i]))
+    base = None
+    _free()
+    return blocks
+
+
+@dataclass
+class JudgedPolicies:
+    """The judge's verdicts: ``wins[policy][i]`` is True/False (``None``: unreadable or not
+    judged), ``judged[policy][i]`` whether prompt ``i`` was judged at all."""
+
+    judgements: list
+    comparisons: int
+    wins: dict[str, list[bool | None]]
+    judged: dict[str, list[bool]]
+    by_id: dict[str, Any]
+
+
+def judge_policies(judge: Judge, prompts: EvalPrompts, summaries: dict[str, Summaries], ecfg: EvalConfig,
+                   cache: JudgementCache) -> JudgedPolicies:
+    """Each policy's summary against the reference for every prompt, interleaved so that a
+    spending cap (``eval.max_comparisons``) leaves every policy the same number of comparisons."""
+    n, ids = len(prompts), prompts.ids
+    comparisons = [Comparison(id=f"{key}/{ids[i]}", post=prompts.posts[i], response=summaries[key].texts[i],
+                              reference=prompts.references[i], policy=key)
+                   for i in range(n) for key, _ in POLICIES]
+    judgements = judge_comparisons(judge, comparisons, cache=cache, seed=ecfg.seed,
+                                   max_comparisons=ecfg.max_comparisons, concurrency=ecfg.concurrency,
+                                   progress=True)
+    by_id = {j.id: j for j in judgements}
+    wins = {key: [by_id[f"{key}/{ids[i]}"].response_wins if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
+            for key, _ in POLICIES}
+    judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
+    return JudgedPolicies(judgements, len(comparisons), wins, judged, by_id)
+
+
+def policy_measurements(prompts: EvalPrompts, summaries: dict[str, Summaries], diverse: dict[str, list[list[str]]],
+                        scored: dict[str, ResponseScores], verdicts: JudgedPolicies, ecfg: EvalConfig
+                        ) -> tuple[dict[str, float], list[dict], dict[str, tuple[list[float], list]]]:
+    """Win rate, ROUGE-L, reward-model scores, EOS rate, title copying, diversity and RM-judge
+    agreement of each policy, and the references' scores.
+
+    Returns:
+        ``(metrics, headline rows for the report, length-control curves per policy label)``.
+    """
+    n, references, titles, ids = len(prompts), prompts.references, prompts.titles, prompts.ids
+    wins, by_id = verdicts.wins, verdicts.by_id
+    scores = {key: s.scores for key, s in scored.items()}
+    metrics: dict[str, float] = {}
+    headline, curves = [], {}
+    reward_agree, judge_agree = [], []
+    for key, label in POLICIES:
+        texts = summaries[key].texts
+        sel = [i for i in range(n) if verdicts.judged[key][i]]
+        wr = diag.win_rate([wins[key][i] for i in sel])
+        counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
+        rouge = diag.rouge_l(texts, references)
+        title = diag.title_copy_rate(texts, titles, ecfg.title_copy_threshold)
+        div = diag.diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
+        rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
+        agree = diag.agreement(rm_prefers, [wins[key][i] for i in sel])
+        reward_agree += rm_prefers
+        judge_agree += [wins[key][i] for i in sel]
+        curves[label] = ([diag.length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
+                         [wins[key][i] for i in sel])
+        metrics.update({
+            f"eval/{key}/win_rate": wr["win_rate"], f"eval/{key}/win_rate_ci_low": wr["ci_low"],
+            f"eval/{key}/win_rate_ci_high": wr["ci_high"], f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
+            f"eval/{key}/win_rate_invalid": float(counts["invalid"]), f"eval/{key}/win_rate_errors": float(counts["errors"]),
+            f"eval/{key}/rougeL": _mean(rouge), f"eval/{key}/score": scores[key].mean().item(),
+            f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
+            f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
+            f"eval/{key}/title_copy_rate": float(title["rate"]), f"eval/{key}/diversity": float(div["mean"]),
+            f"eval/{key}/agreement": float(agree["agreement"]),
+            f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
+        })
+        headline.append({"policy": label, "win rate vs reference": wr, "ROUGE-L": _mean(rouge),
+                         "RM score": scores[key].mean().item(), "RM raw score": scored[key].raw_scores.mean().item(),
+                         "EOS rate": scored[key].has_eos.double().mean().item(), "title copy": float(title["rate"]),
+                         "diversity": float(div["mean"]), "RM-judge agreement": float(agree["agreement"]),
+                         "words": _mean([len(diag.words(t)) for t in texts])})
+    ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
+    metrics.update({"eval/reference/score": scores["reference"].mean().item(),
+                    "eval/reference/title_copy_rate": float(ref_title["rate"]),
+                    "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
+                    "eval/samples": float(n)})
+    headline.append({"policy": "human reference", "RM score": scores["reference"].mean().item(),
+                     "RM raw score": scored["reference"].raw_scores.mean().item(),
+                     "EOS rate": scored["reference"].has_eos.double().mean().item(),
+                     "title copy": float(ref_title["rate"]),
+                     "words": _mean([len(diag.words(t)) for t in references])})
+    return metrics, headline, curves
+
+
+def summary_rows(prompts: EvalPrompts, summaries: dict[str, Summaries], scored: dict[str, ResponseScores],
+                 verdicts: JudgedPolicies) -> list[dict]:
+    """One row per prompt for ``summaries.jsonl``: the post, the reference and each policy's
+    summary with its scores (with and without the EOS trick), EOS and judgement."""
+    rows = []
+    for i in range(len(prompts)):
+        row = {"id": prompts.ids[i], "title": prompts.titles[i], "post": prompts.posts[i],
+               "reference": prompts.references[i], "reference_score": scored["reference"].scores[i].item()}
+        for key, _ in POLICIES:
+            row.update({key: summaries[key].texts[i], f"{key}_score": scored[key].scores[i].item(),
+                        f"{key}_raw_score": scored[key].raw_scores[i].item(),
+                        f"{key}_has_eos": bool(scored[key].has_eos[i]), f"{key}_wins": verdicts.wins[key][i]})
+        rows.append(row)
+    return rows
+
+
 def run_evaluation(
     cfg: PipelineConfig,
     data_dir: str | os.PathLike,
@@ -237,149 +451,60 @@ def run_evaluation(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    sft_data, _, stats = load_prepared(data_dir)
-    if ecfg.split not in sft_data:
-        raise KeyError(f"eval.split names {ecfg.split!r}, not an SFT split ({', '.join(sft_data)})")
+    prompts = load_eval_prompts(data_dir, ecfg)
     tokenizer = load_data_tokenizer(data_dir)
-    pad = tokenizer.pad_token_id
-    ds = sft_data[ecfg.split]
-    ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
-    n = len(ds)
-    queries = torch.tensor(ds["query_token"])
-    reference_tokens = torch.tensor(ds["reference_response_token"])
-    references = [r.strip() for r in ds["reference_response"]]
-    posts, titles, ids = list(ds["post"]), list(ds["title"]), [str(i) for i in ds["id"]]
-    max_new = stats["padded_lengths"]["sft_response"]
     device = pick_device()
     tracker.log_params({f"eval.{k}": v for k, v in ecfg.model_dump().items()}
                       | {"eval.precision": precision_name(ecfg.bf16, device)})
+    model_dirs = {"base": Path(base_model_dir), "sft": Path(sft_dir) / "model", "ppo": Path(ppo_dir) / "model"}
 
     # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
-    model_dirs = {"base": Path(base_model_dir), "sft": Path(sft_dir) / "model", "ppo": Path(ppo_dir) / "model"}
-    summaries: dict[str, Summaries] = {}
-    diverse: dict[str, list[list[str]]] = {}
-    k = min(ecfg.diversity_prompts, n)
-    for key, _ in POLICIES:
-        model = load_causal_lm(model_dirs[key]).to(device)
-        log.info("evaluation: %s summaries of %d %s prompts", key, n, ecfg.split)
-        summaries[key] = summarize(model, tokenizer, queries, max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed,
-                                   ecfg.bf16)
-        if k:
-            repeated = queries[:k].repeat_interleave(ecfg.diversity_samples, dim=0)
-            texts = summarize(model, tokenizer, repeated, max_new, cfg.ppo.temperature, ecfg.batch_size,
-                              ecfg.seed + 1, ecfg.bf16).texts
-            diverse[key] = [texts[i * ecfg.diversity_samples : (i + 1) * ecfg.diversity_samples] for i in range(k)]
-        model = None
-        _free()
-
+    summaries, diverse = sample_policies(model_dirs, tokenizer, prompts, ecfg, cfg.ppo.temperature, device)
     # 2. Reward-model scores of every summary and of the references, with PPO's EOS trick (Detail 23).
-    reward_model = ScalarModel.from_pretrained(str(Path(reward_dirs["reward_norm"]) / "model")).to(device)
-    responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": reference_tokens}
-    scored: dict[str, ResponseScores] = {
-        key: score_responses(reward_model, queries, tokens, pad, tokenizer.eos_token_id, cfg.ppo.non_eos_penalty,
-                             ecfg.batch_size, ecfg.bf16)
-        for key, tokens in responses.items()}
-    scores = {key: s.scores for key, s in scored.items()}
-    reward_model = None
-    _free()
-
-    # 3. Token ranks of PPO (and SFT) summaries under the base model (Table 8).
-    m = min(ecfg.token_shift_samples, n)
-    shift_blocks = []
-    if m:
-        base = load_causal_lm(model_dirs["base"]).to(device)
-        for key in ("sft", "ppo"):
-            ranks = response_token_ranks(base, queries[:m], summaries[key].responses[:m], pad)
-            for i in range(m):
-                tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
-                shift_blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>"
-                                    + diag.token_shift_html(tokens, ranks[i]))
-        base = None
-        _free()
-
-    # 4. The judge: each policy's summary against the reference, interleaved so a spending cap
-    #    leaves every policy the same number of comparisons.
+    scored = score_policies(Path(reward_dirs["reward_norm"]) / "model", tokenizer, prompts, summaries, ecfg,
+                            cfg.ppo.non_eos_penalty, device)
+    # 3. Token ranks of PPO and SFT summaries under the base model (Table 8).
+    shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
+    # 4. The judge: each policy's summary against the reference.
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
     judge = make_judge(ecfg, model_dirs["base"], base_name)
-    cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
-    comparisons = [Comparison(id=f"{key}/{ids[i]}", post=posts[i], response=summaries[key].texts[i],
-                              reference=references[i], policy=key)
-                   for i in range(n) for key, _ in POLICIES]
-    judgements = judge_comparisons(judge, comparisons, cache=cache, seed=ecfg.seed,
-                                   max_comparisons=ecfg.max_comparisons, concurrency=ecfg.concurrency,
-                                   progress=True)
+    verdicts = judge_policies(judge, prompts, summaries, ecfg, JudgementCache(judgement_cache or out / "judge_cache.jsonl"))
     judge = None
     _free()
-    by_id = {j.id: j for j in judgements}
-    wins = {key: [by_id[f"{key}/{ids[i]}"].response_wins if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
-            for key, _ in POLICIES}
-    judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
-
     # 5. Measurements per policy.
-    metrics: dict[str, float] = {}
-    headline, curves = [], {}
-    reward_agree, judge_agree = [], []
-    for key, label in POLICIES:
-        texts = summaries[key].texts
-        sel = [i for i in range(n) if judged[key][i]]
-        wr = diag.win_rate([wins[key][i] for i in sel])
-        counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
-        rouge = rouge_l(texts, references)
-        title = diag.title_copy_rate(texts, titles, ecfg.title_copy_threshold)
-        div = diag.diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
-        rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
-        agree = diag.agreement(rm_prefers, [wins[key][i] for i in sel])
-        reward_agree += rm_prefers
-        judge_agree += [wins[key][i] for i in sel]
-        curves[label] = ([diag.length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
-                         [wins[key][i] for i in sel])
-        metrics.update({
-            f"eval/{key}/win_rate": wr["win_rate"], f"eval/{key}/win_rate_ci_low": wr["ci_low"],
-            f"eval/{key}/win_rate_ci_high": wr["ci_high"], f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
-            f"eval/{key}/win_rate_invalid": float(counts["invalid"]), f"eval/{key}/win_rate_errors": float(counts["errors"]),
-            f"eval/{key}/rougeL": _mean(rouge), f"eval/{key}/score": scores[key].mean().item(),
-            f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
-            f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
-            f"eval/{key}/title_copy_rate": float(title["rate"]), f"eval/{key}/diversity": float(div["mean"]),
-            f"eval/{key}/agreement": float(agree["agreement"]),
-            f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
-        })
-        headline.append({"policy": label, "win rate vs reference": wr, "ROUGE-L": _mean(rouge),
-                         "RM score": scores[key].mean().item(), "RM raw score": scored[key].raw_scores.mean().item(),
-                         "EOS rate": scored[key].has_eos.double().mean().item(), "title copy": float(title["rate"]),
-                         "diversity": float(div["mean"]), "RM-judge agreement": float(agree["agreement"]),
-                         "words": _mean([len(diag.words(t)) for t in texts])})
-    ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
-    metrics.update({"eval/reference/score": scores["reference"].mean().item(),
-                    "eval/reference/title_copy_rate": float(ref_title["rate"]),
-                    "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
-                    "eval/samples": float(n)})
-    headline.append({"policy": "human reference", "RM score": scores["reference"].mean().item(),
-                     "RM raw score": scored["reference"].raw_scores.mean().item(),
-                     "EOS rate": scored["reference"].has_eos.double().mean().item(),
-                     "title copy": float(ref_title["rate"]),
-                     "words": _mean([len(diag.words(t)) for t in references])})
-
+    metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, verdicts, ecfg)
     # 6. Files: summaries, judgements, plots, report.
-    rows = []
-    for i in range(n):
-        row = {"id": ids[i], "title": titles[i], "post": posts[i], "reference": references[i],
-               "reference_score": scores["reference"][i].item()}
-        for key, _ in POLICIES:
-            row.update({key: summaries[key].texts[i], f"{key}_score": scores[key][i].item(),
-                        f"{key}_raw_score": scored[key].raw_scores[i].item(),
-                        f"{key}_has_eos": bool(scored[key].has_eos[i]), f"{key}_wins": wins[key][i]})
-        rows.append(row)
+    rows = summary_rows(prompts, summaries, scored, verdicts)
     write_jsonl_atomic(out / "summaries.jsonl", rows)
-    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in judgements))
+    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements))
+    metrics |= _write_report(cfg, out, prompts, rows, headline, curves, shift_blocks, scored, verdicts, base_name,
+                             Path(sft_dir), reward_dirs, Path(ppo_dir))
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    write_json_atomic(out / "metrics.json", metrics)
+    tracker.log_metrics(metrics)
+    tracker.log_table("evaluation_samples", rows[:32])
+    for name in REPORT_FILES:
+        if (out / name).is_file():
+            tracker.log_artifact(out / name)
+    log.info("evaluation: win rates %s", {key: round(metrics[f"eval/{key}/win_rate"], 3) for key, _ in POLICIES})
+    return metrics
+
+
+def _write_report(cfg: PipelineConfig, out: Path, prompts: EvalPrompts, rows: list[dict], headline: list[dict],
+                  curves: dict, shift_blocks: list[str], scored: dict[str, ResponseScores], verdicts: JudgedPolicies,
+                  base_name: str, sft_dir: Path, reward_dirs: dict[str, str | os.PathLike], ppo_dir: Path
+                  ) -> dict[str, float]:
+    """Plots, token-shift page, learning checks and ``report.html``/``report.md``; returns the
+    learning checks' metrics."""
+    ecfg, n, max_new = cfg.eval, len(prompts), prompts.max_new
     plots = {"Win rate against summary length": diag.plot_length_control(curves, out / "length_control.png",
                                                                           bins=ecfg.length_bins)}
     reward_eval = Path(reward_dirs["reward_eval"])
     if (reward_eval / "calibration.png").is_file():
         shutil.copyfile(reward_eval / "calibration.png", out / "calibration.png")
         plots["Reward model calibration"] = out / "calibration.png"
-    metric_files = {"SFT": Path(sft_dir) / "metrics.jsonl", "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
-                    "PPO": Path(ppo_dir) / "metrics.jsonl"}
+    metric_files = {"SFT": sft_dir / "metrics.jsonl", "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
+                    "PPO": ppo_dir / "metrics.jsonl"}
     if any(p.is_file() for p in metric_files.values()):
         plots["Training curves"] = plot_training_curves({k: v for k, v in metric_files.items() if v.is_file()},
                                                         out / "training_curves.png")
@@ -391,18 +516,18 @@ def run_evaluation(
     tables = {"Reward model": [{"split": name, "accuracy": rm_metrics[key]} for name, key in
                                (("TL;DR validation comparisons", "eval/accuracy"),
                                 ("CNN/DM comparisons", "eval/validation_cnndm/accuracy")) if key in rm_metrics]}
-    sft_samples_file = Path(sft_dir) / "samples.jsonl"
+    sft_samples_file = sft_dir / "samples.jsonl"
     sft_samples = [json.loads(line) for line in sft_samples_file.open()] if sft_samples_file.is_file() else []
-    checks, check_metrics = learning_checks(_read_json(Path(sft_dir) / "metrics.json"), sft_samples, rm_metrics,
+    checks, check_metrics = learning_checks(_read_json(sft_dir / "metrics.json"), sft_samples, rm_metrics,
                                             _last_record_with(metric_files["PPO"], "objective/kl"),
                                             scored["ppo"], scored["sft"])
-    metrics.update(check_metrics)
     if metric_files["PPO"].is_file():
         try:
             plots = {"PPO per update": plot_training_curves({"PPO": metric_files["PPO"]}, out / "ppo_curves.png",
                                                            keys={"PPO": PPO_CURVE_KEYS}, max_columns=4)} | plots
         except ValueError:  # no stepped PPO record: nothing to plot
             pass
+    by_id = verdicts.by_id
     judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
     notes = [f"Win rates: share of valid judgements preferring the policy's summary to the human reference, "
              f"judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, A/B order randomised; "
@@ -411,10 +536,11 @@ def run_evaluation(
         notes.append(f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
                      "probabilities of those letters: its verdicts are close to chance and are not comparable "
                      "with GPT-3.5 or Claude win rates.")
-    total = win_counts(judgements)
-    if total["invalid"] or total["errors"] or len(judgements) < len(comparisons):
-        notes.append(f"Judgements: {len(judgements)} of {len(comparisons)} comparisons made "
+    total = win_counts(verdicts.judgements)
+    if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
+        notes.append(f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
                      f"({total['invalid']} unreadable answers, {total['errors']} request errors).")
+    k = min(ecfg.diversity_prompts, n)
     notes.append(f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
                  f"at least {ecfg.title_copy_threshold:.0%} of the title. Diversity: mean pairwise normalised edit "
                  f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
@@ -440,16 +566,7 @@ def run_evaluation(
                  html_blocks={"Token shift (Table 8): PPO and SFT summaries coloured by rank under the base model":
                               shift_html} if shift_html else None,
                  notes=notes)
-    metrics["eval/seconds"] = time.perf_counter() - t0
-    write_json_atomic(out / "metrics.json", metrics)
-    tracker.log_metrics(metrics)
-    tracker.log_table("evaluation_samples", rows[:32])
-    for name in ("report.html", "report.md", "length_control.png", "training_curves.png", "ppo_curves.png",
-                 "calibration.png", "token_shift.html"):
-        if (out / name).is_file():
-            tracker.log_artifact(out / name)
-    log.info("evaluation: win rates %s", {key: round(metrics[f"eval/{key}/win_rate"], 3) for key, _ in POLICIES})
-    return metrics
+    return check_metrics
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -12,6 +12,19 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 
+def json_digest(payload: Any, length: int = 16) -> str:
+    """The first ``length`` hex characters of the SHA-256 of ``payload`` as canonical JSON (keys
+    sorted; paths and tensors' scalars as :func:`write_json_atomic` writes them). The one digest
+    of settings: stage cache keys (:func:`rlhf_core.pipeline.stage_key`) and checkpoint
+    compatibility (:class:`rlhf_core.training.CheckpointManager`).
+
+    Raises:
+        TypeError: ``payload`` is not JSON-serialisable.
+    """
+    text = json.dumps(payload, sort_keys=True, default=_json_default)
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
 def file_sha256(path: str | os.PathLike) -> str:
     """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
     h = hashlib.sha256()

@@ -16,18 +16,89 @@ run on one process only.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import re
+import shlex
+import subprocess
 import sys
+from collections import deque
 from pathlib import Path
 
-from .config import load_config
+from .config import PipelineConfig, load_config
 from .distributed import init_from_env
 from .io import write_json_atomic
 from .pipeline import STAGES
-from .tracking import JsonlTracker, NullTracker
+from .tracking import JsonlTracker, NullTracker, Tracker, replay
+
+log = logging.getLogger(__name__)
 
 #: Stages whose training splits each global batch over the ranks.
 DATA_PARALLEL = ("sft", "reward", "ppo")
+
+
+def nproc_per_node() -> int:
+    """Training processes per machine: ``$RLHF_NPROC_PER_NODE``, which the GPU work pools set from
+    their ``gpus`` job variable (infra/gpu-pool/); 1 (a single process) when unset.
+
+    Raises:
+        ValueError: not a positive integer.
+    """
+    text = os.environ.get("RLHF_NPROC_PER_NODE", "1").strip() or "1"
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"RLHF_NPROC_PER_NODE must be a positive integer, not {text!r}")
+    return int(text)
+
+
+class LaunchError(RuntimeError):
+    """A ``torchrun`` job of a stage failed; the message carries its exit code and last output lines."""
+
+
+def launch_torchrun(stage: str, cfg: PipelineConfig, inputs: list[Path], out: Path, nproc: int,
+                    tracker: Tracker) -> dict:
+    """Run ``stage`` as a ``torchrun`` job of ``nproc`` processes on this machine
+    (:mod:`rlhf_core.launch`) and relay what its rank 0 records to ``tracker``.
+
+    The whole config travels as JSON (``out/launch_config.json``). ``$RLHF_TORCHRUN_ARGS``
+    replaces the default rendezvous ``--standalone`` (e.g. ``--nnodes=2 --node_rank=0
+    --rdzv_backend=c10d --rdzv_endpoint=host:29400`` for several machines). The job's output is
+    logged line by line.
+
+    Returns:
+        The stage's metrics, as rank 0 returned them.
+
+    Raises:
+        LaunchError: the job exited non-zero.
+    """
+    config_path, result_path = out / "launch_config.json", out / "launch_result.json"
+    config_path.write_text(cfg.model_dump_json(indent=1))
+    result_path.unlink(missing_ok=True)
+    rendezvous = shlex.split(os.environ.get("RLHF_TORCHRUN_ARGS", "")) or ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
+           "-m", "rlhf_core.launch", stage, "--preset", str(config_path), "--inputs", *map(str, inputs),
+           "--out", str(out), "--result", str(result_path)]
+    metrics_file = out / "metrics.jsonl"
+    offset = metrics_file.stat().st_size if metrics_file.exists() else 0
+    log.info("%s: %d processes: %s", stage, nproc, shlex.join(cmd))
+    tail: deque[str] = deque(maxlen=20)  # the ranks' own last lines, not torchrun's
+    errors: list[str] = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            log.info("%s", line)
+            if line.startswith("[rank"):
+                tail.append(line)
+                if re.match(r"\[rank\d+\]: [\w.]*(Error|Exception)\b", line):
+                    errors.append(line)
+    if metrics_file.exists():
+        replay(metrics_file, tracker, offset)
+    if proc.returncode != 0:
+        cause = errors[0] if errors else "(no error line from the ranks)"
+        raise LaunchError(f"stage {stage}: torchrun with {nproc} processes exited with code {proc.returncode}: "
+                          f"{cause}\nlast lines of the ranks:\n" + "\n".join(tail))
+    return json.loads(result_path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from .config import ModelConfig, RandomInitConfig
+from .generation import first_true_indices
 from .io import atomic_directory, file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -311,3 +312,65 @@ def import_base_model(cfg: ModelConfig, out_dir: str | os.PathLike, overwrite: b
         info["seconds"] = round(time.perf_counter() - start, 3)
         write_json_atomic(tmp / "import.json", info)
     return info
+
+
+# ---------------------------------------------------------------- padding-free forward
+
+
+def padding_aware_inputs(query_responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Attention mask and position ids that make left padding invisible (Detail 14).
+
+    Args:
+        query_responses: ``(batch, length)`` ids, PAD anywhere (left of the query, right of
+            the response).
+
+    Returns:
+        ``(input_ids, attention_mask, position_ids)``, each ``(batch, length)``: PAD
+        replaced by 0, mask 1 on real tokens, positions counting real tokens from 0.
+    """
+    attention_mask = query_responses != pad_token_id
+    position_ids = attention_mask.cumsum(1) - attention_mask.long()
+    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
+    return input_ids, attention_mask.long(), position_ids
+
+
+def causal_forward(
+    fn: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
+    query_responses: torch.Tensor,
+    pad_token_id: int,
+) -> torch.Tensor:
+    """``fn(input_ids, attention_mask, position_ids)`` with padding invisible, at the cost of no mask.
+
+    When every row is one contiguous run of real tokens (left-padded query, right-padded
+    response: the layout of every batch in this project), each row is rotated so that its
+    run starts at position 0, the PAD columns after the longest run are dropped, and ``fn``
+    is called with ``attention_mask=None, position_ids=None``: the model then uses its plain
+    causal attention (fused SDPA kernels, no ``(batch, 1, length, length)`` mask) and the
+    default positions, which equal :func:`padding_aware_inputs`' positions on the rotated
+    rows. Outputs are rotated back; at PAD positions they are 0. A row with a PAD between real
+    tokens sends the whole batch through the mask of :func:`padding_aware_inputs` instead.
+    Real positions get the same values as the masked call (Detail 14), up to kernel rounding.
+
+    Args:
+        fn: a model call returning ``(batch, width, ...)`` for ``(batch, width)`` inputs.
+        query_responses: ``(batch, length)`` token ids.
+
+    Returns:
+        ``(batch, length, ...)``, the output of ``fn`` with gradients flowing through it.
+    """
+    real = query_responses != pad_token_id
+    batch, length = query_responses.shape
+    n_real = real.sum(1)
+    start = first_true_indices(real)
+    positions = torch.arange(length, device=query_responses.device)
+    contiguous = real == ((positions >= start[:, None]) & (positions < (start + n_real)[:, None]))
+    if not bool(contiguous.all()):
+        return fn(*padding_aware_inputs(query_responses, pad_token_id))
+    width = max(int(n_real.max()), 1)
+    gather = (positions[None, :width] + start[:, None]) % length  # (batch, width): rotated column -> original
+    input_ids = torch.gather(query_responses, 1, gather).masked_fill(positions[None, :width] >= n_real[:, None], 0)
+    out = fn(input_ids, None, None)  # (batch, width, ...)
+    rotated_back = out.new_zeros((batch, length, *out.shape[2:]))
+    index = gather.view(batch, width, *([1] * (out.dim() - 2))).expand_as(out)
+    keep = (positions[None, :width] < n_real[:, None]).view(batch, width, *([1] * (out.dim() - 2)))
+    return rotated_back.scatter(1, index, out * keep)

@@ -5,12 +5,15 @@ tasks (``tasks/stages.py``) both run stages from this one table.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
 from .config import PipelineConfig
+from .io import json_digest
 from .tracking import Tracker
 
 
@@ -135,14 +138,52 @@ def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
     return values
 
 
-def lineage(name: str) -> tuple[str, ...]:
-    """``name`` and every stage it reads from, directly or not, in pipeline order."""
-    found = {name}
-    for dep in STAGES[name].inputs:
-        found |= set(lineage(dep))
-    return tuple(s for s in STAGES if s in found)
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """SHA-256 (16 hex) of the ``rlhf_core`` sources, so that a code change invalidates finished stages."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
-def upstream_config(cfg: PipelineConfig, name: str) -> dict[str, dict[str, Any]]:
-    """``{stage: stage_config(cfg, stage)}`` for ``name`` and everything upstream of it."""
-    return {s: stage_config(cfg, s) for s in lineage(name)}
+def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:
+    """The cache key of stage ``name`` (24 hex): the one key scheme of ``rlhf run`` and of the
+    Prefect tasks (``tasks.stages.stage_cache_key``).
+
+    It covers the settings the stage reads itself (:func:`stage_config`), ``upstream`` (one
+    string per input stage, in ``Stage.inputs`` order, that changes whenever that stage's
+    output may: its key, or its artifact's content digest), the code version
+    (:func:`code_version`), for PPO with a rule reward (``ppo.reward: python:MODULE:FUNCTION``)
+    the source of that module, which may live outside ``rlhf_core``, and ``context`` (for
+    example where the artifacts are stored).
+
+    Raises:
+        KeyError: ``name`` is not a stage.
+    """
+    from .rule_rewards import reward_code_digest  # imports torch: only when a key is made
+
+    payload: dict[str, Any] = {"stage": name, "config": stage_config(cfg, name), "upstream": list(upstream),
+                               "code": code_version(), **context}
+    reward_code = reward_code_digest(cfg.ppo.reward) if name == "ppo" else None
+    if reward_code is not None:
+        payload["reward_code"] = reward_code
+    return json_digest(payload, length=24)
+
+
+def stage_keys(cfg: PipelineConfig, until: str | None = None) -> dict[str, str]:
+    """``{stage: stage_key}`` for the stages up to ``until`` (default: all), each stage's
+    upstream being its inputs' keys: what ``rlhf run`` compares with a finished stage's marker.
+
+    Raises:
+        KeyError: ``until`` is not a stage.
+    """
+    if until is not None and until not in STAGES:
+        raise KeyError(f"no stage {until!r}; the stages are {', '.join(STAGES)}")
+    keys: dict[str, str] = {}
+    for name, stage in STAGES.items():
+        keys[name] = stage_key(name, cfg, [keys[dep] for dep in stage.inputs])
+        if name == until:
+            break
+    return keys

@@ -58,7 +58,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def whiten(values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """``(values - mean) / sqrt(var + 1e-8)`` with given statistics (e.g. over all ranks'
-    batches, :func:`rlhf_core.distributed.masked_mean_var`); ``shift_mean=False`` adds the
+    batches, :func:`rlhf_core.ppo_trainer.masked_mean_var`); ``shift_mean=False`` adds the
     mean back. Any shape; ``mean`` and ``var`` are 0-d tensors."""
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
@@ -69,7 +69,8 @@ def whiten(values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_me
 def compute_advantages(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the valid positions of each response.
+    """Generalised advantage estimation over the valid positions of each response
+    (Schulman et al. 2015, arXiv 1506.02438, eqs. 11-16).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``,
     with ``V`` and ``r`` taken as 0 outside ``mask`` (the episode ends at the last valid
@@ -145,19 +146,19 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
 
 
-def response_mask(sequence_lengths: torch.Tensor, response_length: int, extra: int = 0) -> torch.Tensor:
-    """True on positions ``0 .. sequence_lengths + extra`` of each response.
+def response_mask(last_token_indices: torch.Tensor, response_length: int, extra: int = 0) -> torch.Tensor:
+    """True on positions ``0 .. last_token_indices + extra`` of each response.
 
     Args:
-        sequence_lengths: ``(batch,)`` index of each response's last real token (its EOS,
+        last_token_indices: ``(batch,)`` index of each response's last real token (its EOS,
             or ``response_length - 1`` when there is none).
         extra: 1 to include the position after the EOS (``score_position: after_eos``).
 
     Returns:
         ``(batch, response_length)`` bool.
     """
-    positions = torch.arange(response_length, device=sequence_lengths.device).unsqueeze(0)
-    return positions <= (sequence_lengths + extra).unsqueeze(1)
+    positions = torch.arange(response_length, device=last_token_indices.device).unsqueeze(0)
+    return positions <= (last_token_indices + extra).unsqueeze(1)
 
 
 def apply_eos_trick(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int,
@@ -187,7 +188,7 @@ def per_token_rewards(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     scores: torch.Tensor,
-    sequence_lengths: torch.Tensor,
+    last_token_indices: torch.Tensor,
     kl_coef: float,
     score_position: str = "eos",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -200,21 +201,21 @@ def per_token_rewards(
 
     Args:
         logprobs, ref_logprobs: ``(batch, response_length)`` of the sampled tokens.
-        scores: ``(batch,)``; sequence_lengths: ``(batch,)`` EOS index per response.
+        scores: ``(batch,)``; last_token_indices: ``(batch,)`` EOS index per response.
 
     Returns:
         ``(rewards, non_score_reward, mask)``: rewards and the KL part alone, 0 outside
         ``mask``, the positions that carry rewards and values (bool).
     """
     length = logprobs.size(1)
-    token_mask = response_mask(sequence_lengths, length)
+    token_mask = response_mask(last_token_indices, length)
     extra = 1 if score_position == "after_eos" else 0
     if score_position not in ("eos", "after_eos"):
         raise ValueError(f"score_position must be 'eos' or 'after_eos', not {score_position!r}")
-    mask = response_mask(sequence_lengths, length, extra)
+    mask = response_mask(last_token_indices, length, extra)
     non_score_reward = -kl_coef * (logprobs - ref_logprobs) * token_mask
     rewards = non_score_reward.clone()
-    end = torch.clamp(sequence_lengths + extra, max=length - 1)
+    end = torch.clamp(last_token_indices + extra, max=length - 1)
     rewards[torch.arange(rewards.size(0), device=rewards.device), end] += scores
     return rewards, non_score_reward, mask
 
@@ -222,11 +223,14 @@ def per_token_rewards(
 def policy_loss(
     new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
 ) -> dict[str, torch.Tensor]:
-    """PPO's clipped surrogate loss over the valid response tokens.
+    """PPO's clipped surrogate loss over the valid response tokens (Schulman et al. 2017,
+    arXiv 1707.06347, eq. 7, negated to minimise): ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``
+    with ``r = exp(new_logprobs - old_logprobs)``.
 
     Returns:
         ``loss`` (scalar, to minimise), ``clipfrac`` (share of tokens where the clipped
-        term is the larger loss), ``approxkl`` (``0.5 * mean(log-ratio^2)``), ``ratio``
+        term is the larger loss), ``approxkl`` (``0.5 * mean(log-ratio^2)``, the "k2" estimator of
+        KL(old || new), http://joschu.net/blog/kl-approx.html), ``ratio``
         (``(batch, length)``).
     """
     log_ratio = new_logprobs - old_logprobs
@@ -244,7 +248,9 @@ def policy_loss(
 def value_loss(
     new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
 ) -> dict[str, torch.Tensor]:
-    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over valid positions.
+    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over valid positions
+    (value-function loss clipping of OpenAI baselines' ``ppo2``: Huang et al. 2022, "The 37
+    Implementation Details of Proximal Policy Optimization", ICLR blog track, detail 9).
 
     ``V_clip = old_values + clamp(new_values - old_values, -cliprange_value, cliprange_value)``.
 

@@ -2,26 +2,28 @@
 
 Follows Huang et al. (2024), Section 7 and Appendix F (Details 20-25, Table 7). Four
 models: the policy and a frozen reference (both from SFT), the frozen reward model, and a
-value model initialised from the reward model (Detail 22). Each update:
+value model initialised from the reward model (Detail 22). Each update is four steps, each
+one call in :func:`run_ppo`'s loop:
 
-1. takes ``batch_size`` prompts from the shuffled SFT train split, reshuffled whenever it
-   is used up (Detail 21);
-2. samples exactly ``response_length`` tokens at ``temperature`` (Detail 23), never PAD,
-   with the log-probabilities of policy and reference from the same distribution (logits
-   divided by the temperature, PAD excluded: :func:`rlhf_core.ppo.sampling_logits`);
-3. truncates after the first EOS, fills with PAD, scores with the reward model at the EOS,
-   and gives responses without EOS the score ``non_eos_penalty`` (the EOS trick,
-   :func:`rlhf_core.reward.score_responses`); with ``ppo.reward: python:MODULE:FUNCTION`` a
-   rule reward (:mod:`rlhf_core.rule_rewards`) gives the score in place of the reward model,
-   which is then not loaded (:meth:`PPOTrainer.score`);
-4. forms per-token rewards (KL penalty plus the score), optionally whitens them
-   (Detail 24), computes GAE advantages and whitens them (Detail 25);
-5. runs ``ppo_epochs`` passes of clipped policy and value updates.
+1. generate the trajectory (:meth:`PPOTrainer.generate_trajectory`, a :class:`Trajectory`):
+   ``batch_size`` prompts from the shuffled SFT train split, reshuffled whenever it is used up
+   (Detail 21); exactly ``response_length`` tokens sampled at ``temperature``, never PAD, with
+   the log-probabilities of policy and reference from the same distribution (logits divided by
+   the temperature, PAD excluded: :func:`rlhf_core.ppo.sampling_logits`) and the values (Detail
+   23); each response truncated after its first EOS, PAD after it, and scored at the EOS, a
+   response without EOS getting ``non_eos_penalty`` (the EOS trick, :meth:`PPOTrainer.score`:
+   the reward model, or with ``ppo.reward: python:MODULE:FUNCTION`` a rule reward
+   (:mod:`rlhf_core.rule_rewards`), and then no reward model is loaded);
+2. per-token rewards, the KL penalty plus the score, optionally whitened (Detail 24;
+   :func:`kl_penalised_rewards`, a :class:`Rewards`);
+3. GAE advantages and returns, the advantages whitened (Detail 25; :func:`whitened_advantages`);
+4. ``ppo_epochs`` passes of clipped policy and value updates over minibatches
+   (:meth:`PPOTrainer.optimise`, a :class:`PPOStats`).
 
 Under ``torchrun`` (:mod:`rlhf_core.launch`) each rank samples, scores and trains on its own
 contiguous share of every update's prompts. What defines the algorithm is global: reward and
 advantage whitening use the statistics of the whole batch
-(:func:`rlhf_core.distributed.masked_mean_var`), each PPO minibatch's gradient is the mean
+(:func:`masked_mean_var`), each PPO minibatch's gradient is the mean
 over all ranks' shares, and the logged rollout statistics are computed on the gathered batch.
 Training statistics (losses, clip fractions, entropy) are means of the ranks' equal-sized
 shares; timings and memory are rank 0's. Evaluation prompts are split over the ranks and
@@ -38,6 +40,7 @@ import resource
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,14 +55,13 @@ from .distributed import (
     all_gather_object,
     all_reduce_gradients,
     all_reduce_sum,
-    masked_mean_var,
     shard,
     split_range,
     world,
 )
 from .generation import generate, last_token_indices, summarize, trim_left_padding, truncate_after_eos
-from .io import write_json_atomic
-from .models import load_causal_lm, save_pretrained_atomic
+from .io import json_digest, write_json_atomic
+from .models import causal_forward, load_causal_lm, save_pretrained_atomic
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,
@@ -77,7 +79,6 @@ from .ppo import (
 from .reward import (
     ResponseScores,
     ScalarModel,
-    causal_forward,
     response_scores,
     reward_model_from_causal_lm,
     score_responses,
@@ -88,7 +89,6 @@ from .training import (
     CheckpointManager,
     TrainingError,
     autocast,
-    config_digest,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
@@ -96,6 +96,35 @@ from .training import (
 )
 
 log = logging.getLogger(__name__)
+
+
+def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``values`` over the positions where ``mask`` is True, on
+    every rank together: the statistics of the global batch (Huang et al. 2024, Details 24-25
+    whiten over the whole batch, not over one rank's share).
+
+    Args:
+        values: ``(rows, length)`` float on this rank; mask: the same shape, bool.
+
+    Returns:
+        ``(mean, var)``, 0-d tensors of ``values``' dtype and device, equal on every rank. On
+        one rank exactly :func:`rlhf_core.ppo.masked_mean` and :func:`~rlhf_core.ppo.masked_var`.
+
+    Raises:
+        ValueError: fewer than two valid positions over all ranks.
+    """
+    if world().size == 1:
+        return masked_mean(values, mask), masked_var(values, mask)
+    m = mask.to(torch.float64)
+    v = values.detach().to(torch.float64)
+    total, count = all_reduce_sum([(v * m).sum().item(), m.sum().item()])
+    if count < 2:
+        raise ValueError("masked_mean_var: an unbiased variance needs at least two valid positions over all ranks")
+    mean = total / count
+    (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
+    var = sq / (count - 1)
+    return (torch.tensor(mean, dtype=values.dtype, device=values.device),
+            torch.tensor(var, dtype=values.dtype, device=values.device))
 
 
 def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list[int]:
@@ -142,58 +171,131 @@ def response_values(value_model: ScalarModel, query_responses: torch.Tensor, pad
     return values[:, context_length - 1 : -1]
 
 
-def rollout_targets(
-    responses: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    values: torch.Tensor,
-    scored: ResponseScores,
-    cfg: PPOConfig,
-    eos_token_id: int,
-    pad_token_id: int,
-) -> dict[str, torch.Tensor]:
-    """Masks, per-token rewards, advantages and returns of a batch of sampled responses (Details 23-25).
+@dataclass
+class Trajectory:
+    """One update's samples on this rank: step 1 of the update (Details 21, 23).
 
-    A response ends at its last real token once truncated after its first EOS: the EOS, or
-    the last position when there is none (Detail 23). Up to and including that token
-    (``token_mask``) the log-probabilities count and the KL penalty applies; the score lands
-    on it (``cfg.score_position: eos``) or one position later (``after_eos``), and
-    ``value_mask`` covers the positions up to the score. Rewards are optionally whitened
-    (Detail 24) and advantages whitened (Detail 25), with the statistics of the global
-    batch (every rank's share, :func:`rlhf_core.distributed.masked_mean_var`).
+    ``B`` prompts, ``C`` query tokens (``context_length``, left padding trimmed), ``R``
+    response tokens (``response_length``). A response ends at its last real token once
+    truncated after its first EOS: the EOS, or position ``R - 1`` when there is none.
+
+    Attributes:
+        query_responses: ``(B, C + R)`` long, query then the response as sampled.
+        responses: ``(B, R)`` long, exactly ``R`` sampled tokens (not truncated; never PAD).
+        logprobs, ref_logprobs: ``(B, R)`` float32 log-probabilities of the sampled tokens under
+            the policy and the reference at the sampling temperature
+            (:func:`rlhf_core.ppo.logprobs_from_logits`), ``INVALID_LOGPROB`` after the last token.
+        values: ``(B, R)`` float32, the value model's estimate before each token.
+        raw_scores, scores: ``(B,)`` float32, the score of the truncated response without and with
+            the EOS trick (:meth:`PPOTrainer.score`).
+        has_eos: ``(B,)`` bool, the truncated response ends with EOS.
+        last_token_indices: ``(B,)`` long, the index of each response's last token.
+        token_mask: ``(B, R)`` bool, positions ``0 .. last_token_indices``.
+        context_length: ``C``.
+        time_generate, time_score: seconds spent sampling, and computing log-probs, values and scores.
+    """
+
+    query_responses: torch.Tensor
+    responses: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    raw_scores: torch.Tensor
+    scores: torch.Tensor
+    has_eos: torch.Tensor
+    last_token_indices: torch.Tensor
+    token_mask: torch.Tensor
+    context_length: int
+    time_generate: float = 0.0
+    time_score: float = 0.0
+
+
+def make_trajectory(query_responses: torch.Tensor, responses: torch.Tensor, logprobs: torch.Tensor,
+                    ref_logprobs: torch.Tensor, values: torch.Tensor, scored: ResponseScores, context_length: int,
+                    eos_token_id: int, pad_token_id: int, **times: float) -> Trajectory:
+    """A :class:`Trajectory` from sampled responses: each ends at its first EOS (Detail 23), and
+    the log-probabilities after it are ``INVALID_LOGPROB``.
 
     Args:
-        responses: ``(batch, response_length)`` sampled token ids, not truncated.
-        logprobs, ref_logprobs: ``(batch, response_length)`` float32 log-probabilities of the
-            sampled tokens under the policy and the reference
-            (:func:`rlhf_core.ppo.logprobs_from_logits`).
-        values: ``(batch, response_length)`` float32, the value before each token.
-        scored: the scores of ``truncate_after_eos(responses)`` (:meth:`PPOTrainer.score`: the
-            reward model's, :func:`rlhf_core.reward.score_responses`, or a rule reward's),
-            ``(batch,)`` each.
-
-    Returns:
-        ``sequence_lengths`` ``(batch,)`` long (index of the last real token; 0 for a
-        response that starts with PAD); ``token_mask``, ``value_mask`` ``(batch,
-        response_length)`` bool; ``logprobs``, ``ref_logprobs`` (``INVALID_LOGPROB`` outside
-        ``token_mask``), ``values``, ``rewards``, ``non_score_reward``, ``advantages``,
-        ``returns`` ``(batch, response_length)`` float32, 0 outside their mask.
+        responses: ``(B, R)`` sampled token ids, not truncated.
+        logprobs, ref_logprobs, values: ``(B, R)`` float32, over every sampled position.
+        scored: the scores of ``truncate_after_eos(responses)``, ``(B,)`` each.
     """
-    post = truncate_after_eos(responses, eos_token_id, pad_token_id)
-    sequence_lengths = torch.clamp(last_token_indices(post, pad_token_id), min=0)
-    token_mask = response_mask(sequence_lengths, responses.size(1))
-    logprobs = torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB)
-    ref_logprobs = torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB)
+    truncated = truncate_after_eos(responses, eos_token_id, pad_token_id)
+    last = torch.clamp(last_token_indices(truncated, pad_token_id), min=0)  # 0 for a response that starts with PAD
+    token_mask = response_mask(last, responses.size(1))
+    return Trajectory(
+        query_responses=query_responses, responses=responses,
+        logprobs=torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB),
+        ref_logprobs=torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB),
+        values=values, raw_scores=scored.raw_scores, scores=scored.scores, has_eos=scored.has_eos,
+        last_token_indices=last, token_mask=token_mask, context_length=context_length, **times)
+
+
+@dataclass
+class Rewards:
+    """Per-token rewards of a :class:`Trajectory`: step 2 of the update (Details 23, 24).
+
+    Attributes:
+        rewards: ``(B, R)`` float32, ``non_score_reward`` plus the score at the scored position,
+            rescaled by the global batch's standard deviation when ``ppo.whiten_rewards``; 0
+            outside ``value_mask``.
+        non_score_reward: ``(B, R)`` float32, the KL penalty ``-kl_coef * (logprobs - ref_logprobs)``
+            on the response tokens, 0 elsewhere.
+        value_mask: ``(B, R)`` bool, the positions that carry rewards and values: up to the last
+            token (``score_position: eos``) or one further (``after_eos``).
+    """
+
+    rewards: torch.Tensor
+    non_score_reward: torch.Tensor
+    value_mask: torch.Tensor
+
+
+def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
+    """Step 2: the KL penalty on every response token plus the score at the last one
+    (:func:`rlhf_core.ppo.per_token_rewards`; Huang et al. 2024, arXiv 2403.17031, eq. 3, per token as in Figure 11),
+    optionally whitened without shifting the mean over the global batch (Detail 24)."""
     rewards, non_score_reward, value_mask = per_token_rewards(
-        logprobs, ref_logprobs, scored.scores, sequence_lengths, cfg.kl_coef, cfg.score_position)
-    values = values * value_mask
+        traj.logprobs, traj.ref_logprobs, traj.scores, traj.last_token_indices, cfg.kl_coef, cfg.score_position)
     if cfg.whiten_rewards:  # Detail 24
         rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
-    advantages, returns = compute_advantages(rewards, values, value_mask, cfg.gamma, cfg.lam)
-    advantages = whiten(advantages, *masked_mean_var(advantages, token_mask)) * token_mask  # Detail 25
-    return {"sequence_lengths": sequence_lengths, "token_mask": token_mask, "value_mask": value_mask,
-            "logprobs": logprobs, "ref_logprobs": ref_logprobs, "values": values, "rewards": rewards,
-            "non_score_reward": non_score_reward, "advantages": advantages, "returns": returns}
+    return Rewards(rewards, non_score_reward, value_mask)
+
+
+def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: GAE advantages and returns (:func:`rlhf_core.ppo.compute_advantages`; Schulman et
+    al. 2015, arXiv 1506.02438), the advantages whitened over the response tokens of the global
+    batch (Detail 25).
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, R)`` float32; advantages 0 outside
+        ``traj.token_mask``, returns 0 outside ``rewards.value_mask``.
+    """
+    advantages, returns = compute_advantages(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
+    advantages = whiten(advantages, *masked_mean_var(advantages, traj.token_mask)) * traj.token_mask  # Detail 25
+    return advantages, returns
+
+
+@dataclass
+class PPOStats:
+    """Step 4's statistics: means over an update's minibatches (and ranks) of the clipped PPO
+    losses (:func:`rlhf_core.ppo.policy_loss`, :func:`rlhf_core.ppo.value_loss`), and the
+    probability ratio over every trained token."""
+
+    policy_loss: float
+    value_loss: float
+    clipfrac: float
+    approxkl: float
+    value_clipfrac: float
+    entropy: float
+    ratio_mean: float
+    ratio_var: float
+
+    def metrics(self) -> dict[str, float]:
+        """The statistics under their logged names (TRL's)."""
+        return {"loss/policy": self.policy_loss, "loss/value": self.value_loss, "policy/clipfrac": self.clipfrac,
+                "policy/approxkl": self.approxkl, "val/clipfrac": self.value_clipfrac,
+                "policy/entropy": self.entropy, "val/ratio": self.ratio_mean, "val/ratio_var": self.ratio_var}
 
 
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -237,7 +339,7 @@ class PPOTrainer:
             self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
         else:  # no reward model (a rule reward): the SFT backbone with a zero head (V = 0 until it
             # learns), so the first advantages are the lambda-returns of the rewards. Detail 11's random
-            # head gives SmolLM2-135M per-token values of sd ~1.3 that dwarf a score in [-1, 0].
+            # head gives values that dwarf a score in [-1, 0] (benchmarks/README.md).
             self.value_model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(self.device)
             nn.init.zeros_(self.value_model.head.weight)
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
@@ -277,18 +379,14 @@ class PPOTrainer:
         raw = rule_scores(self.reward_fn, cfg.reward, self.tokenizer, queries, responses, pad, eos)
         return response_scores(raw.to(responses.device), responses, eos, pad, cfg.non_eos_penalty)
 
-    # ------------------------------------------------------------------ rollout
+    # --------------------------------------------------------- step 1: rollout
 
     @torch.no_grad()
-    def rollout(self, queries: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Sample, score and compute advantages for one batch of left-padded queries.
-
-        Returns tensors on the device: ``query_responses`` ``(B, C + R)``, ``responses``,
-        ``logprobs``, ``ref_logprobs``, ``values``, ``rewards``, ``non_score_reward``,
-        ``advantages``, ``returns`` ``(B, R)``, ``token_mask`` and ``value_mask`` ``(B, R)``
-        bool, ``scores``, ``raw_scores`` ``(B,)``, ``has_eos`` ``(B,)`` bool,
-        ``sequence_lengths`` ``(B,)``, and timings (see :func:`rollout_targets`).
-        """
+    def generate_trajectory(self, queries: torch.Tensor) -> Trajectory:
+        """Sample ``response_length`` tokens for each of this rank's left-padded ``queries``
+        (``(B, query_length)`` long) and compute what PPO needs of them, in micro-batches of
+        ``ppo.micro_batch_size``: the log-probs of the policy and the reference, the values, and
+        the scores of the responses truncated after their first EOS (:meth:`score`)."""
         cfg, pad, eos, R = self.cfg, self.pad_id, self.eos_id, self.response_length
         queries = trim_left_padding(queries, pad).to(self.device)
         context = queries.size(1)
@@ -306,12 +404,11 @@ class PPOTrainer:
             del logits
             t1 = time.perf_counter()
             query_responses = torch.cat([q, responses], dim=1)
-            post = truncate_after_eos(responses, eos, pad)
             with autocast(self.device, cfg.bf16):
                 ref_logprobs = logprobs_from_logits(response_logits(self.ref_policy, query_responses, pad, context),
                                                     responses, cfg.temperature, pad)
                 values = response_values(self.value_model, query_responses, pad, context)
-            scored = self.score(q, post)
+            scored = self.score(q, truncate_after_eos(responses, eos, pad))
             t_gen += t1 - t0
             t_score += time.perf_counter() - t1
             for name, value in (("query_responses", query_responses), ("responses", responses),
@@ -320,25 +417,34 @@ class PPOTrainer:
                                 ("has_eos", scored.has_eos)):
                 parts[name].append(value)
         batch = {k: torch.cat(v) for k, v in parts.items()}
-        scored = ResponseScores(batch["raw_scores"], batch["scores"], batch["has_eos"])
-        batch.update(rollout_targets(batch["responses"], batch["logprobs"], batch["ref_logprobs"], batch["values"],
-                                     scored, cfg, eos, pad))
-        batch.update(context_length=torch.tensor(context), time_generate=torch.tensor(t_gen),
-                     time_score=torch.tensor(t_score))
-        return batch
+        scored = ResponseScores(batch.pop("raw_scores"), batch.pop("scores"), batch.pop("has_eos"))
+        return make_trajectory(**batch, scored=scored, context_length=context, eos_token_id=eos, pad_token_id=pad,
+                               time_generate=t_gen, time_score=t_score)
 
-    # ------------------------------------------------------------------- update
+    # -------------------------------------------------------- step 4: optimise
 
-    def train_on(self, batch: dict[str, torch.Tensor], update: int) -> dict[str, float]:
-        """``ppo_epochs`` passes of clipped PPO over ``batch`` (this rank's share); returns
-        statistics averaged over the minibatches and the ranks."""
-        cfg, pad, ranks = self.cfg, self.pad_id, self.world.size
-        context = int(batch["context_length"])
-        n = batch["responses"].size(0)
+    def optimise(self, traj: Trajectory, value_mask: torch.Tensor, advantages: torch.Tensor,
+                 returns: torch.Tensor, update: int) -> PPOStats:
+        """``ppo_epochs`` passes over this rank's share of the batch, each in ``num_minibatches``
+        shuffled minibatches with one optimiser step per minibatch (Table 7).
+
+        Args:
+            traj: the update's :class:`Trajectory` (its log-probs and values are the old policy's).
+            value_mask, advantages, returns: ``(B, R)``, from steps 2 and 3.
+            update: 0-based update number (seeds the minibatch order).
+
+        Returns:
+            :class:`PPOStats`, averaged over the minibatches and the ranks.
+
+        Raises:
+            _NonFinite: a loss was not finite on some rank (every rank raises together).
+        """
+        cfg, ranks = self.cfg, self.world.size
+        n = traj.responses.size(0)
         minibatch_size = max(1, n // cfg.num_minibatches)
         sums: dict[str, float] = defaultdict(float)
         ratios: list[torch.Tensor] = []
-        count = 0
+        steps = 0
         self.policy.train()
         self.value_model.train()
         for epoch in range(cfg.ppo_epochs):
@@ -348,59 +454,55 @@ class PPOTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_sums: dict[str, float] = defaultdict(float)
                 failure = ""
-                for micro in micro_batches(minibatch, cfg.micro_batch_size):
-                    idx = torch.tensor(micro, device=self.device)
-                    qr, resp = batch["query_responses"][idx], batch["responses"][idx]
-                    token_mask, value_mask = batch["token_mask"][idx], batch["value_mask"][idx]
-                    # loss = policy loss + vf_coef * value loss, and the two models share no parameters,
-                    # so each part is backpropagated on its own: the policy's activations are freed
-                    # before the value model's forward pass, and peak memory holds one model's only.
-                    # Summed over the ranks below: the gradient of the global minibatch's mean loss.
-                    scale = len(micro) / len(minibatch) / ranks
-                    with autocast(self.device, cfg.bf16):
-                        logits = response_logits(self.policy, qr, pad, context)
-                    new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
-                    new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
-                    pl = policy_loss(new_logprobs, batch["logprobs"][idx], batch["advantages"][idx], token_mask, cfg.cliprange)
-                    if not torch.isfinite(pl["loss"]):
-                        failure = f"non-finite loss (policy {pl['loss'].item()})"
-                        break
-                    (pl["loss"] * scale).backward()
-                    with torch.no_grad():
-                        entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)),
-                                              token_mask)
-                    del logits, new_logprobs
-                    with autocast(self.device, cfg.bf16):
-                        vpred = response_values(self.value_model, qr, pad, context)
-                    vpred = vpred.float() * value_mask
-                    vl = value_loss(vpred, batch["values"][idx], batch["returns"][idx], value_mask, cfg.cliprange_value)
-                    if not torch.isfinite(vl["loss"]):
-                        failure = f"non-finite loss (value {vl['loss'].item()})"
-                        break
-                    (cfg.vf_coef * vl["loss"] * scale).backward()
-                    with torch.no_grad():
-                        weight = len(micro) / len(minibatch)
-                        for key, value in (("loss/policy", pl["loss"]), ("loss/value", vl["loss"]),
-                                           ("policy/clipfrac", pl["clipfrac"]), ("policy/approxkl", pl["approxkl"]),
-                                           ("val/clipfrac", vl["clipfrac"]), ("policy/entropy", entropy)):
-                            mb_sums[key] += value.item() * weight
-                        ratios.append(pl["ratio"][token_mask].detach().float().cpu())
+                try:
+                    for micro in micro_batches(minibatch, cfg.micro_batch_size):
+                        idx = torch.tensor(micro, device=self.device)
+                        stats, ratio = self._ppo_step(traj, value_mask, advantages, returns, idx,
+                                                      scale=len(micro) / len(minibatch) / ranks)
+                        for key, value in stats.items():
+                            mb_sums[key] += value * len(micro) / len(minibatch)
+                        ratios.append(ratio)
+                except _NonFinite as exc:
+                    failure = str(exc)
                 if all_reduce_sum([1.0 if failure else 0.0])[0]:  # every rank stops together
                     raise _NonFinite(failure or "non-finite loss on another rank")
-                all_reduce_gradients(self.models)
+                all_reduce_gradients(self.models)  # the global minibatch's mean gradient
                 self.optimizer.step()
                 for key, value in mb_sums.items():
                     sums[key] += value
-                count += 1
-        keys = sorted(sums)
-        all_ratios = torch.cat(ratios).double()
-        reduced = all_reduce_sum([sums[k] for k in keys] + [all_ratios.sum().item(), all_ratios.numel()])
-        out = {k: v / (count * ranks) for k, v in zip(keys, reduced)}
-        ratio_mean = reduced[-2] / reduced[-1]
-        (ratio_sq,) = all_reduce_sum([((all_ratios - ratio_mean) ** 2).sum().item()])
-        out["val/ratio"] = ratio_mean
-        out["val/ratio_var"] = ratio_sq / (reduced[-1] - 1) if reduced[-1] > 1 else 0.0
-        return out
+                steps += 1
+        return _reduce_stats(sums, steps, torch.cat(ratios).double())
+
+    def _ppo_step(self, traj: Trajectory, value_mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+                  idx: torch.Tensor, scale: float) -> tuple[dict[str, float], torch.Tensor]:
+        """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
+        surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus ``vf_coef`` times the
+        clipped value loss. Returns its statistics and the ratios on its response tokens."""
+        cfg, pad, context = self.cfg, self.pad_id, traj.context_length
+        qr, resp, token_mask, vmask = traj.query_responses[idx], traj.responses[idx], traj.token_mask[idx], value_mask[idx]
+        # The two models share no parameters, so each part of the loss is backpropagated on its
+        # own: the policy's activations are freed before the value model's forward pass.
+        with autocast(self.device, cfg.bf16):
+            logits = response_logits(self.policy, qr, pad, context)
+        new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
+        new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
+        pl = policy_loss(new_logprobs, traj.logprobs[idx], advantages[idx], token_mask, cfg.cliprange)
+        if not torch.isfinite(pl["loss"]):
+            raise _NonFinite(f"non-finite loss (policy {pl['loss'].item()})")
+        (pl["loss"] * scale).backward()
+        with torch.no_grad():
+            entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
+        del logits, new_logprobs
+        with autocast(self.device, cfg.bf16):
+            vpred = response_values(self.value_model, qr, pad, context)
+        vpred = vpred.float() * vmask
+        vl = value_loss(vpred, traj.values[idx], returns[idx], vmask, cfg.cliprange_value)
+        if not torch.isfinite(vl["loss"]):
+            raise _NonFinite(f"non-finite loss (value {vl['loss'].item()})")
+        (cfg.vf_coef * vl["loss"] * scale).backward()
+        stats = {"policy_loss": pl["loss"], "value_loss": vl["loss"], "clipfrac": pl["clipfrac"],
+                 "approxkl": pl["approxkl"], "value_clipfrac": vl["clipfrac"], "entropy": entropy}
+        return {k: v.item() for k, v in stats.items()}, pl["ratio"][token_mask].detach().float().cpu()
 
     # --------------------------------------------------------------- evaluation
 
@@ -451,32 +553,67 @@ class _NonFinite(RuntimeError):
     pass
 
 
-def _rollout_metrics(local: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Statistics of the global batch: every rank's share gathered (the identity on one rank)."""
-    batch = {k: all_gather_cat(local[k]) for k in ("token_mask", "value_mask", "logprobs", "ref_logprobs",
-                                                    "non_score_reward", "sequence_lengths", "scores", "returns",
-                                                    "advantages", "has_eos")}
-    token_mask = batch["token_mask"]
-    kl = ((batch["logprobs"] - batch["ref_logprobs"]) * token_mask).sum(1)
-    non_score = batch["non_score_reward"].sum(1)
-    lengths = (batch["sequence_lengths"] + 1).float()
+def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> PPOStats:
+    """:class:`PPOStats` from this rank's per-minibatch sums and token ratios, averaged over the ranks."""
+    keys = sorted(sums)
+    ranks = world().size
+    reduced = all_reduce_sum([sums[k] for k in keys] + [ratios.sum().item(), ratios.numel()])
+    means = {k: v / (steps * ranks) for k, v in zip(keys, reduced)}
+    ratio_mean, count = reduced[-2] / reduced[-1], reduced[-1]
+    (ratio_sq,) = all_reduce_sum([((ratios - ratio_mean) ** 2).sum().item()])
+    return PPOStats(**means, ratio_mean=ratio_mean, ratio_var=ratio_sq / (count - 1) if count > 1 else 0.0)
+
+
+def rollout_statistics(traj: Trajectory, rewards: Rewards, advantages: torch.Tensor,
+                       returns: torch.Tensor) -> dict[str, float]:
+    """Statistics of the global batch (every rank's share gathered; the identity on one rank):
+    score, KL to the reference (nats per response and per token), rewards, advantages,
+    returns, response length and EOS rate, under TRL's names."""
+    gather = all_gather_cat
+    token_mask, value_mask = gather(traj.token_mask), gather(rewards.value_mask)
+    logprobs, ref_logprobs, scores = gather(traj.logprobs), gather(traj.ref_logprobs), gather(traj.scores)
+    returns, advantages, has_eos = gather(returns), gather(advantages), gather(traj.has_eos)
+    kl = ((logprobs - ref_logprobs) * token_mask).sum(1)  # the "k1" estimator, http://joschu.net/blog/kl-approx.html
+    non_score = gather(rewards.non_score_reward).sum(1)
+    lengths = (gather(traj.last_token_indices) + 1).float()
     return {
-        "objective/scores": batch["scores"].mean().item(),
+        "objective/scores": scores.mean().item(),
         "objective/kl": kl.mean().item(),  # nats per response
         "objective/kl_per_token": (kl.sum() / token_mask.sum().clamp(min=1)).item(),
-        "objective/entropy": (-batch["logprobs"] * token_mask).sum(1).mean().item(),
+        "objective/entropy": (-logprobs * token_mask).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": (batch["scores"] + non_score).mean().item(),
-        "returns/mean": masked_mean(batch["returns"], batch["value_mask"]).item(),
-        "returns/var": masked_var(batch["returns"], batch["value_mask"]).item(),
-        "advantages/mean": masked_mean(batch["advantages"], token_mask).item(),
-        "advantages/var": masked_var(batch["advantages"], token_mask).item(),
-        "advantages/min": batch["advantages"][token_mask].min().item(),
-        "advantages/max": batch["advantages"][token_mask].max().item(),
+        "objective/rlhf_reward": (scores + non_score).mean().item(),
+        "returns/mean": masked_mean(returns, value_mask).item(),
+        "returns/var": masked_var(returns, value_mask).item(),
+        "advantages/mean": masked_mean(advantages, token_mask).item(),
+        "advantages/var": masked_var(advantages, token_mask).item(),
+        "advantages/min": advantages[token_mask].min().item(),
+        "advantages/max": advantages[token_mask].max().item(),
         "response/length_mean": lengths.mean().item(),
-        "response/length_score_corr": _pearson(lengths, batch["scores"]),
-        "response/no_eos_fraction": 1.0 - batch["has_eos"].float().mean().item(),
-        "response/eos_rate": batch["has_eos"].float().mean().item(),
+        "response/length_score_corr": _pearson(lengths, scores),
+        "response/no_eos_fraction": 1.0 - has_eos.float().mean().item(),
+        "response/eos_rate": has_eos.float().mean().item(),
+    }
+
+
+def _raise_if_non_finite(**tensors: torch.Tensor) -> None:
+    """Raise :class:`_NonFinite` on every rank when any rank has a non-finite value in ``tensors``."""
+    bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
+    if all_reduce_sum([len(bad)])[0]:
+        raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite rollout on another rank")
+
+
+def _throughput(traj: Trajectory, t_train: float, ppo_epochs: int, device: torch.device) -> dict[str, float]:
+    """Seconds per phase (rank 0's), tokens per second (all ranks') and peak memory of an update."""
+    generated = traj.responses.numel() * world().size
+    trained = ppo_epochs * all_reduce_sum([traj.token_mask.sum().item()])[0]
+    return {
+        "time/generate": traj.time_generate,
+        "time/score": traj.time_score,
+        "time/train": t_train,
+        "time/generate_tokens_per_s": generated / max(traj.time_generate, 1e-9),
+        "time/train_tokens_per_s": trained / max(t_train, 1e-9),
+        "memory/peak_mb": _peak_memory_mb(device),
     }
 
 
@@ -514,9 +651,8 @@ def run_ppo(
     w = trainer.world
     if not w.is_main:
         tracker = NullTracker()
-    digest = config_digest(cfg.model_dump_json(), json.dumps(trainer.stats, sort_keys=True),
-                     str(Path(sft_model_dir).resolve()),
-                     str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else "none")
+    digest = json_digest([cfg.model_dump(mode="json"), trainer.stats, str(Path(sft_model_dir).resolve()),
+                          str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None])
     checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
     resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
     start = resumed["step"] if resumed else 0
@@ -538,16 +674,21 @@ def run_ppo(
     last: dict[str, float] = {}
     samples: list[dict] = []
     begin = time.perf_counter()
-    n_rows = len(trainer.queries)
     for update in range(start, trainer.num_updates):
-        idx = shard(prompt_indices(n_rows, cfg.batch_size, update, cfg.seed), w)
-        batch = trainer.rollout(trainer.queries[idx])
+        # step 1. generate the trajectory: this rank's prompts (Detail 21), their sampled responses,
+        #         the log-probs of policy and reference, the values, and the scores (Details 12, 23)
+        queries = trainer.queries[shard(prompt_indices(len(trainer.queries), cfg.batch_size, update, cfg.seed), w)]
+        traj = trainer.generate_trajectory(queries)
+        # step 2. per-token rewards: the KL penalty on each token plus the score at the last one,
+        #         optionally whitened (Detail 24)
+        rewards = kl_penalised_rewards(traj, cfg)
+        # step 3. advantages and returns by GAE, advantages whitened (Detail 25)
+        advantages, returns = whitened_advantages(traj, rewards, cfg)
+        # step 4. optimise: ppo_epochs passes of the clipped policy and value losses over minibatches
+        t0 = time.perf_counter()
         try:
-            bad = [name for name in ("scores", "rewards", "advantages", "values") if not torch.isfinite(batch[name]).all()]
-            if all_reduce_sum([len(bad)])[0]:
-                raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite rollout on another rank")
-            t0 = time.perf_counter()
-            train_stats = trainer.train_on(batch, update)
+            _raise_if_non_finite(scores=traj.scores, rewards=rewards.rewards, advantages=advantages, values=traj.values)
+            stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update)
         except _NonFinite as exc:
             save_checkpoint(update)
             raise TrainingError(f"ppo: {exc} at update {update + 1}; parameters from before the failing step "
@@ -555,18 +696,11 @@ def run_ppo(
         t_train = time.perf_counter() - t0
         lr = trainer.scheduler.get_last_lr()[0]
         trainer.scheduler.step()
-        generated = batch["responses"].numel() * w.size
-        metrics = _rollout_metrics(batch) | train_stats | {
-            "lr": lr,
-            "episodes": float((update + 1) * cfg.batch_size),
-            "time/generate": float(batch["time_generate"]),
-            "time/score": float(batch["time_score"]),
-            "time/train": t_train,
-            "time/generate_tokens_per_s": generated / max(float(batch["time_generate"]), 1e-9),
-            "time/train_tokens_per_s": cfg.ppo_epochs * all_reduce_sum([batch["token_mask"].sum().item()])[0]
-            / max(t_train, 1e-9),
-            "memory/peak_mb": _peak_memory_mb(trainer.device),
-        }
+
+        # plumbing: statistics, evaluation, logging, checkpoints
+        metrics = (rollout_statistics(traj, rewards, advantages, returns) | stats.metrics()
+                   | _throughput(traj, t_train, cfg.ppo_epochs, trainer.device)
+                   | {"lr": lr, "episodes": float((update + 1) * cfg.batch_size)})
         if (update + 1) % cfg.eval_every == 0 or update + 1 == trainer.num_updates:
             eval_metrics, samples = trainer.evaluate()
             metrics |= eval_metrics

@@ -13,7 +13,6 @@ Load a saved reward model with one call::
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -21,7 +20,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,17 +32,15 @@ from .data import load_data_tokenizer, load_prepared
 from .diagnostics import wilson_interval
 from .distributed import all_reduce_sum, gather_to_main, is_sharded, world
 from .generation import ends_with_eos, first_true_indices, last_token_indices, trim_left_padding
-from .io import write_json_atomic
-from .models import DTYPES, disable_dropout, save_pretrained_atomic
+from .io import json_digest, write_json_atomic
+from .models import DTYPES, causal_forward, disable_dropout, save_pretrained_atomic
 from .plots import plot_calibration
 from .ppo import apply_eos_trick
 from .tracking import NullTracker, Tracker
 from .training import (
     CheckpointManager,
-    OptimConfig,
     accumulation_steps,
     autocast,
-    config_digest,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
@@ -125,65 +122,6 @@ def reward_model_from_causal_lm(path: str | os.PathLike, seed: int = 0, dtype: s
     return model.to(DTYPES[dtype])
 
 
-def padding_aware_inputs(query_responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention mask and position ids that make left padding invisible (Detail 14).
-
-    Args:
-        query_responses: ``(batch, length)`` ids, PAD anywhere (left of the query, right of
-            the response).
-
-    Returns:
-        ``(input_ids, attention_mask, position_ids)``, each ``(batch, length)``: PAD
-        replaced by 0, mask 1 on real tokens, positions counting real tokens from 0.
-    """
-    attention_mask = query_responses != pad_token_id
-    position_ids = attention_mask.cumsum(1) - attention_mask.long()
-    input_ids = torch.masked_fill(query_responses, ~attention_mask, 0)
-    return input_ids, attention_mask.long(), position_ids
-
-
-def causal_forward(
-    fn: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
-    query_responses: torch.Tensor,
-    pad_token_id: int,
-) -> torch.Tensor:
-    """``fn(input_ids, attention_mask, position_ids)`` with padding invisible, at the cost of no mask.
-
-    When every row is one contiguous run of real tokens (left-padded query, right-padded
-    response: the layout of every batch in this project), each row is rotated so that its
-    run starts at position 0, the PAD columns after the longest run are dropped, and ``fn``
-    is called with ``attention_mask=None, position_ids=None``: the model then uses its plain
-    causal attention (fused SDPA kernels, no ``(batch, 1, length, length)`` mask) and the
-    default positions, which equal :func:`padding_aware_inputs`' positions on the rotated
-    rows. Outputs are rotated back; at PAD positions they are 0. A row with a PAD between real
-    tokens sends the whole batch through the mask of :func:`padding_aware_inputs` instead.
-    Real positions get the same values as the masked call (Detail 14), up to kernel rounding.
-
-    Args:
-        fn: a model call returning ``(batch, width, ...)`` for ``(batch, width)`` inputs.
-        query_responses: ``(batch, length)`` token ids.
-
-    Returns:
-        ``(batch, length, ...)``, the output of ``fn`` with gradients flowing through it.
-    """
-    real = query_responses != pad_token_id
-    batch, length = query_responses.shape
-    n_real = real.sum(1)
-    start = first_true_indices(real)
-    positions = torch.arange(length, device=query_responses.device)
-    contiguous = real == ((positions >= start[:, None]) & (positions < (start + n_real)[:, None]))
-    if not bool(contiguous.all()):
-        return fn(*padding_aware_inputs(query_responses, pad_token_id))
-    width = max(int(n_real.max()), 1)
-    gather = (positions[None, :width] + start[:, None]) % length  # (batch, width): rotated column -> original
-    input_ids = torch.gather(query_responses, 1, gather).masked_fill(positions[None, :width] >= n_real[:, None], 0)
-    out = fn(input_ids, None, None)  # (batch, width, ...)
-    rotated_back = out.new_zeros((batch, length, *out.shape[2:]))
-    index = gather.view(batch, width, *([1] * (out.dim() - 2))).expand_as(out)
-    keep = (positions[None, :width] < n_real[:, None]).view(batch, width, *([1] * (out.dim() - 2)))
-    return rotated_back.scatter(1, index, out * keep)
-
-
 def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scalars at every position, and the reward at each sequence's EOS (Details 12, 14).
 
@@ -197,14 +135,15 @@ def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: 
 
     Returns:
         ``(reward_logits (batch, length) float32, scores (batch,) float32,
-        sequence_lengths (batch,) long)``, where ``sequence_lengths`` is the EOS index.
+        score_indices (batch,) long)``, where ``score_indices`` is the position in
+        ``query_responses`` of each response's last real token (its EOS, when it has one).
     """
     reward_logits = causal_forward(
         lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos), query_responses, pad_token_id
     )
-    sequence_lengths = last_token_indices(query_responses[:, context_length:], pad_token_id) + context_length
-    scores = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), sequence_lengths]
-    return reward_logits, scores, sequence_lengths
+    score_indices = last_token_indices(query_responses[:, context_length:], pad_token_id) + context_length
+    scores = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), score_indices]
+    return reward_logits, scores, score_indices
 
 
 def pair_scores(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -317,10 +256,10 @@ def run_reward_training(
         out["tokens"] = totals[-1]
         return out
 
-    digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(sft_model_dir).resolve()))
+    digest = json_digest([cfg.model_dump(mode="json"), stats, str(Path(sft_model_dir).resolve())])
     tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()}
                       | {"reward.precision": precision_name(cfg.bf16, device)})
-    last = train_loop(model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
+    last = train_loop(model=model, n_rows=len(train), optim=cfg, step_fn=step_fn,
                       checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
     model = gather_to_main(model, lambda: reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device))
     if not w.is_main:

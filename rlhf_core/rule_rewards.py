@@ -113,7 +113,7 @@ def reward_source(spec: str) -> Path | None:
 def reward_code_digest(spec: str) -> str | None:
     """SHA-256 (16 hex) of the source file of a ``python:`` spec's module; ``None`` for ``"model"``.
 
-    Part of the PPO stage's cache key (``tasks.stages.stage_cache_key``), so that editing a
+    Part of the PPO stage's cache key (:func:`rlhf_core.pipeline.stage_key`), so that editing a
     reward function outside ``rlhf_core`` re-runs PPO.
     """
     path = reward_source(spec)
@@ -267,11 +267,11 @@ def non_repeating_tokens(queries: list[str], responses: list[str], query_ids: li
     each context: far too slowly for a short test. Its one structure is that input and output
     embeddings are tied: the largest logit is usually the token just read (its own embedding's
     squared norm). At a low sampling temperature (0.1) it therefore repeats the token before
-    in more than half of the positions (56-62% measured), and this reward starts near 0.45
-    with a wide spread between responses. Repeats are frequent, so every update sees many of
-    them, and the policy can lower them all at once (e.g. by moving its hidden state away
-    from the input embedding): in 10 updates of 16 episodes PPO raises it to 0.75-0.92 (mean of
-    the last 5 updates, 6 seeds), and it stays flat when the policy does not learn. It ignores EOS, which such a
-    model never samples (use it with ``ppo.non_eos_penalty: null``).
+    in more than half of the positions, and this reward starts well below 1 with a wide
+    spread between responses. Repeats are frequent, so every update sees many of them, and
+    the policy can lower them all at once (e.g. by moving its hidden state away from the input
+    embedding); the reward stays flat when the policy does not learn (figures in
+    ``benchmarks/README.md`` and the learning test). It ignores EOS, which such a model never
+    samples (use it with ``ppo.non_eos_penalty: null``).
     """
     return [1.0 - repeat_share(ids) for ids in response_ids]

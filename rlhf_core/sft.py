@@ -17,23 +17,20 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from rouge_score import rouge_scorer
 from transformers import PreTrainedModel
 
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
+from .diagnostics import rouge_l
 from .distributed import all_reduce_sum, gather_to_main, world
 from .generation import summarize
-from .io import write_json_atomic
-from .models import load_causal_lm, save_pretrained_atomic
-from .reward import causal_forward
+from .io import json_digest, write_json_atomic
+from .models import causal_forward, load_causal_lm, save_pretrained_atomic
 from .tracking import NullTracker, Tracker
 from .training import (
     CheckpointManager,
-    OptimConfig,
     accumulation_steps,
     autocast,
-    config_digest,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
@@ -86,7 +83,7 @@ def masked_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 def sft_loss_sum(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, int]:
     """:func:`masked_token_loss` computed without full-vocabulary logits at non-target positions.
 
-    The backbone runs through :func:`~rlhf_core.reward.causal_forward` (no attention mask,
+    The backbone runs through :func:`~rlhf_core.models.causal_forward` (no attention mask,
     no PAD columns past the longest row); its hidden states are gathered at the positions
     that predict a target, and only those go through the language-model head.
 
@@ -194,12 +191,6 @@ def linear_cross_entropy_sum(
     return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, compute_dtype, chunk_size)
 
 
-def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
-    """ROUGE-L F1 of each prediction against its reference (``rouge-score``, Porter stemming)."""
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
-    return [scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references)]
-
-
 def run_sft(
     cfg: SFTConfig,
     data_dir: str | os.PathLike,
@@ -257,11 +248,11 @@ def run_sft(
         total, tokens = all_reduce_sum([total, (input_ids != pad_id).sum().item()])
         return {"loss": total / n_targets, "tokens": tokens}
 
-    digest = config_digest(cfg.model_dump_json(), json.dumps(stats, sort_keys=True), str(Path(base_model_dir).resolve()))
+    digest = json_digest([cfg.model_dump(mode="json"), stats, str(Path(base_model_dir).resolve())])
     tracker.log_params({f"sft.{k}": v for k, v in cfg.model_dump().items()}
                       | {"sft.precision": precision_name(cfg.bf16, device)})
     train_metrics = train_loop(
-        model=model, n_rows=len(train), optim=OptimConfig.from_section(cfg), step_fn=step_fn,
+        model=model, n_rows=len(train), optim=cfg, step_fn=step_fn,
         checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="sft",
     )
     model = gather_to_main(model, lambda: load_causal_lm(base_model_dir).to(device))  # the full weights, sharded or not
@@ -269,9 +260,36 @@ def run_sft(
         return {}  # rank 0 saves and evaluates
     model.eval()
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
+    eval_metrics, samples = evaluate_sft(model, base_model_dir, sft_data[cfg.eval_split], stats, tokenizer, cfg, device)
+    with open(out_dir / "samples.jsonl", "w") as fh:
+        fh.writelines(json.dumps(s) + "\n" for s in samples)
+    metrics = {
+        "train/loss": train_metrics.get("train/loss", float("nan")),
+        "train/steps": float(train_metrics["steps"]),
+        "train/seconds": train_metrics["seconds"],
+    } | eval_metrics
+    tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=train_metrics["steps"])
+    tracker.log_table("sft_samples", samples[:32])
+    write_json_atomic(out_dir / "metrics.json", metrics)
+    log.info("sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts", metrics["eval/rougeL"],
+             metrics["eval/rougeL_base"], metrics["eval/eos_rate"], metrics["eval/eos_rate_base"],
+             int(metrics["eval/samples"]), cfg.eval_split)
+    return metrics
 
-    # Evaluation: near-greedy samples on held-out prompts, ROUGE-L against the references.
-    eval_ds = sft_data[cfg.eval_split]
+
+def evaluate_sft(model: PreTrainedModel, base_model_dir: str | os.PathLike, eval_ds, stats: dict, tokenizer,
+                 cfg: SFTConfig, device: torch.device) -> tuple[dict[str, float], list[dict]]:
+    """Near-greedy summaries (``sft.eval_temperature``) of the first ``sft.eval_max_samples``
+    prompts of ``eval_ds`` by the fine-tuned ``model`` and by the base model, with ROUGE-L
+    against the references, EOS rate and length. ``model`` is released before the base model
+    is loaded.
+
+    Returns:
+        ``(metrics, samples)``: ``eval/rougeL``, ``eval/rougeL_base``, ``eval/eos_rate``,
+        ``eval/eos_rate_base``, ``eval/response_length``, ``eval/response_length_base`` (mean
+        tokens up to and including the EOS), ``eval/samples``, ``eval/seconds``; one sample dict
+        per prompt.
+    """
     n_eval = min(len(eval_ds), cfg.eval_max_samples or len(eval_ds))
     eval_ds = eval_ds.select(range(n_eval))
     queries = torch.tensor(eval_ds["query_token"])
@@ -293,12 +311,7 @@ def run_sft(
             eval_ds["post"], references, base_out.texts, sft_out.texts, base_rouge, sft_rouge,
             base_out.has_eos.tolist(), sft_out.has_eos.tolist(), base_out.lengths.tolist(), sft_out.lengths.tolist())
     ]
-    with open(out_dir / "samples.jsonl", "w") as fh:
-        fh.writelines(json.dumps(s) + "\n" for s in samples)
     metrics = {
-        "train/loss": train_metrics.get("train/loss", float("nan")),
-        "train/steps": float(train_metrics["steps"]),
-        "train/seconds": train_metrics["seconds"],
         "eval/rougeL": sum(sft_rouge) / n_eval,
         "eval/rougeL_base": sum(base_rouge) / n_eval,
         "eval/eos_rate": sft_out.has_eos.double().mean().item(),
@@ -308,10 +321,4 @@ def run_sft(
         "eval/samples": float(n_eval),
         "eval/seconds": time.perf_counter() - t0,
     }
-    tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=train_metrics["steps"])
-    tracker.log_table("sft_samples", samples[:32])
-    write_json_atomic(out_dir / "metrics.json", metrics)
-    log.info("sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts", metrics["eval/rougeL"],
-             metrics["eval/rougeL_base"], metrics["eval/eos_rate"], metrics["eval/eos_rate_base"], n_eval,
-             cfg.eval_split)
-    return metrics
+    return metrics, samples

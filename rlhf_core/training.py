@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -19,7 +18,6 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
@@ -27,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
+from .config import EpochTrainerConfig
 from .distributed import (
     all_reduce_gradients,
     load_model_state,
@@ -45,11 +44,6 @@ log = logging.getLogger(__name__)
 
 class TrainingError(RuntimeError):
     """Training cannot continue (non-finite loss, incompatible checkpoint)."""
-
-
-def config_digest(*parts: str) -> str:
-    """A short SHA-256 digest (16 hex characters) of text parts; checkpoints store it to refuse a mismatched resume."""
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def pick_device() -> torch.device:
@@ -147,9 +141,8 @@ def recompute_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     the forward pass; every other op (RMSNorm, rotary embeddings, SiLU, products, residual
     sums, dtype casts) is run again in the backward pass from them. Recomputing those costs a
     few memory-bound elementwise passes instead of a second forward pass of the layer (full
-    checkpointing); the activations only they would have saved are never held (SmolLM2-135M,
-    8 x 491 tokens, forward and backward: peak memory 8.3 GB -> 5.8 GB). Gradients are those of
-    the plain forward pass.
+    checkpointing); the activations only they would have saved are never held (measured in
+    ``benchmarks/README.md``). Gradients are those of the plain forward pass.
 
     A ``policy_fn`` for ``torch.utils.checkpoint.create_selective_checkpoint_contexts``
     (Korthikanti et al. 2022 recompute the cheap part of attention; here it is the
@@ -221,25 +214,6 @@ def micro_batches(indices: list[int], micro_batch_size: int) -> Iterator[list[in
     """Consecutive slices of ``indices`` of at most ``micro_batch_size`` rows."""
     for i in range(0, len(indices), micro_batch_size):
         yield indices[i : i + micro_batch_size]
-
-
-@dataclass
-class OptimConfig:
-    """What :func:`train_loop` needs of a stage's config section."""
-
-    learning_rate: float
-    adam_eps: float
-    scheduler: str
-    batch_size: int
-    num_epochs: int
-    max_steps: int | None
-    checkpoint_every: int
-    seed: int
-    strategy: str = "ddp"
-
-    @classmethod
-    def from_section(cls, section: Any) -> "OptimConfig":
-        return cls(**{k: getattr(section, k) for k in cls.__dataclass_fields__})
 
 
 class CheckpointManager:
@@ -319,7 +293,7 @@ def train_loop(
     *,
     model: torch.nn.Module,
     n_rows: int,
-    optim: OptimConfig,
+    optim: EpochTrainerConfig,
     step_fn: Callable[[list[int]], dict[str, float]],
     checkpoints: CheckpointManager,
     tracker: Tracker | None = None,

@@ -13,16 +13,8 @@ from its last checkpoint when the pipeline runs again.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import re
-import shlex
-import subprocess
-import sys
-from collections import deque
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +22,10 @@ from prefect import task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
-import rlhf_core
 from rlhf_core.config import PipelineConfig
-from rlhf_core.pipeline import STAGES, stage_config
-from rlhf_core.rule_rewards import reward_code_digest
-from rlhf_core.launch import DATA_PARALLEL
-from rlhf_core.tracking import JsonlTracker, TeeTracker, Tracker, replay
+from rlhf_core.pipeline import STAGES, stage_key
+from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
+from rlhf_core.tracking import JsonlTracker, TeeTracker
 
 from .storage import ArtifactStore
 
@@ -50,34 +40,11 @@ class StageRecord(BaseModel):
     metrics: dict[str, float] = {}
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """SHA-256 (16 hex) of the ``rlhf_core`` sources, so a code change invalidates cached stages."""
-    root = Path(rlhf_core.__file__).parent
-    h = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]) -> str:
-    """The cache key of ``stage``: the settings it reads, its upstream digests, the code version and
-    the artifact root (``RLHF_ARTIFACT_ROOT``). For PPO with a rule reward (``ppo.reward:
-    python:MODULE:FUNCTION``, part of the settings) also the source of that module, which may
-    live outside ``rlhf_core``."""
-    payload = {
-        "stage": stage,
-        "config": stage_config(cfg, stage),
-        "upstream": [u.digest for u in upstream],
-        "code": code_version(),
-        # a cache entry is only as good as the store its artifact lives in
-        "store": ArtifactStore().uri(""),
-    }
-    reward_code = reward_code_digest(cfg.ppo.reward) if stage == "ppo" else None
-    if reward_code is not None:  # absent otherwise: the keys of the reward model's runs are unchanged
-        payload["reward_code"] = reward_code
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
+    """The cache key of ``stage`` (:func:`rlhf_core.pipeline.stage_key`), its upstream being the
+    content digests of its input artifacts and its context the artifact root
+    (``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its artifact lives in."""
+    return stage_key(stage, cfg, [u.digest for u in upstream], store=ArtifactStore().uri(""))
 
 
 def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -112,70 +79,6 @@ def provide_judge_key(secret_block: str) -> None:
 def work_root() -> Path:
     """Local scratch for running stages and their checkpoints: ``$RLHF_WORK_DIR`` or ``./.rlhf-work``."""
     return Path(os.environ.get("RLHF_WORK_DIR") or ".rlhf-work").resolve()
-
-
-def nproc_per_node() -> int:
-    """Training processes per machine: ``$RLHF_NPROC_PER_NODE``, which the GPU work pools set from
-    their ``gpus`` job variable (infra/gpu-pool/); 1 (a single process) when unset.
-
-    Raises:
-        ValueError: not a positive integer.
-    """
-    text = os.environ.get("RLHF_NPROC_PER_NODE", "1").strip() or "1"
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"RLHF_NPROC_PER_NODE must be a positive integer, not {text!r}")
-    return int(text)
-
-
-class LaunchError(RuntimeError):
-    """A ``torchrun`` job of a stage failed; the message carries its exit code and last output lines."""
-
-
-def launch_torchrun(stage: str, cfg: PipelineConfig, inputs: list[Path], out: Path, nproc: int,
-                    tracker: Tracker) -> dict:
-    """Run ``stage`` as a ``torchrun`` job of ``nproc`` processes on this machine
-    (:mod:`rlhf_core.launch`) and relay what its rank 0 records to ``tracker``.
-
-    The whole config travels as JSON (``out/launch_config.json``). ``$RLHF_TORCHRUN_ARGS``
-    replaces the default rendezvous ``--standalone`` (e.g. ``--nnodes=2 --node_rank=0
-    --rdzv_backend=c10d --rdzv_endpoint=host:29400`` for several machines). The job's output is
-    logged line by line.
-
-    Returns:
-        The stage's metrics, as rank 0 returned them.
-
-    Raises:
-        LaunchError: the job exited non-zero.
-    """
-    log = logging.getLogger("rlhf_core.launch")
-    config_path, result_path = out / "launch_config.json", out / "launch_result.json"
-    config_path.write_text(cfg.model_dump_json(indent=1))
-    result_path.unlink(missing_ok=True)
-    rendezvous = shlex.split(os.environ.get("RLHF_TORCHRUN_ARGS", "")) or ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
-           "-m", "rlhf_core.launch", stage, "--preset", str(config_path), "--inputs", *map(str, inputs),
-           "--out", str(out), "--result", str(result_path)]
-    metrics_file = out / "metrics.jsonl"
-    offset = metrics_file.stat().st_size if metrics_file.exists() else 0
-    log.info("%s: %d processes: %s", stage, nproc, shlex.join(cmd))
-    tail: deque[str] = deque(maxlen=20)  # the ranks' own last lines, not torchrun's
-    errors: list[str] = []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            log.info("%s", line)
-            if line.startswith("[rank"):
-                tail.append(line)
-                if re.match(r"\[rank\d+\]: [\w.]*(Error|Exception)\b", line):
-                    errors.append(line)
-    if metrics_file.exists():
-        replay(metrics_file, tracker, offset)
-    if proc.returncode != 0:
-        cause = errors[0] if errors else "(no error line from the ranks)"
-        raise LaunchError(f"stage {stage}: torchrun with {nproc} processes exited with code {proc.returncode}: "
-                          f"{cause}\nlast lines of the ranks:\n" + "\n".join(tail))
-    return json.loads(result_path.read_text())
 
 
 @task(name="rlhf-stage", cache_key_fn=_cache_key_fn, persist_result=True, task_run_name="{stage}")

@@ -83,6 +83,24 @@ def smoke_cfg():
 
 
 @pytest.fixture(scope="session")
+def smoke_stages(tmp_path_factory) -> Path:
+    """The smoke preset's stage outputs, built once per session and read by many modules:
+    ``data/`` (``prepare_data``), ``base/`` (its tiny random model, which stands in for SFT
+    too) and ``rm/`` (a reward model made from ``base/``, head seed 1). Read-only: tests
+    write their own outputs elsewhere."""
+    from rlhf_core.data import prepare_data
+    from rlhf_core.models import import_base_model
+    from rlhf_core.reward import reward_model_from_causal_lm
+
+    cfg = load_config("smoke")
+    root = tmp_path_factory.mktemp("smoke-stages")
+    prepare_data(cfg, root / "data")
+    import_base_model(cfg.model, root / "base")
+    reward_model_from_causal_lm(root / "base", seed=1).save_pretrained(root / "rm")
+    return root
+
+
+@pytest.fixture(scope="session")
 def moto_s3(tmp_path_factory):
     """A real S3 API server (moto) on 127.0.0.1 with one bucket; AWS variables point at it."""
     import boto3

@@ -112,9 +112,33 @@ def test_console_script_prints_gpu_preset():
     ("ppo.non_eos_penalty=-2", {"ppo", "evaluation"}),
     ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
 ])
-def test_a_setting_changes_the_digests_of_its_stage_and_those_downstream_only(override, changed):
-    from rlhf_core.cli import config_digest
-    from rlhf_core.pipeline import STAGES
+def test_a_setting_changes_the_keys_of_its_stage_and_those_downstream_only(override, changed):
+    from rlhf_core.pipeline import stage_keys
 
-    before, after = load_config("smoke"), load_config("smoke", [override])
-    assert {s for s in STAGES if config_digest(before, s) != config_digest(after, s)} == changed
+    before, after = stage_keys(load_config("smoke")), stage_keys(load_config("smoke", [override]))
+    assert {s for s in before if before[s] != after[s]} == changed
+
+
+def test_stage_keys_follow_the_code_version(monkeypatch):
+    """``rlhf run`` reuses a finished stage only with the same code: the key covers the sources."""
+    from rlhf_core import pipeline
+
+    cfg = load_config("smoke")
+    before = pipeline.stage_keys(cfg)
+    monkeypatch.setattr(pipeline, "code_version", lambda: "0" * 16)
+    after = pipeline.stage_keys(cfg)
+    assert all(before[s] != after[s] for s in before)
+    assert list(pipeline.stage_keys(cfg, "sft")) == ["data", "base_model", "sft"]
+    with pytest.raises(KeyError, match="no stage 'rm'"):
+        pipeline.stage_keys(cfg, "rm")
+
+
+def test_the_reward_command_answers_to_its_old_name_rm(tmp_path, monkeypatch):
+    from rlhf_core import cli
+
+    seen = []
+    commands = {name: cli.Command(lambda cfg, args, name=name: seen.append((name, args.command)) or 0, c.help,
+                                  out=c.out, until=c.until, aliases=c.aliases) for name, c in cli.COMMANDS.items()}
+    for typed in ("reward", "rm"):
+        assert cli.main([typed, "--preset", "smoke", "--out", str(tmp_path)], commands=commands) == 0
+    assert seen == [("reward", "reward"), ("reward", "reward")]

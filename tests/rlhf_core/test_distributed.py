@@ -11,14 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhf_core.config import load_config
-from rlhf_core.data import prepare_data
-from rlhf_core.distributed import World, all_gather_cat, all_reduce_sum, masked_mean_var, shard, split_range
-from rlhf_core.models import import_base_model, save_pretrained_atomic
+from rlhf_core.distributed import World, all_gather_cat, all_reduce_sum, shard, split_range
+from rlhf_core.models import save_pretrained_atomic
 from rlhf_core.ppo import masked_mean, masked_var, masked_whiten, whiten
+from rlhf_core.ppo_trainer import masked_mean_var
 from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.tracking import read_metrics
 from rlhf_core.training import accumulation_steps
+from tests.stages import link_stages
 
 
 def test_shards_split_a_global_batch_evenly_and_in_order():
@@ -74,11 +74,8 @@ def test_advantage_whitening_uses_the_global_batch_over_two_ranks(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("ddp")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "base")
+def inputs(smoke_stages, tmp_path_factory):
+    root = link_stages(smoke_stages, tmp_path_factory.mktemp("ddp"), data="data", base="base")
     shutil.copytree(root / "base", root / "sft" / "model")  # the reward model starts from a policy's `model`
     save_pretrained_atomic(reward_model_from_causal_lm(root / "base", seed=3), root / "reward" / "model")
     return root

@@ -8,22 +8,21 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.data import load_data_tokenizer, load_prepared, prepare_data
+from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import paired_difference
 from rlhf_core.evaluation import learning_checks, response_token_ranks, run_evaluation
 from rlhf_core.generation import summarize, trim_left_padding, truncate_after_eos
-from rlhf_core.models import import_base_model, load_causal_lm, save_pretrained_atomic
+from rlhf_core.models import load_causal_lm, save_pretrained_atomic
 from rlhf_core.reward import ResponseScores, ScalarModel, get_reward, reward_model_from_causal_lm, score_responses
 from tests.messages_api import MessagesAPI, error_reply, text_reply
+from tests.stages import link_stages
 
 
 @pytest.fixture(scope="module")
-def stages(tmp_path_factory):
-    """Smoke data, a base model (standing in for SFT and PPO too) and a reward model made from it."""
+def stages(smoke_stages, tmp_path_factory):
+    """Smoke data, a base model (perturbed, standing in for SFT and PPO) and a reward model made from it."""
     cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("evaluation")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "base")
+    root = link_stages(smoke_stages, tmp_path_factory.mktemp("evaluation"), data="data", base="base")
     tokenizer = load_data_tokenizer(root / "data")
     for name in ("sft", "ppo"):
         model = load_causal_lm(root / "base")

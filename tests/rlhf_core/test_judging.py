@@ -4,6 +4,8 @@ server (tests/messages_api.py), and the offline judge on a tiny random Llama."""
 import json
 import logging
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -512,3 +514,13 @@ def test_offline_judge_from_pretrained(tiny_model, llama_tokenizer, tmp_path):
     direct = OfflineJudge(tiny_model, llama_tokenizer, name=loaded.name)
     prompt = format_judge_prompt("a post", "one summary", "another summary")
     assert loaded.answer(prompt) == direct.answer(prompt)
+
+
+def test_the_offline_path_never_imports_the_anthropic_sdk():
+    """Only the Anthropic judge needs the SDK: the judging package and the evaluation stage load without it."""
+    code = ("import sys, rlhf_core.judging, rlhf_core.evaluation; "
+            "from rlhf_core.judging import OfflineJudge, judge_comparisons; "
+            "assert 'anthropic' not in sys.modules, 'imported'; "
+            "from rlhf_core.judging import AnthropicJudge; assert 'anthropic' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -8,14 +8,12 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.data import prepare_data
-from rlhf_core.distributed import masked_mean_var
-from rlhf_core.models import import_base_model
 from rlhf_core.ppo import whiten
-from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
-from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
+from rlhf_core.ppo_trainer import PPOTrainer, kl_penalised_rewards, masked_mean_var, run_ppo, whitened_advantages
+from rlhf_core.reward import ScalarModel
 from rlhf_core.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
 from rlhf_core.tracking import JsonlTracker, read_metrics
+from tests.stages import link_stages
 
 NON_REPEATING = "python:rlhf_core.rule_rewards:non_repeating_tokens"
 
@@ -51,14 +49,10 @@ RISE_MARGIN = 0.2
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(smoke_stages, tmp_path_factory):
     """The smoke preset's data and tiny random model (standing in for SFT), and a reward model made from it."""
-    cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("ppo_learning")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "sft")
-    reward_model_from_causal_lm(root / "sft", seed=1).save_pretrained(root / "rm")
-    return cfg, root
+    root = link_stages(smoke_stages, tmp_path_factory.mktemp("ppo_learning"), data="data", sft="base", rm="rm")
+    return load_config("smoke"), root
 
 
 @pytest.fixture
@@ -81,27 +75,28 @@ def test_rule_reward_replaces_the_reward_model_score(tiny):
     trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.non_eos_penalty=null", "ppo.temperature=0.1",
                                     "ppo.response_length=8"), root / "data", root / "sft", None)
     assert trainer.reward_model is None  # no reward model loaded, none needed
-    batch = trainer.rollout(trainer.queries[:6])
+    traj = trainer.generate_trajectory(trainer.queries[:6])
     eos, pad = trainer.eos_id, trainer.pad_id
     expected = []
-    for row in batch["responses"].tolist():
+    for row in traj.responses.tolist():
         ids = row[: row.index(eos)] if eos in row else row
         expected.append(1.0 - repeat_share([t for t in ids if t != pad]))
-    assert batch["raw_scores"].tolist() == pytest.approx(expected)
+    assert traj.raw_scores.tolist() == pytest.approx(expected)
     assert 0 < sum(expected) < len(expected)  # some repeats, not only repeats: the check is not vacuous
-    torch.testing.assert_close(batch["scores"], batch["raw_scores"])  # ppo.non_eos_penalty: null, no EOS trick
+    torch.testing.assert_close(traj.scores, traj.raw_scores)  # ppo.non_eos_penalty: null, no EOS trick
     # the score enters the per-token rewards next to the KL penalty
-    torch.testing.assert_close(batch["rewards"].sum(1), batch["scores"] + batch["non_score_reward"].sum(1))
+    rewards = kl_penalised_rewards(traj, trainer.cfg)
+    torch.testing.assert_close(rewards.rewards.sum(1), traj.scores + rewards.non_score_reward.sum(1))
 
 
 def test_eos_trick_applies_to_a_rule_reward(tiny):
     _, root = tiny
     trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.temperature=0.1", "ppo.response_length=8"),
                          root / "data", root / "sft", None)
-    batch = trainer.rollout(trainer.queries[:4])
-    assert not batch["has_eos"].any()  # the random model does not sample EOS
-    assert (batch["scores"] == trainer.cfg.non_eos_penalty).all()
-    assert (batch["raw_scores"] > trainer.cfg.non_eos_penalty).all()  # the rule's own values, in [0, 1]
+    traj = trainer.generate_trajectory(trainer.queries[:4])
+    assert not traj.has_eos.any()  # the random model does not sample EOS
+    assert (traj.scores == trainer.cfg.non_eos_penalty).all()
+    assert (traj.raw_scores > trainer.cfg.non_eos_penalty).all()  # the rule's own values, in [0, 1]
 
 
 def test_value_model_without_a_reward_model_is_the_sft_backbone_with_a_zero_head(tiny):
@@ -117,11 +112,12 @@ def test_value_model_without_a_reward_model_is_the_sft_backbone_with_a_zero_head
     assert not head.weight.any() and not head.bias.any()
     assert all(p.requires_grad for p in trainer.value_model.parameters())
     # values are 0, so the first advantages are the whitened lambda-returns of the rewards
-    batch = trainer.rollout(trainer.queries[:4])
-    assert not batch["values"].any()
-    mask = batch["token_mask"]
-    expected = whiten(batch["returns"], *masked_mean_var(batch["returns"], mask)) * mask
-    torch.testing.assert_close(batch["advantages"], expected)
+    traj = trainer.generate_trajectory(trainer.queries[:4])
+    assert not traj.values.any()
+    mask = traj.token_mask
+    advantages, returns = whitened_advantages(traj, kl_penalised_rewards(traj, trainer.cfg), trainer.cfg)
+    expected = whiten(returns, *masked_mean_var(returns, mask)) * mask
+    torch.testing.assert_close(advantages, expected)
 
 
 def test_value_model_starts_from_the_reward_model_when_one_is_given(tiny):

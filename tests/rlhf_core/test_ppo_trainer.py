@@ -14,14 +14,21 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.config import PPOConfig, load_config
-from rlhf_core.data import load_data_tokenizer, load_prepared, prepare_data
+from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.generation import trim_left_padding, truncate_after_eos
-from rlhf_core.models import import_base_model
 from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits
-from rlhf_core.ppo_trainer import PPOTrainer, response_logits, rollout_targets, run_ppo
-from rlhf_core.reward import ScalarModel, response_scores, reward_model_from_causal_lm, score_responses
+from rlhf_core.ppo_trainer import (
+    PPOTrainer,
+    kl_penalised_rewards,
+    make_trajectory,
+    response_logits,
+    run_ppo,
+    whitened_advantages,
+)
+from rlhf_core.reward import ScalarModel, response_scores, score_responses
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import TrainingError
+from tests.stages import link_stages
 
 REPORTED = ["objective/scores", "objective/rlhf_reward", "objective/kl", "objective/entropy",
             "objective/non_score_reward", "policy/approxkl", "policy/clipfrac", "policy/entropy", "loss/policy",
@@ -31,14 +38,9 @@ REPORTED = ["objective/scores", "objective/rlhf_reward", "objective/kl", "object
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
+def smoke(smoke_stages, tmp_path_factory):
     """Data, a base model standing in for SFT, and a reward model made from it."""
-    cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("ppo")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "sft")
-    reward_model_from_causal_lm(root / "sft", seed=1).save_pretrained(root / "rm")
-    return cfg, root
+    return load_config("smoke"), link_stages(smoke_stages, tmp_path_factory.mktemp("ppo"), data="data", sft="base", rm="rm")
 
 
 def test_value_model_starts_as_the_reward_model(smoke):
@@ -57,28 +59,29 @@ def test_value_model_starts_as_the_reward_model(smoke):
 def test_rollout_is_consistent(smoke):
     cfg, root = smoke
     trainer = PPOTrainer(cfg.ppo, root / "data", root / "sft", root / "rm")
-    batch = trainer.rollout(trainer.queries[:6])
+    traj = trainer.generate_trajectory(trainer.queries[:6])
     R = trainer.response_length
-    assert batch["responses"].shape == (6, R)  # exactly response_length sampled tokens
-    mask = batch["token_mask"]
+    assert traj.responses.shape == (6, R)  # exactly response_length sampled tokens
+    mask = traj.token_mask
     # rollout log-probabilities equal a fresh forward pass of the same policy (dropout off, Detail 7)
     with torch.no_grad():
-        logits = response_logits(trainer.policy, batch["query_responses"], trainer.pad_id, int(batch["context_length"]))
-    fresh = logprobs_from_logits(logits, batch["responses"], cfg.ppo.temperature, trainer.pad_id)
-    torch.testing.assert_close(batch["logprobs"][mask], fresh[mask], rtol=1e-4, atol=1e-4)
+        logits = response_logits(trainer.policy, traj.query_responses, trainer.pad_id, traj.context_length)
+    fresh = logprobs_from_logits(logits, traj.responses, cfg.ppo.temperature, trainer.pad_id)
+    torch.testing.assert_close(traj.logprobs[mask], fresh[mask], rtol=1e-4, atol=1e-4)
     # the reference is the same network at the start: KL is zero
-    torch.testing.assert_close(batch["logprobs"][mask], batch["ref_logprobs"][mask], rtol=1e-4, atol=1e-4)
-    assert (batch["logprobs"][~mask] == INVALID_LOGPROB).all()
-    assert (batch["responses"] != trainer.pad_id).all()  # PAD is never sampled
+    torch.testing.assert_close(traj.logprobs[mask], traj.ref_logprobs[mask], rtol=1e-4, atol=1e-4)
+    assert (traj.logprobs[~mask] == INVALID_LOGPROB).all()
+    assert (traj.responses != trainer.pad_id).all()  # PAD is never sampled
     # no EOS in a random model's samples: the EOS trick gives every response the penalty
-    no_eos = ~batch["has_eos"]
+    no_eos = ~traj.has_eos
     assert no_eos.any()
-    assert (batch["scores"][no_eos] == cfg.ppo.non_eos_penalty).all()
-    assert (batch["raw_scores"] != cfg.ppo.non_eos_penalty).all()
+    assert (traj.scores[no_eos] == cfg.ppo.non_eos_penalty).all()
+    assert (traj.raw_scores != cfg.ppo.non_eos_penalty).all()
     # whitened advantages over valid tokens
-    adv = batch["advantages"][mask]
+    advantages, _ = whitened_advantages(traj, kl_penalised_rewards(traj, trainer.cfg), trainer.cfg)
+    adv = advantages[mask]
     assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-2
-    assert (batch["advantages"][~mask] == 0).all()
+    assert (advantages[~mask] == 0).all()
 
 
 def test_first_minibatch_trains_the_policy_that_sampled(smoke):
@@ -90,18 +93,20 @@ def test_first_minibatch_trains_the_policy_that_sampled(smoke):
     ppo_cfg = cfg.ppo.model_copy(update={"ppo_epochs": 1, "num_minibatches": 1, "bf16": False})
     assert ppo_cfg.temperature != 1.0  # a pass that forgot the temperature would give other log-probabilities
     trainer = PPOTrainer(ppo_cfg, root / "data", root / "sft", root / "rm")
-    batch = trainer.rollout(trainer.queries[: ppo_cfg.batch_size])
-    stats = trainer.train_on(batch, update=0)
+    traj = trainer.generate_trajectory(trainer.queries[: ppo_cfg.batch_size])
+    rewards = kl_penalised_rewards(traj, ppo_cfg)
+    advantages, returns = whitened_advantages(traj, rewards, ppo_cfg)
+    stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update=0)
     # The rollout's log-probabilities come from generation (one position at a time against the
     # KV cache), the training pass's from one forward pass over the whole sequence: float32
     # kernels that round differently, by up to ~2e-6 in a log-probability on the smoke model
     # (mean ratio 1 - 2e-8, variance 1e-13), hence the bounds below with room to spare. A
     # training pass at temperature 1 instead of 0.7 gives a mean ratio of 1.0045 even on this
     # random model, whose logits are nearly flat.
-    assert abs(stats["val/ratio"] - 1.0) < 1e-5
-    assert stats["val/ratio_var"] < 1e-9
-    assert stats["policy/approxkl"] < 1e-10
-    assert stats["policy/clipfrac"] == 0.0
+    assert abs(stats.ratio_mean - 1.0) < 1e-5
+    assert stats.ratio_var < 1e-9
+    assert stats.approxkl < 1e-10
+    assert stats.clipfrac == 0.0
 
 
 def test_responses_are_scored_at_their_last_real_token(smoke):
@@ -131,7 +136,7 @@ def test_responses_are_scored_at_their_last_real_token(smoke):
     assert scored.scores[[1, 3]].tolist() == [-3.0, -3.0]
 
 
-def test_rollout_targets_end_each_response_at_its_eos():
+def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
     """Responses with an EOS part way (Details 23-25): the mask, the KL penalty and the score
     stop at the EOS, and a response without EOS scores the penalty at its last token."""
     pad, eos, penalty, kl_coef = 0, 9, -4.0, 0.1
@@ -151,31 +156,36 @@ def test_rollout_targets_end_each_response_at_its_eos():
     scored = response_scores(raw_scores, post, eos, pad, penalty)
     assert scored.scores.tolist() == [1.5, penalty, -0.5, 3.0]
     cfg = PPOConfig(kl_coef=kl_coef, score_position="eos", whiten_rewards=False, non_eos_penalty=penalty)
-    out = rollout_targets(responses, logprobs, ref_logprobs, values, scored, cfg, eos, pad)
-    assert out["sequence_lengths"].tolist() == eos_at
+    query_responses = torch.cat([torch.full((4, 3), 5), responses], 1)
+    traj = make_trajectory(query_responses, responses, logprobs, ref_logprobs, values, scored, 3, eos, pad)
+    rewards = kl_penalised_rewards(traj, cfg)
+    advantages, returns = whitened_advantages(traj, rewards, cfg)
+    assert traj.last_token_indices.tolist() == eos_at
     positions = torch.arange(6)
     mask = torch.stack([positions <= i for i in eos_at])
-    assert out["token_mask"].equal(mask) and out["value_mask"].equal(mask)
+    assert traj.token_mask.equal(mask) and rewards.value_mask.equal(mask)
     kl_penalty = torch.where(mask, -kl_coef * (logprobs - ref_logprobs), 0.0)
-    torch.testing.assert_close(out["non_score_reward"], kl_penalty)
-    assert out["logprobs"].equal(torch.where(mask, logprobs, INVALID_LOGPROB))
-    assert out["ref_logprobs"].equal(torch.where(mask, ref_logprobs, INVALID_LOGPROB))
+    torch.testing.assert_close(rewards.non_score_reward, kl_penalty)
+    assert traj.logprobs.equal(torch.where(mask, logprobs, INVALID_LOGPROB))
+    assert traj.ref_logprobs.equal(torch.where(mask, ref_logprobs, INVALID_LOGPROB))
     score_at = torch.zeros(4, 6)
     score_at[torch.arange(4), torch.tensor(eos_at)] = scored.scores
-    torch.testing.assert_close(out["rewards"], kl_penalty + score_at)
-    assert out["values"].equal(torch.where(mask, values, 0.0))
-    assert (out["advantages"][~mask] == 0).all() and (out["returns"][~mask] == 0).all()
+    torch.testing.assert_close(rewards.rewards, kl_penalty + score_at)
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
+    # the values after the last token take no part: GAE's returns equal those of masked values
+    masked = make_trajectory(query_responses, responses, logprobs, ref_logprobs, torch.where(mask, values, 0.0),
+                             scored, 3, eos, pad)
+    assert whitened_advantages(masked, rewards, cfg)[1].equal(returns)
 
     # score_position after_eos: one position later (the last one when there is no room)
     cfg = cfg.model_copy(update={"score_position": "after_eos"})
-    out = rollout_targets(responses, logprobs, ref_logprobs, values, scored, cfg, eos, pad)
-    assert out["token_mask"].equal(mask)
+    rewards = kl_penalised_rewards(traj, cfg)
     value_mask = torch.stack([positions <= i + 1 for i in eos_at])
-    assert out["value_mask"].equal(value_mask)
-    torch.testing.assert_close(out["non_score_reward"], kl_penalty)
+    assert rewards.value_mask.equal(value_mask)
+    torch.testing.assert_close(rewards.non_score_reward, kl_penalty)
     score_at = torch.zeros(4, 6)
     score_at[torch.arange(4), torch.tensor([3, 5, 1, 5])] = scored.scores
-    torch.testing.assert_close(out["rewards"], kl_penalty + score_at)
+    torch.testing.assert_close(rewards.rewards, kl_penalty + score_at)
 
 
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):

@@ -7,20 +7,18 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import load_config
-from rlhf_core.data import load_prepared, prepare_data
+from rlhf_core.data import load_prepared
 from rlhf_core.generation import first_true_indices
-from rlhf_core.models import import_base_model
+from rlhf_core.models import causal_forward, padding_aware_inputs
 from rlhf_core.reward import (
     ScalarModel,
     accuracy_by_group,
     calibration_table,
-    causal_forward,
     evaluate_reward_model,
     get_reward,
     init_head,
     normalize_reward_model,
     pair_scores,
-    padding_aware_inputs,
     preference_loss,
     reward_model_from_causal_lm,
     run_reward_training,
@@ -29,13 +27,9 @@ from rlhf_core.training import TrainingError
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("rm")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "base")
-    sft, pref, stats = load_prepared(root / "data")
-    return cfg, root, sft, pref, stats
+def smoke(smoke_stages):
+    sft, pref, stats = load_prepared(smoke_stages / "data")
+    return load_config("smoke"), smoke_stages, sft, pref, stats
 
 
 def test_head_initialisation_statistics():

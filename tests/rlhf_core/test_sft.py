@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from rlhf_core.config import RandomInitConfig, load_config
-from rlhf_core.data import prepare_data
-from rlhf_core.models import build_random_model, import_base_model
-from rlhf_core.sft import linear_cross_entropy_sum, make_loss_mask, masked_token_loss, rouge_l, run_sft, sft_loss_sum
+from rlhf_core.diagnostics import rouge_l
+from rlhf_core.models import build_random_model
+from rlhf_core.sft import linear_cross_entropy_sum, make_loss_mask, masked_token_loss, run_sft, sft_loss_sum
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import native_bf16
 
@@ -114,12 +114,8 @@ def test_rouge_l():
 
 
 @pytest.fixture(scope="module")
-def smoke_inputs(tmp_path_factory):
-    cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("sft")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "base")
-    return cfg, root
+def smoke_inputs(smoke_stages):
+    return load_config("smoke"), smoke_stages
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:
@@ -202,7 +198,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         logs[out] = result.stderr
     assert "resumed from" in logs[killed_dir] and "resumed from" not in logs[clean_dir]
-    assert "stage data: finished earlier with the same config, reused" in logs[killed_dir]
+    assert "stage data: finished earlier with the same config and code, reused" in logs[killed_dir]
     resumed, clean = _weights(killed_dir / "sft" / "model"), _weights(clean_dir / "sft" / "model")
     assert resumed.keys() == clean.keys()
     for k in clean:

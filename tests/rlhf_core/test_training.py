@@ -2,18 +2,16 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from rlhf_core.config import load_config
-from rlhf_core.models import import_base_model, load_causal_lm
-from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core import training
+from rlhf_core.config import load_config
+from rlhf_core.models import load_causal_lm
+from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.training import autocast, enable_activation_checkpointing, precision_name, resolve_bf16
 
 
 @pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "base"
-    import_base_model(load_config("smoke").model, out)
-    return out
+def base_dir(smoke_stages):
+    return smoke_stages / "base"
 
 
 def _step(model, ids):

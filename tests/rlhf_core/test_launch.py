@@ -1,10 +1,15 @@
-"""The stage task's torchrun launcher: how many processes, relaying rank 0's records, and a failed job."""
+"""The torchrun launcher of `rlhf run` and the stage task: how many processes, relaying rank 0's records, and a failed job."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from rlhf_core.config import load_config
+from rlhf_core.launch import LaunchError, launch_torchrun, nproc_per_node
 from rlhf_core.tracking import JsonlTracker, read_metrics, replay
-from tasks.stages import LaunchError, launch_torchrun, nproc_per_node
 
 
 @pytest.mark.parametrize("value,expected", [(None, 1), ("", 1), ("1", 1), ("8", 8)])
@@ -51,3 +56,18 @@ def test_a_failed_torchrun_job_raises_with_its_exit_code_and_output(tmp_path, mo
     first_line = str(err.value).splitlines()[0]
     assert "[rank" in first_line and "no-data" in first_line  # the ranks' own error, not torchrun's
     assert (out / "launch_config.json").is_file() and not (out / "launch_result.json").exists()
+
+
+@pytest.mark.slow
+def test_rlhf_sft_trains_on_two_processes_when_asked(tmp_path):
+    """`rlhf sft` with RLHF_NPROC_PER_NODE=2 runs SFT as a torchrun job; rank 0's records are written once."""
+    env = {**os.environ, "RLHF_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
+    exe = str(Path(sys.executable).with_name("rlhf"))
+    result = subprocess.run([exe, "sft", "--preset", "smoke", "sft.max_steps=2", "sft.batch_size=4",
+                             "sft.micro_batch_size=2", "sft.eval_max_samples=1", "--out", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sft: 2 processes:" in result.stderr and "--nproc_per_node=2" in result.stderr
+    steps = [step for step, m in read_metrics(tmp_path / "sft" / "metrics.jsonl") if "train/loss" in m]
+    assert steps == [1, 2]  # each optimiser step recorded once, by rank 0
+    assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()

@@ -1,0 +1,48 @@
+"""LLM-as-a-judge win rates of policy summaries against reference summaries.
+
+A judge reads the prompt of Huang et al. 2024, Appendix I (:data:`JUDGE_PROMPT`): a post,
+"Summary A" and "Summary B", and answers with a one-sentence comparison and a final line
+``Preferred: A`` or ``Preferred: B``. Following the paper, the order of the two summaries
+is randomised per comparison to remove positional bias; here it is derived from a seed and
+the comparison's id (:func:`response_is_a`), so it is reproducible and does not depend on
+which other comparisons are judged.
+
+Two judges share one interface (``name``, ``thread_safe``, ``answer(prompt) -> str``):
+
+- :class:`AnthropicJudge`: a Claude model through the Anthropic Messages API.
+- :class:`OfflineJudge`: a local Hugging Face causal LM that compares the next-token
+  probabilities of the letters A and B after ``Preferred:``; for runs without network.
+
+:func:`judge_comparisons` runs a judge over :class:`Comparison` records with a
+:class:`JudgementCache` (a JSONL file: an answer is paid for once), a spending cap and
+bounded concurrency, and returns one :class:`Judgement` per comparison judged. Answers are
+parsed strictly (:func:`parse_preference`); an unparseable answer is asked again once and
+then recorded as invalid, never guessed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .cache import CachedAnswer, JudgementCache
+from .errors import JudgeConfigError, JudgeError, JudgeRequestError
+from .offline import OfflineJudge
+from .prompt import JUDGE_PROMPT, Preference, format_judge_prompt, parse_preference, prompt_sha256, response_is_a
+from .records import Comparison, Judgement, win_counts
+from .runner import Judge, judge_comparisons
+
+if TYPE_CHECKING:
+    from .anthropic_judge import AnthropicJudge
+
+__all__ = ["JUDGE_PROMPT", "AnthropicJudge", "CachedAnswer", "Comparison", "Judge", "JudgeConfigError", "JudgeError",
+           "JudgeRequestError", "Judgement", "JudgementCache", "OfflineJudge", "Preference", "format_judge_prompt",
+           "judge_comparisons", "parse_preference", "prompt_sha256", "response_is_a", "win_counts"]
+
+
+def __getattr__(name: str) -> Any:
+    """``AnthropicJudge`` is imported on first use, so the offline judge needs no ``anthropic`` SDK."""
+    if name == "AnthropicJudge":
+        from .anthropic_judge import AnthropicJudge
+
+        return AnthropicJudge
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,128 @@
+"""A Claude model as judge, through the Anthropic Messages API. The only module that imports ``anthropic``."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import anthropic
+
+from .errors import FATAL_STATUSES, JudgeConfigError, JudgeRequestError
+
+
+class AnthropicJudge:
+    """A Claude model as judge, through the Anthropic Messages API (``anthropic.Anthropic``).
+
+    The prompt is sent as the single user turn; the reply's text blocks, joined, are the
+    answer. The SDK retries connection errors, timeouts, 408, 409, 429 and 5xx replies up
+    to ``max_retries`` times with exponential backoff (0.5 s doubling, at most 8 s, with
+    jitter), and waits as long as a ``retry-after-ms`` or ``retry-after`` header asks when
+    the server sends one. The client is thread-safe (``thread_safe = True``).
+
+    No sampling parameters are sent: the API version that ``anthropic`` 2.x speaks
+    (``anthropic-version: 2026-10-21``) rejects ``temperature``, ``top_p`` and ``top_k``
+    with HTTP 400, and the SDK no longer accepts them. Answers are therefore not
+    guaranteed to repeat; :class:`JudgementCache` makes a finished evaluation reproducible.
+    The SDK sends the key as ``Authorization: Bearer <key>``.
+
+    The API key is never shown: ``repr``/``str`` leave it out, it is replaced by
+    ``[redacted]`` in every error message this class raises (even one the server echoes),
+    and the SDK's own exception is not chained to them.
+
+    Args:
+        model: the model id, e.g. ``claude-haiku-4-5``; also the judge's ``name``.
+        api_key: the key; ``None`` reads ``ANTHROPIC_API_KEY``.
+        base_url: the API's address; ``None`` lets the SDK read ``ANTHROPIC_BASE_URL``
+            (default ``https://api.anthropic.com``).
+        max_retries: retries per request after the first attempt.
+        timeout: seconds per attempt.
+        max_tokens: the answer's token limit (a comparison sentence and one line).
+
+    Raises:
+        JudgeConfigError: no key given and ``ANTHROPIC_API_KEY`` unset or empty.
+    """
+
+    thread_safe = True
+
+    def __init__(self, model: str, api_key: str | None = None, base_url: str | None = None, max_retries: int = 4,
+                 timeout: float = 60.0, max_tokens: int = 256):
+        if not model:
+            raise JudgeConfigError("AnthropicJudge needs a model id (eval.judge_model)")
+        key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
+        if key is None:
+            raise JudgeConfigError(
+                "AnthropicJudge needs an API key: set the ANTHROPIC_API_KEY environment variable "
+                "(or pass api_key=...)"
+            )
+        self.model = model
+        self.name = model
+        self.max_retries = int(max_retries)
+        self.timeout = float(timeout)
+        self.max_tokens = int(max_tokens)
+        self._client = anthropic.Anthropic(api_key=key, base_url=base_url, max_retries=self.max_retries,
+                                           timeout=self.timeout)
+        self._secret = key
+        self._usage_lock = threading.Lock()
+        self.usage = {"requests": 0, "input_tokens": 0, "output_tokens": 0}
+
+    @property
+    def base_url(self) -> str:
+        """The address requests go to."""
+        return str(self._client.base_url)
+
+    def __repr__(self) -> str:
+        return (f"AnthropicJudge(model={self.model!r}, base_url={self.base_url!r}, max_retries={self.max_retries}, "
+                f"timeout={self.timeout}, max_tokens={self.max_tokens})")
+
+    __str__ = __repr__
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "[redacted]") if self._secret else text
+
+    def answer(self, prompt: str) -> str:
+        """Send ``prompt`` and return the text of the reply (possibly empty).
+
+        Raises:
+            JudgeRequestError: the request failed after the SDK's retries (status and
+                error type in the message), or the reply is not a readable message.
+        """
+        try:
+            message = self._client.messages.create(model=self.model, max_tokens=self.max_tokens,
+                                                   messages=[{"role": "user", "content": prompt}])
+        except anthropic.APIStatusError as err:
+            error = err.body.get("error") if isinstance(err.body, dict) else None
+            etype = error.get("type") if isinstance(error, dict) else None
+            emsg = error.get("message") if isinstance(error, dict) else err.message
+            request_id = getattr(err, "request_id", None)
+            text = f"{self.model}: HTTP {err.status_code} {etype or type(err).__name__}: {emsg}"
+            if request_id:
+                text += f" (request-id {request_id})"
+            if err.status_code not in FATAL_STATUSES:
+                text += f"; gave up after {self.max_retries} retries"
+            raise JudgeRequestError(self._scrub(text), err.status_code, err.status_code in FATAL_STATUSES) from None
+        except anthropic.APITimeoutError:
+            raise JudgeRequestError(
+                f"{self.model}: timed out after {self.timeout} s; gave up after {self.max_retries} retries"
+            ) from None
+        except anthropic.APIConnectionError as err:
+            raise JudgeRequestError(self._scrub(
+                f"{self.model}: connection to {self.base_url} failed ({err.message}); "
+                f"gave up after {self.max_retries} retries")) from None
+        except (anthropic.APIResponseValidationError, ValueError) as err:
+            text = f"{self.model}: unreadable reply: {type(err).__name__}: {err}"
+            raise JudgeRequestError(self._scrub(text)) from None
+        text = self._message_text(message)
+        usage = getattr(message, "usage", None)
+        with self._usage_lock:
+            self.usage["requests"] += 1
+            self.usage["input_tokens"] += int(getattr(usage, "input_tokens", 0) or 0)
+            self.usage["output_tokens"] += int(getattr(usage, "output_tokens", 0) or 0)
+        return text
+
+    def _message_text(self, message: Any) -> str:
+        content = getattr(message, "content", None)
+        if not isinstance(content, list):
+            shown = self._scrub(repr(message)[:200])
+            raise JudgeRequestError(f"{self.model}: reply is not a message with content: {shown}")
+        return "".join(getattr(block, "text", "") or "" for block in content if getattr(block, "type", None) == "text")

@@ -1,0 +1,110 @@
+"""The judge prompt of Huang et al. 2024, Appendix I, its strict parser, and the seeded A/B order."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+# Huang et al. 2024, Appendix I (modified from Rafailov et al. 2023). The paper's text
+# breaks three sentences with a line-continuation "\"; they are joined here.
+JUDGE_PROMPT = (
+    "Which of the following summaries does a better job of summarizing the most important points in the "
+    "given forum post, without including unimportant or irrelevant details? Judge based on accuracy, "
+    "coverage, and coherence.\n"
+    "\n"
+    "Post:\n"
+    "{post}\n"
+    "\n"
+    "Summary A:\n"
+    "{summary_a}\n"
+    "\n"
+    "Summary B:\n"
+    "{summary_b}\n"
+    "\n"
+    "FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. "
+    "SECOND, on a new line, state only \"A\" or \"B\" to indicate your choice. Your response should use "
+    "the format:\n"
+    "\n"
+    "Comparison: <one-sentence comparison and explanation>\n"
+    "Preferred: <\"A\" or \"B\">"
+)
+
+Preference = Literal["A", "B"]
+
+
+def format_judge_prompt(post: str, summary_a: str, summary_b: str) -> str:
+    """The Appendix I prompt with ``post`` and the two summaries filled in.
+
+    The texts are inserted verbatim (braces or "Preferred:" inside them are harmless:
+    only the template is formatted, and the answer parser never sees the prompt).
+
+    Raises:
+        TypeError: an argument is not a string.
+    """
+    for name, value in (("post", post), ("summary_a", summary_a), ("summary_b", summary_b)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+    return JUDGE_PROMPT.format(post=post, summary_a=summary_a, summary_b=summary_b)
+
+
+def prompt_sha256(prompt: str) -> str:
+    """Hex SHA-256 of the UTF-8 prompt text."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+
+_EMPHASIS = ("**", "__")
+_VALUE_STRIP = " \t\"'`*_.\u201c\u201d\u2018\u2019"
+
+
+def parse_preference(answer: str) -> Preference | None:
+    """The judge's choice from its answer text alone: ``"A"``, ``"B"`` or ``None``.
+
+    The last non-empty line must read ``Preferred: A`` or ``Preferred: B``. Accepted
+    variations: surrounding whitespace; the label in any case; markdown bold around the
+    label or the letter (``**Preferred:** A``, ``**Preferred**: A``, ``Preferred: **B**``);
+    the letter in straight or curly quotes or backticks (``Preferred: "A"``); a trailing
+    period. The letter itself must be an upper-case ``A`` or ``B`` and stand alone:
+    ``Preferred: C``, ``Preferred: A or B``, ``Preferred: <"A" or "B">``, a
+    ``Preferred:`` that is not at the start of the last line (e.g. quoted inside the
+    comparison sentence), or text after the ``Preferred`` line all give ``None``.
+
+    Args:
+        answer: the judge's reply, never the prompt.
+
+    Returns:
+        ``"A"``, ``"B"``, or ``None`` when the answer does not follow the format.
+    """
+    if not isinstance(answer, str):
+        return None
+    lines = [line.strip() for line in answer.splitlines() if line.strip()]
+    if not lines:
+        return None
+    line = lines[-1]
+    for mark in _EMPHASIS:
+        if line.startswith(mark):
+            line = line[len(mark) :]
+            break
+    if line[: len("preferred")].lower() != "preferred":
+        return None
+    line = line[len("preferred") :]
+    for mark in _EMPHASIS:
+        if line.startswith(mark):
+            line = line[len(mark) :]
+            break
+    line = line.lstrip()
+    if not line.startswith(":"):
+        return None
+    value = line[1:].strip(_VALUE_STRIP)
+    return value if value in ("A", "B") else None  # type: ignore[return-value]
+
+
+def response_is_a(seed: int, comparison_id: str) -> bool:
+    """Whether the policy response is shown as "Summary A" for this comparison.
+
+    Derived from ``sha256(f"{seed}:{comparison_id}")``: the same seed and id always give
+    the same order, whatever other comparisons are judged or in which order, and over
+    many ids about half put the response first (Huang et al. 2024, Appendix I: the order
+    is randomised to remove positional bias).
+    """
+    digest = hashlib.sha256(f"{int(seed)}:{comparison_id}".encode()).digest()
+    return digest[0] & 1 == 1

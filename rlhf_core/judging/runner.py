@@ -1,0 +1,154 @@
+"""Runs a judge over comparisons: the cache, a spending cap, bounded concurrency, one retry of an unreadable answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Protocol
+
+from tqdm.auto import tqdm
+
+from .cache import JudgementCache
+from .errors import JudgeRequestError
+from .prompt import parse_preference, prompt_sha256, response_is_a
+from .records import Comparison, Judgement, _outcome, win_counts
+
+log = logging.getLogger(__name__)
+
+
+class Judge(Protocol):
+    """What :func:`judge_comparisons` needs from a judge."""
+
+    name: str
+    thread_safe: bool
+
+    def answer(self, prompt: str) -> str: ...
+
+
+@dataclass
+class _Job:
+    comparison: Comparison
+    prompt: str
+    response_first: bool
+
+
+def _judgement(job: _Job, judge_name: str, answer: str | None, attempts: int, error: str | None = None,
+               cached: bool = False) -> Judgement:
+    preferred = parse_preference(answer) if (answer is not None and error is None) else None
+    return Judgement(id=job.comparison.id, judge=judge_name, prompt_sha256=prompt_sha256(job.prompt),
+                     response_is_a=job.response_first, answer=answer, preferred=preferred,
+                     response_wins=_outcome(preferred, job.response_first), attempts=attempts, error=error,
+                     cached=cached, policy=job.comparison.policy)
+
+
+def _finish(judge: Judge, job: _Job, cache: JudgementCache | None, answer: str | None, attempts: int) -> Judgement:
+    """Ask (again, at most once in all, after an invalid answer), store, and record one comparison."""
+    while answer is None or (parse_preference(answer) is None and attempts < 2):
+        try:
+            answer = judge.answer(job.prompt)
+        except JudgeRequestError as err:
+            if err.fatal:
+                raise
+            return _judgement(job, judge.name, answer, attempts + 1, error=str(err))
+        attempts += 1
+    if cache is not None:
+        cache.put(judge.name, job.prompt, answer, attempts)
+    return _judgement(job, judge.name, answer, attempts)
+
+
+def judge_comparisons(judge: Judge, comparisons: Iterable[Comparison], *, cache: JudgementCache | None, seed: int,
+                      max_comparisons: int | None = None, concurrency: int = 4,
+                      progress: bool = True) -> list[Judgement]:
+    """Judge each comparison's response against its reference.
+
+    Per comparison: the A/B order comes from :func:`response_is_a` (``seed``, id); the
+    prompt is :meth:`Comparison.prompt`; a cached answer of the same judge to the same
+    prompt is reused without a request. Otherwise the judge is asked; an answer that
+    :func:`parse_preference` cannot read is asked again once with a fresh request, and if
+    that one cannot be read either the comparison is recorded as invalid
+    (``preferred`` and ``response_wins`` ``None``). Answers, valid or invalid, are cached.
+    A :class:`JudgeRequestError` (the client's retries exhausted, an unreadable reply) is
+    recorded with ``error`` set and not cached, so a later run asks again; a fatal one
+    (bad key, model or request) is raised.
+
+    Judges with ``thread_safe`` run up to ``concurrency`` requests at once; others run
+    sequentially, through ``answer_batch`` when they have one.
+
+    Args:
+        cache: ``None`` disables caching.
+        max_comparisons: spending cap: at most this many uncached comparisons are sent
+            (one comparison may take two requests); the rest, in input order, are neither
+            judged nor returned, and a log line says how many. Cache hits do not count.
+        progress: show a tqdm progress bar.
+
+    Returns:
+        Judgements in input order: cache hits and the comparisons sent.
+
+    Raises:
+        ValueError: two comparisons share an id, ``max_comparisons`` < 0 or ``concurrency`` < 1.
+        JudgeRequestError: a fatal request error (already stored answers stay cached).
+    """
+    if max_comparisons is not None and max_comparisons < 0:
+        raise ValueError(f"max_comparisons must be >= 0, got {max_comparisons}")
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    results: dict[int, Judgement] = {}
+    pending: list[tuple[int, _Job]] = []
+    seen: set[str] = set()
+    hits = 0
+    for index, comparison in enumerate(comparisons):
+        if comparison.id in seen:
+            raise ValueError(f"duplicate comparison id {comparison.id!r}")
+        seen.add(comparison.id)
+        first = response_is_a(seed, comparison.id)
+        job = _Job(comparison, comparison.prompt(first), first)
+        hit = cache.get(judge.name, job.prompt) if cache is not None else None
+        if hit is not None:
+            results[index] = _judgement(job, judge.name, hit.answer, 0, cached=True)
+            hits += 1
+        else:
+            pending.append((index, job))
+    skipped = 0
+    if max_comparisons is not None and len(pending) > max_comparisons:
+        skipped = len(pending) - max_comparisons
+        pending = pending[:max_comparisons]
+        log.warning("judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
+                    judge.name, max_comparisons, skipped)
+    log.info("judge %s: %d cached, %d to send", judge.name, hits, len(pending))
+
+    bar = tqdm(total=len(pending), desc=f"judging ({judge.name})", disable=not progress or not pending,
+               dynamic_ncols=True)
+    try:
+        if getattr(judge, "thread_safe", False) and concurrency > 1 and len(pending) > 1:
+            with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="judge") as pool:
+                futures = {pool.submit(_finish, judge, job, cache, None, 0): index for index, job in pending}
+                try:
+                    for future in as_completed(futures):
+                        results[futures[future]] = future.result()  # re-raises a fatal error
+                        bar.update(1)
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+        elif hasattr(judge, "answer_batch"):
+            step = max(1, int(getattr(judge, "batch_size", 8)))
+            for start in range(0, len(pending), step):
+                chunk = pending[start : start + step]
+                answers = judge.answer_batch([job.prompt for _, job in chunk])  # type: ignore[attr-defined]
+                for (index, job), answer in zip(chunk, answers):
+                    results[index] = _finish(judge, job, cache, answer, 1)
+                bar.update(len(chunk))
+        else:
+            for index, job in pending:
+                results[index] = _finish(judge, job, cache, None, 0)
+                bar.update(1)
+    finally:
+        bar.close()
+    judgements = [results[i] for i in sorted(results)]
+    counts = win_counts(judgements)
+    log.info("judge %s: %d judged (%d wins, %d losses, %d invalid, %d errors)%s", judge.name, len(judgements),
+             counts["wins"], counts["losses"], counts["invalid"], counts["errors"],
+             f"; {skipped} left out by the spending cap" if skipped else "")
+    return judgements
