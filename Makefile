@@ -28,7 +28,7 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install demo demo-local test test-fast stack-up stack-down stack-status clean bench-venv-trl bench-trl
+.PHONY: install demo demo-local test test-fast lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl
 
 install: $(STAMP)
 
@@ -61,8 +61,17 @@ stack-down:
 stack-status:
 	STACK_DIR=$(STACK_DIR) infra/stack.sh status
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Style is checked, not argued: ruff's linter and formatter, configured in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)

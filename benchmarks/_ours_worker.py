@@ -84,14 +84,23 @@ def prep(spec: dict) -> dict:
                 sel = split.select(flat)
                 chosen = [unpad(r) for r in sel["query_chosen_token"]]
                 rejected = [unpad(r) for r in sel["query_rejected_token"]]
-                rows = {"chosen_ids": chosen, "rejected_ids": rejected,
-                        "max_length": stats["padded_lengths"]["rm_query_response"]["tldr"]}
+                rows = {
+                    "chosen_ids": chosen,
+                    "rejected_ids": rejected,
+                    "max_length": stats["padded_lengths"]["rm_query_response"]["tldr"],
+                }
                 lengths = [len(c) + len(r) for c, r in zip(chosen, rejected)]
             rows["tokens_per_step"] = [sum(lengths[k * batch : (k + 1) * batch]) for k in range(steps)]
             # what each side pads to: ours the dataset-wide padded length, TRL the longest row of a micro-batch
-            info.update(num_epochs=epochs, learning_rate=section.learning_rate, adam_eps=section.adam_eps,
-                        scheduler=section.scheduler, seed=section.seed, tokens_per_step=rows["tokens_per_step"],
-                        max_length=rows["max_length"])
+            info.update(
+                num_epochs=epochs,
+                learning_rate=section.learning_rate,
+                adam_eps=section.adam_eps,
+                scheduler=section.scheduler,
+                seed=section.seed,
+                tokens_per_step=rows["tokens_per_step"],
+                max_length=rows["max_length"],
+            )
         else:
             p = cfg.ppo
             queries = list(sft["train"]["query_token"])
@@ -102,12 +111,30 @@ def prep(spec: dict) -> dict:
                 rm = reward_model_from_causal_lm(base_dir, seed=cfg.reward.seed)
                 save_pretrained_atomic(rm, reward_dir)
             ScalarModel.from_pretrained(str(reward_dir))  # loads as our PPO will load it
-            info.update(learning_rate=p.learning_rate, adam_eps=p.adam_eps, scheduler=p.scheduler, seed=p.seed,
-                        reward_model_dir=str(reward_dir),
-                        response_length=p.response_length or stats["padded_lengths"]["sft_response"],
-                        ppo={k: getattr(p, k) for k in ("ppo_epochs", "num_minibatches", "temperature", "kl_coef",
-                                                         "cliprange", "cliprange_value", "vf_coef", "gamma", "lam",
-                                                         "whiten_rewards", "non_eos_penalty")})
+            info.update(
+                learning_rate=p.learning_rate,
+                adam_eps=p.adam_eps,
+                scheduler=p.scheduler,
+                seed=p.seed,
+                reward_model_dir=str(reward_dir),
+                response_length=p.response_length or stats["padded_lengths"]["sft_response"],
+                ppo={
+                    k: getattr(p, k)
+                    for k in (
+                        "ppo_epochs",
+                        "num_minibatches",
+                        "temperature",
+                        "kl_coef",
+                        "cliprange",
+                        "cliprange_value",
+                        "vf_coef",
+                        "gamma",
+                        "lam",
+                        "whiten_rewards",
+                        "non_eos_penalty",
+                    )
+                },
+            )
             info["ppo"]["response_length"] = info["response_length"]
         Path(info["rows"]).write_text(json.dumps(rows))
         out["stages"][stage] = info
@@ -162,9 +189,14 @@ class _UpdateClock(_StepClock):
         if "time/train" not in metrics:
             return
         self.ends.append(time.perf_counter())
-        self.phases.append({"rollout_s": metrics["time/generate"] + metrics["time/score"],
-                            "train_s": metrics["time/train"], "generate_s": metrics["time/generate"],
-                            "score_s": metrics["time/score"]})
+        self.phases.append(
+            {
+                "rollout_s": metrics["time/generate"] + metrics["time/score"],
+                "train_s": metrics["time/train"],
+                "generate_s": metrics["time/generate"],
+                "score_s": metrics["time/score"],
+            }
+        )
         if step is not None and step >= self.steps:
             raise _Done
 
@@ -216,8 +248,13 @@ def run(spec: dict) -> dict:
 
         # no evaluation or checkpoint inside the timed updates, and the run stopped after them
         p = cfg.ppo
-        ppo_cfg = p.model_copy(update={"eval_every": steps + 1, "checkpoint_every": steps + 1,
-                                       "total_episodes": max(p.total_episodes, (steps + 1) * p.batch_size)})
+        ppo_cfg = p.model_copy(
+            update={
+                "eval_every": steps + 1,
+                "checkpoint_every": steps + 1,
+                "total_episodes": max(p.total_episodes, (steps + 1) * p.batch_size),
+            }
+        )
         clock = _UpdateClock(steps)
         try:  # on the device main() left visible
             run_ppo(ppo_cfg, spec["data_dir"], spec["base_model_dir"], spec["reward_model_dir"], out_dir, clock)

@@ -117,8 +117,9 @@ def run_sft(spec: dict, rows: dict, out_dir: str, marks: dict):
         completion_only_loss=None,
         train_sampling_strategy="sequential",  # our batches, in our order
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[_marks_callback(marks)])
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[_marks_callback(marks)]
+    )
     return trainer, model
 
 
@@ -140,8 +141,9 @@ def run_reward(spec: dict, rows: dict, out_dir: str, marks: dict):
         center_rewards_coefficient=None,
         train_sampling_strategy="sequential",
     )
-    trainer = RewardTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            callbacks=[_marks_callback(marks)])
+    trainer = RewardTrainer(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[_marks_callback(marks)]
+    )
     return trainer, model
 
 
@@ -166,7 +168,14 @@ def run_ppo(spec: dict, rows: dict, out_dir: str, marks: dict):
         # run every forward pass (generation included) under bf16 autocast, as ours does and as
         # accelerate does for the Trainer-based SFT and reward stages. TRL calls the value and reward
         # models' backbones and score heads separately, so those are wrapped one by one.
-        for module in (policy, ref_policy, reward_model.model, reward_model.score, value_model.model, value_model.score):
+        for module in (
+            policy,
+            ref_policy,
+            reward_model.model,
+            reward_model.score,
+            value_model.model,
+            value_model.score,
+        ):
             _autocast_forward(module, spec["device"])
     train = Dataset.from_dict({"input_ids": rows["queries"]})
     evaluation = Dataset.from_dict({"input_ids": rows["queries"][: spec["micro_batch_size"]]})  # never used
@@ -177,20 +186,43 @@ def run_ppo(spec: dict, rows: dict, out_dir: str, marks: dict):
         num_ppo_epochs=p["ppo_epochs"],
         local_rollout_forward_batch_size=spec["micro_batch_size"],
         # the same names on both sides
-        **{key: p[key] for key in ("response_length", "temperature", "kl_coef", "cliprange", "cliprange_value",
-                                   "vf_coef", "gamma", "lam", "whiten_rewards")},
+        **{
+            key: p[key]
+            for key in (
+                "response_length",
+                "temperature",
+                "kl_coef",
+                "cliprange",
+                "cliprange_value",
+                "vf_coef",
+                "gamma",
+                "lam",
+                "whiten_rewards",
+            )
+        },
         kl_estimator="k1",
         # ours replaces the score of a response without EOS by non_eos_penalty; TRL subtracts this
         missing_eos_penalty=-p["non_eos_penalty"],
         stop_token="eos",
         num_sample_generations=0,
     )
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref_policy,
-                         reward_model=reward_model, train_dataset=train, value_model=value_model,
-                         eval_dataset=evaluation, callbacks=[_marks_callback(marks)])
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=ref_policy,
+        reward_model=reward_model,
+        train_dataset=train,
+        value_model=value_model,
+        eval_dataset=evaluation,
+        callbacks=[_marks_callback(marks)],
+    )
     # TRL shuffles prompts; take ours, in our order, so both sides sample the same prompts per update.
-    trainer.dataloader = trainer.accelerator.prepare(DataLoader(
-        train, batch_size=args.local_batch_size, shuffle=False, collate_fn=trainer.data_collator, drop_last=True))
+    trainer.dataloader = trainer.accelerator.prepare(
+        DataLoader(
+            train, batch_size=args.local_batch_size, shuffle=False, collate_fn=trainer.data_collator, drop_last=True
+        )
+    )
     return trainer, policy
 
 
@@ -207,7 +239,9 @@ def main() -> None:
     marks: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"trl-{spec['stage']}-") as out_dir:
         t_load = time.perf_counter()
-        trainer, model = {"sft": run_sft, "reward": run_reward, "ppo": run_ppo}[spec["stage"]](spec, rows, out_dir, marks)
+        trainer, model = {"sft": run_sft, "reward": run_reward, "ppo": run_ppo}[spec["stage"]](
+            spec, rows, out_dir, marks
+        )
         load_seconds = time.perf_counter() - t_load
         probe = _DtypeProbe(_first_linear(model.model if hasattr(model, "model") else model))
         device_type = "cuda" if spec["device"] == "cuda" else "cpu"

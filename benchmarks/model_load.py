@@ -40,13 +40,17 @@ def main() -> None:
             model = load_causal_lm(Path(tmp) / "second")
             loads.append(time.perf_counter() - t0)
             del model
-        print(json.dumps({
-            "preset": args.preset,
-            "import_cold_cache_s": round(cold, 2),
-            "import_warm_cache_s": round(warm, 2),
-            "load_causal_lm_median_s": round(statistics.median(loads), 3),
-            "load_causal_lm_all_s": [round(x, 3) for x in loads],
-        }))
+        print(
+            json.dumps(
+                {
+                    "preset": args.preset,
+                    "import_cold_cache_s": round(cold, 2),
+                    "import_warm_cache_s": round(warm, 2),
+                    "load_causal_lm_median_s": round(statistics.median(loads), 3),
+                    "load_causal_lm_all_s": [round(x, 3) for x in loads],
+                }
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -75,23 +75,36 @@ LAST_K = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--sft-model", type=Path, help="SFT model directory; default: run a short SFT here")
     p.add_argument("--preset", default="cpu-demo", help="preset of the model, data and SFT settings")
-    p.add_argument("--tldr-dir", type=Path, default=default_tldr_dir(),
-                   help="the TL;DR JSONL files (data.local_dir); default $RLHF_TLDR_DIR, else ../shared/data/tldr")
+    p.add_argument(
+        "--tldr-dir",
+        type=Path,
+        default=default_tldr_dir(),
+        help="the TL;DR JSONL files (data.local_dir); default $RLHF_TLDR_DIR, else ../shared/data/tldr",
+    )
     p.add_argument("--reward", default="python:rlhf_core.rule_rewards:word_count_12", help="ppo.reward")
     p.add_argument("--updates", type=int, default=10, help="PPO updates")
     p.add_argument("--batch-size", type=int, default=16, help="episodes (prompts) per update")
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--ppo-epochs", type=int, default=2)
     p.add_argument("--lr", type=float, default=2e-5, help="ppo.learning_rate")
-    p.add_argument("--scheduler", default="constant", choices=["constant", "linear", "cosine"],
-                   help="ppo.scheduler (the paper's linear decay leaves little to learn with in a few updates)")
+    p.add_argument(
+        "--scheduler",
+        default="constant",
+        choices=["constant", "linear", "cosine"],
+        help="ppo.scheduler (the paper's linear decay leaves little to learn with in a few updates)",
+    )
     p.add_argument("--kl-coef", type=float, default=0.05)
-    p.add_argument("--lam", type=float, default=1.0,
-                   help="ppo.lam (GAE); 1, not the paper's 0.95, while the value model starts at 0: see the docstring")
+    p.add_argument(
+        "--lam",
+        type=float,
+        default=1.0,
+        help="ppo.lam (GAE); 1, not the paper's 0.95, while the value model starts at 0: see the docstring",
+    )
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--non-eos-penalty", type=float, default=-1.0)
     p.add_argument("--response-length", type=int, default=48, help="tokens sampled per summary")
@@ -161,13 +174,19 @@ def precision_report(setting: bool | str) -> dict[str, Any]:
     device = pick_device()
     features = cpu_features()
     present = lambda f: f in features or f.replace("avx512_", "avx512") in features  # noqa: E731 (cpuinfo: avx512f)
-    return {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu_features": {f: present(f) for f in PRECISION_FEATURES},
-            "bf16_setting": setting, "precision": precision_name(setting, device)}
+    return {
+        "device": str(device),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_features": {f: present(f) for f in PRECISION_FEATURES},
+        "bf16_setting": setting,
+        "precision": precision_name(setting, device),
+    }
 
 
-def learning_verdict(scores: list[float], kls: list[float], margin: float, max_kl: float,
-                     last_k: int = LAST_K) -> dict[str, Any]:
+def learning_verdict(
+    scores: list[float], kls: list[float], margin: float, max_kl: float, last_k: int = LAST_K
+) -> dict[str, Any]:
     """Whether the score rose by more than ``margin`` with the KL below ``max_kl`` throughout.
 
     Args:
@@ -180,12 +199,22 @@ def learning_verdict(scores: list[float], kls: list[float], margin: float, max_k
         ``passed`` (``None`` with ``last_k`` updates or fewer: no verdict).
     """
     if len(scores) <= last_k:
-        return {"first": scores[0] if scores else None, "last_mean": None, "rise": None,
-                "max_kl": max(kls) if kls else None, "passed": None}
+        return {
+            "first": scores[0] if scores else None,
+            "last_mean": None,
+            "rise": None,
+            "max_kl": max(kls) if kls else None,
+            "passed": None,
+        }
     last_mean = sum(scores[-last_k:]) / last_k
     rise = last_mean - scores[0]
-    return {"first": scores[0], "last_mean": last_mean, "rise": rise, "max_kl": max(kls),
-            "passed": bool(rise > margin and max(kls) < max_kl)}
+    return {
+        "first": scores[0],
+        "last_mean": last_mean,
+        "rise": rise,
+        "max_kl": max(kls),
+        "passed": bool(rise > margin and max(kls) < max_kl),
+    }
 
 
 class UpdatePrinter:
@@ -202,13 +231,21 @@ class UpdatePrinter:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         if "objective/scores" not in metrics:
             return
-        row = {"update": step, "score": metrics["objective/scores"], "kl": metrics["objective/kl"],
-               "eos_rate": 1.0 - metrics["response/no_eos_fraction"], "length": metrics["response/length_mean"],
-               "seconds": metrics["time/generate"] + metrics["time/score"] + metrics["time/train"]}
+        row = {
+            "update": step,
+            "score": metrics["objective/scores"],
+            "kl": metrics["objective/kl"],
+            "eos_rate": 1.0 - metrics["response/no_eos_fraction"],
+            "length": metrics["response/length_mean"],
+            "seconds": metrics["time/generate"] + metrics["time/score"] + metrics["time/train"],
+        }
         row.update({k: v for k, v in metrics.items() if k.startswith("eval/")})
         self.updates.append(row)
-        print(f"update {step:3d}  score {row['score']:+.4f}  kl {row['kl']:7.3f}  eos {row['eos_rate']:.2f}  "
-              f"length {row['length']:5.1f}  {row['seconds']:6.1f} s", flush=True)
+        print(
+            f"update {step:3d}  score {row['score']:+.4f}  kl {row['kl']:7.3f}  eos {row['eos_rate']:.2f}  "
+            f"length {row['length']:5.1f}  {row['seconds']:6.1f} s",
+            flush=True,
+        )
 
     def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
         pass
@@ -261,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.preset, overrides(args))
     precision = precision_report(cfg.ppo.bf16)
     print("cpu features:", " ".join(f"{k}={'yes' if v else 'no'}" for k, v in precision["cpu_features"].items()))
-    print(f"precision: bf16={precision['bf16_setting']} -> {precision['precision']} on {precision['device']} "
-          f"({precision['threads']} threads, torch {precision['torch']})", flush=True)
+    print(
+        f"precision: bf16={precision['bf16_setting']} -> {precision['precision']} on {precision['device']} "
+        f"({precision['threads']} threads, torch {precision['torch']})",
+        flush=True,
+    )
     args.work.mkdir(parents=True, exist_ok=True)
     data_dir = prepared_data(cfg, args.work)
     sft_metrics: dict[str, float] = {}
@@ -272,19 +312,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no --sft-model: SFT for {cfg.sft.max_steps} steps of {cfg.sft.batch_size} rows", flush=True)
         sft_dir, sft_metrics = sft_model(cfg, data_dir, args.work)
         eos_rate = sft_metrics.get("eval/eos_rate", float("nan"))
-        print(f"SFT: eos rate {eos_rate:.2f} over {sft_metrics.get('eval/samples', 0):.0f} validation summaries",
-              flush=True)
+        print(
+            f"SFT: eos rate {eos_rate:.2f} over {sft_metrics.get('eval/samples', 0):.0f} validation summaries",
+            flush=True,
+        )
         if not eos_rate >= 0.5:
-            print("warning: the SFT policy ends fewer than half of its summaries with EOS; with the EOS trick "
-                  "most PPO scores will be the penalty (more --sft-steps, or --sft-model)", flush=True)
+            print(
+                "warning: the SFT policy ends fewer than half of its summaries with EOS; with the EOS trick "
+                "most PPO scores will be the penalty (more --sft-steps, or --sft-model)",
+                flush=True,
+            )
     ppo_dir = args.work / "ppo"
     shutil.rmtree(ppo_dir, ignore_errors=True)  # a fresh run, never a resumed one
     printer = UpdatePrinter()
     print(f"PPO: {args.updates} updates of {args.batch_size} episodes, reward {args.reward}", flush=True)
-    final = run_ppo(cfg.ppo, data_dir, sft_dir, None, ppo_dir,
-                    tracker=TeeTracker(JsonlTracker(args.work / "ppo_metrics.jsonl"), printer))
-    verdict = learning_verdict([u["score"] for u in printer.updates], [u["kl"] for u in printer.updates],
-                               args.margin, args.max_kl)
+    final = run_ppo(
+        cfg.ppo,
+        data_dir,
+        sft_dir,
+        None,
+        ppo_dir,
+        tracker=TeeTracker(JsonlTracker(args.work / "ppo_metrics.jsonl"), printer),
+    )
+    verdict = learning_verdict(
+        [u["score"] for u in printer.updates], [u["kl"] for u in printer.updates], args.margin, args.max_kl
+    )
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -301,12 +353,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     if verdict["passed"] is None:
-        print(f"no verdict: {len(printer.updates)} update(s), the criterion needs more than {LAST_K}; "
-              f"figures in {args.out}")
+        print(
+            f"no verdict: {len(printer.updates)} update(s), the criterion needs more than {LAST_K}; "
+            f"figures in {args.out}"
+        )
         return 2
-    print(f"score: first update {verdict['first']:+.4f}, mean of the last {LAST_K} {verdict['last_mean']:+.4f}, "
-          f"rise {verdict['rise']:+.4f} (required > {args.margin}); max KL {verdict['max_kl']:.3f} "
-          f"(required < {args.max_kl}) -> {'PASS' if verdict['passed'] else 'FAIL'}; figures in {args.out}")
+    print(
+        f"score: first update {verdict['first']:+.4f}, mean of the last {LAST_K} {verdict['last_mean']:+.4f}, "
+        f"rise {verdict['rise']:+.4f} (required > {args.margin}); max KL {verdict['max_kl']:.3f} "
+        f"(required < {args.max_kl}) -> {'PASS' if verdict['passed'] else 'FAIL'}; figures in {args.out}"
+    )
     return 0 if verdict["passed"] else 1
 
 

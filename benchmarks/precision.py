@@ -74,8 +74,10 @@ def main() -> None:
             out = generate(model, queries, tokenizer.pad_token_id, 32, 0.7)
         return out.numel() / (time.perf_counter() - t0)
 
-    results: dict[str, dict[str, list[float]]] = {"train": {"float32": [], "bf16": []},
-                                                  "generate": {"float32": [], "bf16": []}}
+    results: dict[str, dict[str, list[float]]] = {
+        "train": {"float32": [], "bf16": []},
+        "generate": {"float32": [], "bf16": []},
+    }
     for job, fn in (("train", train_step), ("generate", generate_step)):
         fn(False), fn(True)  # warm-up
         for _ in range(args.repeats):
@@ -83,20 +85,35 @@ def main() -> None:
                 results[job][name].append(fn(bf16))
     flags = sorted(f for f in cpu_features() if f.startswith(("avx512", "amx")))
     summary = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
-                    "native_bf16_features": [f for f in NATIVE_BF16_CPU_FEATURES if f in cpu_features()],
-                    "avx512_amx_flags": flags, "torch": torch.__version__},
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "threads": args.threads,
+            "native_bf16_features": [f for f in NATIVE_BF16_CPU_FEATURES if f in cpu_features()],
+            "avx512_amx_flags": flags,
+            "torch": torch.__version__,
+        },
         "auto_resolves_to": precision_name("auto", device),
-        "setting": {"preset": args.preset, "model": cfg.model.base, "batch": args.batch, "tokens": args.tokens,
-                    "repeats": args.repeats},
+        "setting": {
+            "preset": args.preset,
+            "model": cfg.model.base,
+            "batch": args.batch,
+            "tokens": args.tokens,
+            "repeats": args.repeats,
+        },
     }
     for job in results:
         f32, b16 = statistics.median(results[job]["float32"]), statistics.median(results[job]["bf16"])
-        summary[job] = {"float32_tokens_per_s": f32, "bf16_tokens_per_s": b16, "bf16_over_float32": b16 / f32,
-                        "runs": results[job]}
+        summary[job] = {
+            "float32_tokens_per_s": f32,
+            "bf16_tokens_per_s": b16,
+            "bf16_over_float32": b16 / f32,
+            "runs": results[job],
+        }
         print(f"{job:9s} float32 {f32:8.1f} tok/s   bf16 autocast {b16:8.1f} tok/s   bf16/float32 {b16 / f32:.2f}")
-    print(f"CPU bf16 features: {summary['machine']['native_bf16_features'] or 'none'} "
-          f"(avx512/amx flags: {' '.join(flags) or 'none'}); bf16: auto -> {summary['auto_resolves_to']}")
+    print(
+        f"CPU bf16 features: {summary['machine']['native_bf16_features'] or 'none'} "
+        f"(avx512/amx flags: {' '.join(flags) or 'none'}); bf16: auto -> {summary['auto_resolves_to']}"
+    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {args.out}")

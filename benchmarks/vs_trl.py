@@ -120,30 +120,48 @@ SECTION = {"sft": "sft", "reward": "reward", "ppo": "ppo"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--setting", choices=sorted(SETTINGS), default="smoke")
     p.add_argument("--stages", default="sft,reward,ppo", help="comma-separated, from sft,reward,ppo")
-    p.add_argument("--steps", type=int, default=3,
-                   help="optimiser steps (PPO: updates) per run; the first is the untimed warm-up when >= 2")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=3,
+        help="optimiser steps (PPO: updates) per run; the first is the untimed warm-up when >= 2",
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per side and stage, alternating ours/TRL")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on both sides")
     p.add_argument("--batch-size", type=int, default=None, help="global batch of every stage (default: per setting)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="micro-batch of every stage (default: per setting, at most --batch-size)")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="micro-batch of every stage (default: per setting, at most --batch-size)",
+    )
     p.add_argument("--response-length", type=int, default=None, help="PPO response length (default: per setting)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s for MFU with --device cuda")
     p.add_argument("--fp32", action="store_true", help="no bf16 autocast on either side")
-    p.add_argument("--our-checkpointing", choices=("default", "false", "selective", "true"), default="default",
-                   help="our stages' gradient_checkpointing (default: each stage's config default); TRL's is off")
-    p.add_argument("--trl-pad-to-max", action="store_true",
-                   help="TRL pads SFT/reward micro-batches to our padded length (same shapes as ours)")
+    p.add_argument(
+        "--our-checkpointing",
+        choices=("default", "false", "selective", "true"),
+        default="default",
+        help="our stages' gradient_checkpointing (default: each stage's config default); TRL's is off",
+    )
+    p.add_argument(
+        "--trl-pad-to-max",
+        action="store_true",
+        help="TRL pads SFT/reward micro-batches to our padded length (same shapes as ours)",
+    )
     p.add_argument("--ours-python", type=Path, default=OURS_PY, help="interpreter with this project installed")
     p.add_argument("--trl-python", type=Path, default=TRL_PY, help="interpreter with trl installed")
     p.add_argument("--timeout", type=float, default=None, help="seconds per subprocess")
     p.add_argument("--work", type=Path, default=None, help="work directory (default benchmarks/.work/<setting>)")
-    p.add_argument("--out", type=Path, default=None, help="JSON output (default benchmarks/results/vs_trl-<setting>.json)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON output (default benchmarks/results/vs_trl-<setting>.json)"
+    )
     args = p.parse_args(argv)
     args.stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in args.stages if s not in STAGE_NAMES]
@@ -158,13 +176,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def child_env(threads: int, device: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-        "WANDB_DISABLED": "true", "WANDB_MODE": "disabled", "ACCELERATE_MIXED_PRECISION": "no",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "WANDB_DISABLED": "true",
+            "WANDB_MODE": "disabled",
+            "ACCELERATE_MIXED_PRECISION": "no",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.setdefault("RLHF_TLDR_DIR", str((REPO.parent / "shared" / "data" / "tldr").resolve()))
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -194,15 +221,14 @@ def run_child(cmd: list[str], env: dict, log_path: Path, timeout: float | None) 
     if proc.returncode != 0 or not found:
         tail = log_path.read_text()[-3000:]
         raise RuntimeError(f"{' '.join(map(str, cmd))} exited {proc.returncode}; log {log_path}:\n{tail}")
-    result = json.loads(found[-1][len("BENCH_RESULT "):])
+    result = json.loads(found[-1][len("BENCH_RESULT ") :])
     result["wall_seconds"] = wall
     result["peak_rss_mb"] = usage.ru_maxrss / 1024  # KiB on Linux
     return result
 
 
 def venv_versions(python: Path, modules: list[str], env: dict) -> dict:
-    code = ("import importlib.metadata as m, json; "
-            f"print(json.dumps({{n: m.version(n) for n in {modules!r}}}))")
+    code = f"import importlib.metadata as m, json; print(json.dumps({{n: m.version(n) for n in {modules!r}}}))"
     out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -225,16 +251,28 @@ def our_overrides(args: argparse.Namespace, stage: str, num_epochs: int = 1) -> 
     batch, micro = stage_sizes(args, stage)
     bf16 = "false" if args.fp32 else "true"
     s = SECTION[stage]
-    common = [f"{s}.batch_size={batch}", f"{s}.micro_batch_size={micro}", f"{s}.bf16={bf16}",
-              f"{s}.checkpoint_every=1000000000"]
+    common = [
+        f"{s}.batch_size={batch}",
+        f"{s}.micro_batch_size={micro}",
+        f"{s}.bf16={bf16}",
+        f"{s}.checkpoint_every=1000000000",
+    ]
     if args.our_checkpointing != "default":
         common.append(f"{s}.gradient_checkpointing={args.our_checkpointing}")
     if stage in ("sft", "reward"):
         return common + [f"{s}.max_steps={args.steps}", f"{s}.num_epochs={num_epochs}", f"{s}.eval_max_samples=1"]
     rl = args.response_length or SETTINGS[args.setting]["response_length"]
     extra = [f"ppo.response_length={rl}"] if rl else []
-    return common + [f"ppo.total_episodes={args.steps * batch}", "ppo.ppo_epochs=4", "ppo.num_minibatches=1",
-                     "ppo.eval_every=1000000000"] + extra
+    return (
+        common
+        + [
+            f"ppo.total_episodes={args.steps * batch}",
+            "ppo.ppo_epochs=4",
+            "ppo.num_minibatches=1",
+            "ppo.eval_every=1000000000",
+        ]
+        + extra
+    )
 
 
 def throughput(stage: str, run: dict, info: dict, batch: int, steps: int) -> float:
@@ -264,21 +302,27 @@ def main(argv: list[str] | None = None) -> int:
     setting = SETTINGS[args.setting]
     args.work.mkdir(parents=True, exist_ok=True)
     logs = args.work / "logs"
-    started = _dt.datetime.now(_dt.timezone.utc)
+    started = _dt.datetime.now(_dt.UTC)
     load_before = os.getloadavg()
     t_all = time.perf_counter()
 
     # ---- preparation: our data and base-model stages, rows in our order
-    prep_spec = {"preset": setting["preset"], "work": str(args.work), "device": args.device,
-                 "overrides": [o for st in args.stages for o in our_overrides(args, st)],
-                 "stages": {st: {"steps": args.steps, "batch_size": stage_sizes(args, st)[0]} for st in args.stages}}
+    prep_spec = {
+        "preset": setting["preset"],
+        "work": str(args.work),
+        "device": args.device,
+        "overrides": [o for st in args.stages for o in our_overrides(args, st)],
+        "stages": {st: {"steps": args.steps, "batch_size": stage_sizes(args, st)[0]} for st in args.stages},
+    }
     spec_path = args.work / "prep-spec.json"
     spec_path.write_text(json.dumps(prep_spec, indent=1))
     print(f"preparing {args.setting} inputs in {args.work} ...", file=sys.stderr, flush=True)
     prep = run_child([str(args.ours_python), str(OURS_WORKER), "prep", str(spec_path)], env, logs / "prep.log", None)
     print(f"  prepared in {prep['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
-    versions = {"ours": venv_versions(args.ours_python, ["torch", "transformers", "accelerate"], env),
-                "trl": venv_versions(args.trl_python, ["torch", "transformers", "accelerate", "trl", "datasets"], env)}
+    versions = {
+        "ours": venv_versions(args.ours_python, ["torch", "transformers", "accelerate"], env),
+        "trl": venv_versions(args.trl_python, ["torch", "transformers", "accelerate", "trl", "datasets"], env),
+    }
 
     # ---- the runs: for each repeat, for each stage, ours then TRL
     runs: list[dict] = []
@@ -287,20 +331,42 @@ def main(argv: list[str] | None = None) -> int:
         for stage in args.stages:
             info = prep["stages"][stage]
             batch, micro = stage_sizes(args, stage)
-            base = {"stage": stage, "steps": args.steps, "threads": args.threads, "device": args.device,
-                    "bf16": not args.fp32, "batch_size": batch, "micro_batch_size": micro}
-            ours_spec = dict(base, preset=setting["preset"],
-                             overrides=our_overrides(args, stage, info.get("num_epochs", 1)),
-                             data_dir=prep["data_dir"], base_model_dir=prep["base_model_dir"],
-                             reward_model_dir=info.get("reward_model_dir"),
-                             tokens_per_step=info.get("tokens_per_step"),
-                             out_dir=str(args.work / "ours-out" / stage))
-            trl_spec = dict(base, model_dir=prep["base_model_dir"], tokenizer_dir=prep["tokenizer_dir"],
-                            rows=info["rows"], learning_rate=info["learning_rate"], adam_eps=info["adam_eps"],
-                            weight_decay=0.01, scheduler=info["scheduler"], seed=info["seed"],
-                            trl_pad_to_max=args.trl_pad_to_max, ppo=info.get("ppo"))
-            for side, python, worker, spec in (("ours", args.ours_python, OURS_WORKER, ours_spec),
-                                               ("trl", args.trl_python, TRL_WORKER, trl_spec)):
+            base = {
+                "stage": stage,
+                "steps": args.steps,
+                "threads": args.threads,
+                "device": args.device,
+                "bf16": not args.fp32,
+                "batch_size": batch,
+                "micro_batch_size": micro,
+            }
+            ours_spec = dict(
+                base,
+                preset=setting["preset"],
+                overrides=our_overrides(args, stage, info.get("num_epochs", 1)),
+                data_dir=prep["data_dir"],
+                base_model_dir=prep["base_model_dir"],
+                reward_model_dir=info.get("reward_model_dir"),
+                tokens_per_step=info.get("tokens_per_step"),
+                out_dir=str(args.work / "ours-out" / stage),
+            )
+            trl_spec = dict(
+                base,
+                model_dir=prep["base_model_dir"],
+                tokenizer_dir=prep["tokenizer_dir"],
+                rows=info["rows"],
+                learning_rate=info["learning_rate"],
+                adam_eps=info["adam_eps"],
+                weight_decay=0.01,
+                scheduler=info["scheduler"],
+                seed=info["seed"],
+                trl_pad_to_max=args.trl_pad_to_max,
+                ppo=info.get("ppo"),
+            )
+            for side, python, worker, spec in (
+                ("ours", args.ours_python, OURS_WORKER, ours_spec),
+                ("trl", args.trl_python, TRL_WORKER, trl_spec),
+            ):
                 path = args.work / f"spec-{stage}-{side}.json"
                 path.write_text(json.dumps(spec, indent=1))
                 cmd = [str(python), str(worker)] + (["run"] if side == "ours" else []) + [str(path)]
@@ -315,8 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["throughput"] = throughput(stage, result, info, batch, args.steps)
                 result["repeat"] = rep
                 runs.append(result)
-                print(f"{label} {fmt(result['throughput'])} {UNITS[stage]}, peak {result['peak_rss_mb']:,.0f} MB, "
-                      f"wall {result['wall_seconds']:.0f} s", file=sys.stderr, flush=True)
+                print(
+                    f"{label} {fmt(result['throughput'])} {UNITS[stage]}, peak {result['peak_rss_mb']:,.0f} MB, "
+                    f"wall {result['wall_seconds']:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     # ---- summary
     summary = {}
@@ -335,10 +405,14 @@ def main(argv: list[str] | None = None) -> int:
                     n_params = prep["n_params"]
                     row[side]["mfu"] = 6 * n_params * row[side]["median_throughput"] / (args.peak_tflops * 1e12)
         o, t = row["ours"], row["trl"]
-        row["throughput_ratio"] = (o["median_throughput"] / t["median_throughput"]
-                                   if o["median_throughput"] and t["median_throughput"] else None)
-        row["peak_rss_ratio"] = (o["max_peak_rss_mb"] / t["max_peak_rss_mb"]
-                                 if o["max_peak_rss_mb"] and t["max_peak_rss_mb"] else None)
+        row["throughput_ratio"] = (
+            o["median_throughput"] / t["median_throughput"]
+            if o["median_throughput"] and t["median_throughput"]
+            else None
+        )
+        row["peak_rss_ratio"] = (
+            o["max_peak_rss_mb"] / t["max_peak_rss_mb"] if o["max_peak_rss_mb"] and t["max_peak_rss_mb"] else None
+        )
         summary[stage] = row
 
     header = ["stage", "ours", "TRL", "ratio", "our peak MB", "TRL peak MB", "ratio"]
@@ -347,20 +421,29 @@ def main(argv: list[str] | None = None) -> int:
     table = [header]
     for stage, row in summary.items():
         o, t = row["ours"], row["trl"]
-        line = [stage, f"{fmt(o['median_throughput'])} {row['unit']}", fmt(t["median_throughput"]),
-                fmt(row["throughput_ratio"], 2), fmt(o["max_peak_rss_mb"], 0), fmt(t["max_peak_rss_mb"], 0),
-                fmt(row["peak_rss_ratio"], 2)]
+        line = [
+            stage,
+            f"{fmt(o['median_throughput'])} {row['unit']}",
+            fmt(t["median_throughput"]),
+            fmt(row["throughput_ratio"], 2),
+            fmt(o["max_peak_rss_mb"], 0),
+            fmt(t["max_peak_rss_mb"], 0),
+            fmt(row["peak_rss_ratio"], 2),
+        ]
         if args.device == "cuda":
             line += [f"{o['mfu']:.1%}" if o.get("mfu") else "-", f"{t['mfu']:.1%}" if t.get("mfu") else "-"]
         table.append(line)
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    text = "\n".join(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in table)
+    text = "\n".join(
+        " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in table
+    )
     rule = "-" * len(text.splitlines()[0])
     timed = "steps 2.." if args.steps >= 2 else "the single step (warm-up included)"
-    print(f"\nvs TRL: setting {args.setting}, {args.steps} step(s) per run (timed: {timed}), {args.repeats} "
-          f"repeat(s), {args.threads} thread(s), {args.device}, {'fp32' if args.fp32 else 'bf16 autocast'}; "
-          f"ratio = ours/TRL")
+    print(
+        f"\nvs TRL: setting {args.setting}, {args.steps} step(s) per run (timed: {timed}), {args.repeats} "
+        f"repeat(s), {args.threads} thread(s), {args.device}, {'fp32' if args.fp32 else 'bf16 autocast'}; "
+        f"ratio = ours/TRL"
+    )
     print(rule + "\n" + text.replace("\n", "\n" + rule + "\n", 1) + "\n" + rule)
 
     record = {
@@ -373,14 +456,27 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "device": args.device,
         "versions": versions,
-        "host": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                 "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "settings": {st: {"batch_size": stage_sizes(args, st)[0], "micro_batch_size": stage_sizes(args, st)[1],
-                          "our_overrides": our_overrides(args, st, prep["stages"][st].get("num_epochs", 1)),
-                          **{k: v for k, v in prep["stages"][st].items() if k not in ("rows",)}}
-                     for st in args.stages},
-        "model": {"base_model_dir": prep["base_model_dir"], "parameters": prep["n_params"],
-                  "padded_lengths": prep["padded_lengths"]},
+        "host": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
+        "settings": {
+            st: {
+                "batch_size": stage_sizes(args, st)[0],
+                "micro_batch_size": stage_sizes(args, st)[1],
+                "our_overrides": our_overrides(args, st, prep["stages"][st].get("num_epochs", 1)),
+                **{k: v for k, v in prep["stages"][st].items() if k not in ("rows",)},
+            }
+            for st in args.stages
+        },
+        "model": {
+            "base_model_dir": prep["base_model_dir"],
+            "parameters": prep["n_params"],
+            "padded_lengths": prep["padded_lengths"],
+        },
         "summary": summary,
         "table": text,
         "runs": runs,

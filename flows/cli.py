@@ -48,9 +48,13 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, core.Command] = {
     **core.COMMANDS,
-    "run": core.Command(cmd_run, "run the whole pipeline as the Prefect flow `rlhf` in this process, every stage "
-                        "cached and tracked in MLflow (artifacts under --out, default runs/<preset>)",
-                        out="optional", until=True),
+    "run": core.Command(
+        cmd_run,
+        "run the whole pipeline as the Prefect flow `rlhf` in this process, every stage "
+        "cached and tracked in MLflow (artifacts under --out, default runs/<preset>)",
+        out="optional",
+        until=True,
+    ),
 }
 
 
@@ -63,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         # Settings Prefect reads on import: nothing phones home, and the ephemeral server, which
         # migrates its database on a first start, gets time to start on a small, busy machine.
         # Prefect also sets up its log handlers on import, before ours.
-        for key, value in (("DO_NOT_TRACK", "1"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-                           ("MLFLOW_DISABLE_TELEMETRY", "true"),
-                           ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")):
+        for key, value in (
+            ("DO_NOT_TRACK", "1"),
+            ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+            ("MLFLOW_DISABLE_TELEMETRY", "true"),
+            ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"),
+        ):
             os.environ.setdefault(key, value)
         import flows.pipeline  # noqa: F401  (imports Prefect)
 

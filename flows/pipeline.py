@@ -6,7 +6,6 @@ Prefect's ephemeral mode with ``rlhf run`` (:mod:`flows.cli`).
 
 from __future__ import annotations
 
-
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
@@ -43,8 +42,12 @@ def register(client, name: str, record: StageRecord, alias: str = ALIAS) -> str:
         # MLflow accepts a local source only inside the run's own artifacts: copy the model there.
         client.log_artifacts(record.mlflow_run_id, source, "model")
         source = f"{client.get_run(record.mlflow_run_id).info.artifact_uri}/model"
-    version = client.create_model_version(name, source=source, run_id=record.mlflow_run_id,
-                                          tags={"rlhf.digest": record.digest, "rlhf.artifact_uri": record.uri})
+    version = client.create_model_version(
+        name,
+        source=source,
+        run_id=record.mlflow_run_id,
+        tags={"rlhf.digest": record.digest, "rlhf.artifact_uri": record.uri},
+    )
     client.set_registered_model_alias(name, alias, version.version)
     return version.version
 
@@ -63,8 +66,11 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     c = cfg.model_dump()
     client = tracking_client()
     exp = experiment_id(client, cfg.tracking.experiment_name)
-    parent = client.create_run(exp, run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
-                               tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "rlhf.preset": str(preset)})
+    parent = client.create_run(
+        exp,
+        run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
+        tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "rlhf.preset": str(preset)},
+    )
     parent_id = parent.info.run_id
     tracker = MLflowTracker(parent_id, client=client)
     tracker.log_params(flatten(cfg))
@@ -77,8 +83,11 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
             record = run_stage(name, c, upstream, parent_id)
             if not store.is_intact(record["key"], record["digest"]):
                 # A cache entry whose artifact was deleted or damaged since: run the stage again.
-                logger.warning("stage %s: the artifact of its cache entry (%s) is missing or incomplete; "
-                               "running it again", name, record["uri"])
+                logger.warning(
+                    "stage %s: the artifact of its cache entry (%s) is missing or incomplete; running it again",
+                    name,
+                    record["uri"],
+                )
                 record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
             raw[name] = record
         records = {name: StageRecord.model_validate(r) for name, r in raw.items()}
@@ -91,8 +100,11 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
             for name in REPORT_FILES:
                 if (report_dir / name).is_file():
                     client.log_artifact(parent_id, str(report_dir / name), "report")
-        versions = {model: register(client, model, records[stage])
-                    for model, stage in ((POLICY_MODEL, "ppo"), (REWARD_MODEL, "reward_norm")) if stage in records}
+        versions = {
+            model: register(client, model, records[stage])
+            for model, stage in ((POLICY_MODEL, "ppo"), (REWARD_MODEL, "reward_norm"))
+            if stage in records
+        }
         tracker.close()
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:
@@ -100,5 +112,8 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
         client.set_terminated(parent_id, "FAILED")
         raise
     logger.info("registered %s", versions)
-    return {"mlflow_run_id": parent_id, "stages": {k: v.model_dump() for k, v in records.items()},
-            "registered": versions}
+    return {
+        "mlflow_run_id": parent_id,
+        "stages": {k: v.model_dump() for k, v in records.items()},
+        "registered": versions,
+    }

@@ -13,9 +13,9 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -93,8 +93,17 @@ def cmd_data(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     from .data import prepare_data
 
     stats = prepare_data(cfg, args.out, overwrite=args.overwrite)
-    print(json.dumps({"out": str(args.out), "rows": {k: v["rows"] for k, v in stats["splits"].items()},
-                      "padded_lengths": stats["padded_lengths"], "dropped": stats["dropped"]}, indent=2))
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "rows": {k: v["rows"] for k, v in stats["splits"].items()},
+                "padded_lengths": stats["padded_lengths"],
+                "dropped": stats["dropped"],
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
@@ -111,6 +120,7 @@ def _until(stage: str):
         summary = run_stages(cfg, Path(args.out), getattr(args, "until", None) or stage, overwrite=args.overwrite)
         print(json.dumps(summary, indent=2))
         return 0
+
     return cmd
 
 
@@ -130,26 +140,42 @@ COMMANDS: dict[str, Command] = {
     "config": Command(cmd_config, "print the resolved configuration as YAML", out="none"),
     "data": Command(cmd_data, "prepare the TL;DR SFT and preference datasets into --out (Details 1-6)"),
     "model": Command(cmd_model, "import the base model into --out as safetensors with its tokenizer"),
-    "sft": Command(_until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"),
-    "reward": Command(_until("reward_eval"), "run up to the reward model: train, normalise, evaluate, in the run "
-                      "directory --out", aliases=("rm",)),
+    "sft": Command(
+        _until("sft"), "run (or reuse) data and base model, then SFT, in the run directory --out (Detail 9)"
+    ),
+    "reward": Command(
+        _until("reward_eval"),
+        "run up to the reward model: train, normalise, evaluate, in the run directory --out",
+        aliases=("rm",),
+    ),
     "ppo": Command(_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
-    "stages": Command(_until(list(STAGES)[-1]), "run every stage in order in the run directory --out, "
-                      "without Prefect or MLflow (stage.json marks finished stages)", until=True),
+    "stages": Command(
+        _until(list(STAGES)[-1]),
+        "run every stage in order in the run directory --out, "
+        "without Prefect or MLflow (stage.json marks finished stages)",
+        until=True,
+    ),
 }
 
 
 def build_parser(commands: dict[str, Command] | None = None) -> argparse.ArgumentParser:
     """The argument parser for ``commands`` (default :data:`COMMANDS`)."""
-    parser = argparse.ArgumentParser(prog="rlhf", description="RLHF with PPO for Reddit TL;DR: one sub-command per stage.")
+    parser = argparse.ArgumentParser(
+        prog="rlhf", description="RLHF with PPO for Reddit TL;DR: one sub-command per stage."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in (commands or COMMANDS).items():
         p = sub.add_parser(name, help=command.help, description=command.help, aliases=list(command.aliases))
         p.add_argument("--preset", default=None, help=f"preset name ({', '.join(available_presets())}) or YAML path")
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
         if command.out != "none":
-            p.add_argument("--out", required=command.out == "required", type=Path, default=None,
-                           help="output directory" + ("" if command.out == "required" else " (default runs/<preset>)"))
+            p.add_argument(
+                "--out",
+                required=command.out == "required",
+                type=Path,
+                default=None,
+                help="output directory" + ("" if command.out == "required" else " (default runs/<preset>)"),
+            )
             if command.out == "required":
                 p.add_argument("--overwrite", action="store_true", help="replace existing output")
         if command.until:
@@ -158,11 +184,20 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
 
 
 #: Errors reported as one line (exit code 2) instead of a traceback.
-USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, DataError, ModelSourceError, TrainingError, FileExistsError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ConfigError,
+    DataError,
+    ModelSourceError,
+    TrainingError,
+    FileExistsError,
+)
 
 
-def main(argv: list[str] | None = None, commands: dict[str, Command] | None = None,
-         user_errors: tuple[type[BaseException], ...] = ()) -> int:
+def main(
+    argv: list[str] | None = None,
+    commands: dict[str, Command] | None = None,
+    user_errors: tuple[type[BaseException], ...] = (),
+) -> int:
     """Entry point of the ``rlhf`` commands; returns the process exit code."""
     commands = commands or COMMANDS
     args = build_parser(commands).parse_args(argv)

@@ -155,7 +155,7 @@ class ModelConfig(_Strict):
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
-    def _check_sources(self) -> "ModelConfig":
+    def _check_sources(self) -> ModelConfig:
         if self.random_init is None and not self.base:
             raise ValueError("model.base is required unless model.random_init is set")
         if self.random_init is not None and not (self.tokenizer or self.base):
@@ -275,8 +275,10 @@ class PPOConfig(TrainerConfig):
     @classmethod
     def _check_reward(cls, spec: str) -> str:
         if spec != "model" and not REWARD_SPEC.fullmatch(spec):
-            raise ValueError(f"ppo.reward must be 'model' or 'python:MODULE:FUNCTION' "
-                             f"(e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}")
+            raise ValueError(
+                f"ppo.reward must be 'model' or 'python:MODULE:FUNCTION' "
+                f"(e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}"
+            )
         return spec
 
 

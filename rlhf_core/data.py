@@ -27,9 +27,10 @@ import statistics
 import string
 import uuid
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import datasets
 from tqdm.auto import tqdm
@@ -374,25 +375,43 @@ def _tokenize_split(
             query, query_ids, counts = truncate_query(row, tokenizer, fmt)
         except BadRow as bad:
             if on_bad_row == "error":
-                raise DataError(f"{row['source_row']}: bad {kind} row ({bad}); set data.on_bad_row=skip to skip it") from None
+                raise DataError(
+                    f"{row['source_row']}: bad {kind} row ({bad}); set data.on_bad_row=skip to skip it"
+                ) from None
             dropped[bad.reason] += 1
             dropped_where.append((row["source_row"], bad.reason))
             continue
-        row = dict(row, query=query, query_token_unpadded=query_ids, query_token_len=len(query_ids),
-                   paragraphs_removed=counts["paragraphs_removed"], token_cut=counts["token_cut"])
+        row = dict(
+            row,
+            query=query,
+            query_token_unpadded=query_ids,
+            query_token_len=len(query_ids),
+            paragraphs_removed=counts["paragraphs_removed"],
+            token_cut=counts["token_cut"],
+        )
         kept.append(row)
     ds = datasets.Dataset.from_list(kept)
     if kind == "sft":
+
         def add_response(x):
             ids = tokenize_response(x["summary"], tokenizer)
-            return {"reference_response": " " + x["summary"], "reference_response_token_unpadded": ids,
-                    "reference_response_token_len": len(ids)}
+            return {
+                "reference_response": " " + x["summary"],
+                "reference_response_token_unpadded": ids,
+                "reference_response_token_len": len(ids),
+            }
     else:
+
         def add_response(x):
             chosen = tokenize_response(x["chosen"], tokenizer)
             rejected = tokenize_response(x["rejected"], tokenizer)
-            return {"chosen_token_unpadded": chosen, "chosen_token_len": len(chosen),
-                    "rejected_token_unpadded": rejected, "rejected_token_len": len(rejected)}
+            return {
+                "chosen_token_unpadded": chosen,
+                "chosen_token_len": len(chosen),
+                "rejected_token_unpadded": rejected,
+                "rejected_token_len": len(rejected),
+            }
+
     return _map(ds, add_response, desc), dropped, dropped_where
 
 
@@ -507,6 +526,7 @@ def prepare_data(
                 "query_chosen_token": right_pad(q + c, qr_len, pad_id),
                 "query_rejected_token": right_pad(q + r, qr_len, pad_id),
             }
+
         return pad_preference
 
     stats: dict[str, Any] = {
@@ -528,8 +548,12 @@ def prepare_data(
         "dropped_examples": dropped_examples,
     }
     final: dict[str, datasets.DatasetDict] = {}
-    unpadded_cols = ["query_token_unpadded", "reference_response_token_unpadded", "chosen_token_unpadded",
-                     "rejected_token_unpadded"]
+    unpadded_cols = [
+        "query_token_unpadded",
+        "reference_response_token_unpadded",
+        "chosen_token_unpadded",
+        "rejected_token_unpadded",
+    ]
     for kind in ("sft", "preference"):
         out = {}
         for name, ds in tokenized[kind].items():
@@ -563,10 +587,15 @@ def prepare_data(
             dd.save_to_disk(str(tmp / kind))
         tokenizer.save_pretrained(tmp / "tokenizer")
         plot_token_lengths(
-            {key: {col: list(final[key.split("/")[0]][key.split("/")[1]][f"{col}_token_len"])
-                   for col in (["query", "reference_response"] if key.startswith("sft/") else
-                               ["query", "chosen", "rejected"])}
-             for key in stats["splits"]},
+            {
+                key: {
+                    col: list(final[key.split("/")[0]][key.split("/")[1]][f"{col}_token_len"])
+                    for col in (
+                        ["query", "reference_response"] if key.startswith("sft/") else ["query", "chosen", "rejected"]
+                    )
+                }
+                for key in stats["splits"]
+            },
             tmp / "token_lengths.png",
         )
         write_json_atomic(tmp / "stats.json", stats)

@@ -76,8 +76,13 @@ def win_rate(wins: Sequence[bool | None], confidence: float = 0.95) -> dict[str,
     valid = [bool(w) for w in wins if w is not None]
     n = len(valid)
     low, high = wilson_interval(sum(valid), n, confidence)
-    return {"win_rate": sum(valid) / n if n else NAN, "ci_low": low, "ci_high": high,
-            "n_valid": n, "n_invalid": len(wins) - n}
+    return {
+        "win_rate": sum(valid) / n if n else NAN,
+        "ci_low": low,
+        "ci_high": high,
+        "n_valid": n,
+        "n_invalid": len(wins) - n,
+    }
 
 
 def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
@@ -232,10 +237,18 @@ def length_control(
     for b in range(nbins):
         members = np.flatnonzero(which == b)
         stats = win_rate([wins[i] for i in members], confidence)
-        rows.append({"low": float(edges[b]), "high": float(edges[b + 1]),
-                     "center": float((edges[b] + edges[b + 1]) / 2), "n": stats["n_valid"],
-                     "n_invalid": stats["n_invalid"], "win_rate": stats["win_rate"],
-                     "ci_low": stats["ci_low"], "ci_high": stats["ci_high"]})
+        rows.append(
+            {
+                "low": float(edges[b]),
+                "high": float(edges[b + 1]),
+                "center": float((edges[b] + edges[b + 1]) / 2),
+                "n": stats["n_valid"],
+                "n_invalid": stats["n_invalid"],
+                "win_rate": stats["win_rate"],
+                "ci_low": stats["ci_low"],
+                "ci_high": stats["ci_high"],
+            }
+        )
     return rows
 
 
@@ -282,10 +295,20 @@ def plot_length_control(
         rows = [r for r in length_control(ratios, wins, edges, confidence) if r["n"] > 0]
         xs = [r["center"] for r in rows]
         total = win_rate(wins, confidence)
-        line, = ax.plot(xs, [r["win_rate"] for r in rows], "o-",
-                        label=f"{name}: {100 * total['win_rate']:.1f}% overall (n={total['n_valid']})")
-        ax.fill_between(xs, [r["ci_low"] for r in rows], [r["ci_high"] for r in rows],
-                        color=line.get_color(), alpha=0.15, linewidth=0)
+        (line,) = ax.plot(
+            xs,
+            [r["win_rate"] for r in rows],
+            "o-",
+            label=f"{name}: {100 * total['win_rate']:.1f}% overall (n={total['n_valid']})",
+        )
+        ax.fill_between(
+            xs,
+            [r["ci_low"] for r in rows],
+            [r["ci_high"] for r in rows],
+            color=line.get_color(),
+            alpha=0.15,
+            linewidth=0,
+        )
     ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
     ax.axvline(0.0, color="gray", linestyle=":", linewidth=1)
     ax.set_xlim(edges[0], edges[-1])
@@ -369,8 +392,14 @@ def title_copy_rate(summaries: Sequence[str], titles: Sequence[str], threshold: 
         if c >= threshold:
             copied.append(i)
     n = len(coverages)
-    return {"rate": len(copied) / n if n else NAN, "n": n, "n_copied": len(copied), "n_no_title": no_title,
-            "mean_coverage": sum(coverages) / n if n else NAN, "copied_indices": copied}
+    return {
+        "rate": len(copied) / n if n else NAN,
+        "n": n,
+        "n_copied": len(copied),
+        "n_no_title": no_title,
+        "mean_coverage": sum(coverages) / n if n else NAN,
+        "copied_indices": copied,
+    }
 
 
 def normalized_edit_distance(a: str, b: str) -> float:
@@ -405,8 +434,11 @@ def diversity(samples_per_prompt: Sequence[Sequence[str]]) -> dict[str, float | 
         if len(samples) < 2:
             skipped += 1
             continue
-        d = [normalized_edit_distance(samples[i], samples[j])
-             for i in range(len(samples)) for j in range(i + 1, len(samples))]
+        d = [
+            normalized_edit_distance(samples[i], samples[j])
+            for i in range(len(samples))
+            for j in range(i + 1, len(samples))
+        ]
         means.append(sum(d) / len(d))
     return {"mean": sum(means) / len(means) if means else NAN, "n_prompts": len(means), "n_skipped": skipped}
 
@@ -414,7 +446,9 @@ def diversity(samples_per_prompt: Sequence[Sequence[str]]) -> dict[str, float | 
 # --------------------------------------------------------------------------- reward model vs judge
 
 
-def agreement(reward_prefers_response: Sequence[bool], judge_prefers_response: Sequence[bool | None]) -> dict[str, float | int]:
+def agreement(
+    reward_prefers_response: Sequence[bool], judge_prefers_response: Sequence[bool | None]
+) -> dict[str, float | int]:
     """Preference consistency between the reward model and a judge (Huang et al. 2024, Detail 17).
 
     Args:
@@ -430,8 +464,9 @@ def agreement(reward_prefers_response: Sequence[bool], judge_prefers_response: S
         ValueError: the sequences differ in length.
     """
     if len(reward_prefers_response) != len(judge_prefers_response):
-        raise ValueError(f"{len(reward_prefers_response)} reward preferences but "
-                         f"{len(judge_prefers_response)} judgements")
+        raise ValueError(
+            f"{len(reward_prefers_response)} reward preferences but {len(judge_prefers_response)} judgements"
+        )
     same = [bool(r) == bool(j) for r, j in zip(reward_prefers_response, judge_prefers_response) if j is not None]
     n = len(same)
     return {"agreement": sum(same) / n if n else NAN, "n": n, "n_invalid": len(judge_prefers_response) - n}
@@ -518,10 +553,14 @@ def token_shift_html(tokens: Sequence[str], ranks: Sequence[int]) -> str:
     n = len(classes)
     legend = " ".join(
         f'<span class="{cls}">{html.escape(label)}: {classes.count(cls)}'
-        f'{f" ({100 * classes.count(cls) / n:.0f}%)" if n else ""}</span>'
+        f"{f' ({100 * classes.count(cls) / n:.0f}%)' if n else ''}</span>"
         for cls, _, label in _BUCKETS
     )
-    spans = "".join(f'<span class="{cls}" title="rank {int(r)}">{html.escape(tok)}</span>'
-                    for tok, r, cls in zip(tokens, ranks, classes))
-    return (f'<div class="token-shift"><style>{TOKEN_SHIFT_CSS}</style>'
-            f'<div class="legend">{legend}</div><div class="tokens">{spans}</div></div>')
+    spans = "".join(
+        f'<span class="{cls}" title="rank {int(r)}">{html.escape(tok)}</span>'
+        for tok, r, cls in zip(tokens, ranks, classes)
+    )
+    return (
+        f'<div class="token-shift"><style>{TOKEN_SHIFT_CSS}</style>'
+        f'<div class="legend">{legend}</div><div class="tokens">{spans}</div></div>'
+    )

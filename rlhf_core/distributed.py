@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +146,14 @@ def shard_model(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     sharded = sum(p.numel() for m in targets for p in m.parameters())
     if world().is_main:
-        log.info("%s: %d blocks sharded over %d ranks (%.1f%% of %d parameters)", strategy, len(targets),
-                 world().size, 100 * sharded / sum(p.numel() for p in model.parameters()),
-                 sum(p.numel() for p in model.parameters()))
+        log.info(
+            "%s: %d blocks sharded over %d ranks (%.1f%% of %d parameters)",
+            strategy,
+            len(targets),
+            world().size,
+            100 * sharded / sum(p.numel() for p in model.parameters()),
+            sum(p.numel() for p in model.parameters()),
+        )
     return model
 
 

@@ -86,8 +86,10 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str) -> Judge:
         return OfflineJudge.from_pretrained(base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size)
     source = resolve_source(cfg.judge_model)
     if source.kind != "local":
-        raise ModelSourceError(f"eval.judge_model {cfg.judge_model!r}: an offline judge is a local model directory "
-                               "(save_pretrained layout); import other sources with `rlhf model` first")
+        raise ModelSourceError(
+            f"eval.judge_model {cfg.judge_model!r}: an offline judge is a local model directory "
+            "(save_pretrained layout); import other sources with `rlhf model` first"
+        )
     return OfflineJudge.from_pretrained(source.location, name=f"offline:{cfg.judge_model}", batch_size=cfg.batch_size)
 
 
@@ -111,8 +113,14 @@ def _interval(low: float, high: float, percent: bool = False) -> str:
     return f"[{low:.1%}, {high:.1%}]" if percent else f"[{low:+.3f}, {high:+.3f}]"
 
 
-def learning_checks(sft_metrics: dict[str, float], sft_samples: list[dict], rm_metrics: dict[str, float],
-                    ppo_last: dict[str, float], ppo: ResponseScores, sft: ResponseScores) -> tuple[list[dict], dict[str, float]]:
+def learning_checks(
+    sft_metrics: dict[str, float],
+    sft_samples: list[dict],
+    rm_metrics: dict[str, float],
+    ppo_last: dict[str, float],
+    ppo: ResponseScores,
+    sft: ResponseScores,
+) -> tuple[list[dict], dict[str, float]]:
     """Whether each stage learned, measured on rows its training never saw: the report's first table.
 
     - SFT (its stage's evaluation prompts): share of greedy summaries that end with EOS within
@@ -139,51 +147,117 @@ def learning_checks(sft_metrics: dict[str, float], sft_samples: list[dict], rm_m
     metrics: dict[str, float] = {}
 
     def add(stage, check, result, interval, n, target, met):
-        rows.append({"stage": stage, "check": check, "result": result, "95% interval": interval, "n": n,
-                     "target": target, "met": met})
+        rows.append(
+            {
+                "stage": stage,
+                "check": check,
+                "result": result,
+                "95% interval": interval,
+                "n": n,
+                "target": target,
+                "met": met,
+            }
+        )
 
     n_sft = int(sft_metrics.get("eval/samples", 0))
     if "eval/eos_rate" in sft_metrics and n_sft:
         rate = sft_metrics["eval/eos_rate"]
         low, high = diag.wilson_interval(round(rate * n_sft), n_sft)
         base = sft_metrics.get("eval/eos_rate_base", float("nan"))
-        add("SFT", "greedy summaries that end with EOS", f"{rate:.1%} (base model {base:.1%})",
-            _interval(low, high, True), n_sft, "≥ 95%", rate >= 0.95)
-        metrics.update({"eval/checks/sft_eos_rate": rate, "eval/checks/sft_eos_rate_ci_low": low,
-                        "eval/checks/sft_eos_rate_ci_high": high})
+        add(
+            "SFT",
+            "greedy summaries that end with EOS",
+            f"{rate:.1%} (base model {base:.1%})",
+            _interval(low, high, True),
+            n_sft,
+            "≥ 95%",
+            rate >= 0.95,
+        )
+        metrics.update(
+            {
+                "eval/checks/sft_eos_rate": rate,
+                "eval/checks/sft_eos_rate_ci_low": low,
+                "eval/checks/sft_eos_rate_ci_high": high,
+            }
+        )
     pairs = [(r["rougeL_sft"], r["rougeL_base"]) for r in sft_samples if "rougeL_sft" in r and "rougeL_base" in r]
     if pairs:
         gain = diag.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
-        add("SFT", "ROUGE-L gain over the base model",
+        add(
+            "SFT",
+            "ROUGE-L gain over the base model",
             f"{gain['mean']:+.3f} (SFT {_mean([a for a, _ in pairs]):.3f}, base {_mean([b for _, b in pairs]):.3f})",
-            _interval(gain["ci_low"], gain["ci_high"]), gain["n"], "≥ +0.05", gain["mean"] >= 0.05)
-        metrics.update({"eval/checks/sft_rougeL_gain": gain["mean"], "eval/checks/sft_rougeL_gain_ci_low": gain["ci_low"],
-                        "eval/checks/sft_rougeL_gain_ci_high": gain["ci_high"]})
-    for prefix, name, target in (("eval", "TL;DR validation comparisons", "interval above 50%"),
-                                 ("eval/validation_cnndm", "CNN/DM comparisons", "reported")):
+            _interval(gain["ci_low"], gain["ci_high"]),
+            gain["n"],
+            "≥ +0.05",
+            gain["mean"] >= 0.05,
+        )
+        metrics.update(
+            {
+                "eval/checks/sft_rougeL_gain": gain["mean"],
+                "eval/checks/sft_rougeL_gain_ci_low": gain["ci_low"],
+                "eval/checks/sft_rougeL_gain_ci_high": gain["ci_high"],
+            }
+        )
+    for prefix, name, target in (
+        ("eval", "TL;DR validation comparisons", "interval above 50%"),
+        ("eval/validation_cnndm", "CNN/DM comparisons", "reported"),
+    ):
         if f"{prefix}/accuracy" in rm_metrics:
             acc, n = rm_metrics[f"{prefix}/accuracy"], int(rm_metrics.get(f"{prefix}/count", 0))
             low = rm_metrics.get(f"{prefix}/accuracy_ci_low", float("nan"))
             high = rm_metrics.get(f"{prefix}/accuracy_ci_high", float("nan"))
-            add("reward model", f"accuracy, {name}", f"{acc:.1%}", _interval(low, high, True), n, target,
-                bool(low > 0.5) if target != "reported" else None)
+            add(
+                "reward model",
+                f"accuracy, {name}",
+                f"{acc:.1%}",
+                _interval(low, high, True),
+                n,
+                target,
+                bool(low > 0.5) if target != "reported" else None,
+            )
     if len(ppo.scores) and len(ppo.scores) == len(sft.scores):
         diff = diag.paired_difference(ppo.scores.tolist(), sft.scores.tolist())
-        add("PPO", "RM score of PPO minus SFT summaries, same prompts",
+        add(
+            "PPO",
+            "RM score of PPO minus SFT summaries, same prompts",
             f"{diff['mean']:+.3f} (PPO {ppo.scores.mean().item():+.3f}, SFT {sft.scores.mean().item():+.3f})",
-            _interval(diff["ci_low"], diff["ci_high"]), diff["n"], "interval above 0", bool(diff["ci_low"] > 0))
+            _interval(diff["ci_low"], diff["ci_high"]),
+            diff["n"],
+            "interval above 0",
+            bool(diff["ci_low"] > 0),
+        )
         eos = int(ppo.has_eos.sum().item())
         low, high = diag.wilson_interval(eos, len(ppo.has_eos))
-        add("PPO", "greedy summaries that end with EOS", f"{eos / len(ppo.has_eos):.1%}", _interval(low, high, True),
-            len(ppo.has_eos), "≥ 90%", eos / len(ppo.has_eos) >= 0.9)
-        metrics.update({"eval/checks/ppo_minus_sft_score": diff["mean"],
-                        "eval/checks/ppo_minus_sft_score_ci_low": diff["ci_low"],
-                        "eval/checks/ppo_minus_sft_score_ci_high": diff["ci_high"],
-                        "eval/checks/ppo_eos_rate_ci_low": low, "eval/checks/ppo_eos_rate_ci_high": high})
+        add(
+            "PPO",
+            "greedy summaries that end with EOS",
+            f"{eos / len(ppo.has_eos):.1%}",
+            _interval(low, high, True),
+            len(ppo.has_eos),
+            "≥ 90%",
+            eos / len(ppo.has_eos) >= 0.9,
+        )
+        metrics.update(
+            {
+                "eval/checks/ppo_minus_sft_score": diff["mean"],
+                "eval/checks/ppo_minus_sft_score_ci_low": diff["ci_low"],
+                "eval/checks/ppo_minus_sft_score_ci_high": diff["ci_high"],
+                "eval/checks/ppo_eos_rate_ci_low": low,
+                "eval/checks/ppo_eos_rate_ci_high": high,
+            }
+        )
     if "objective/kl" in ppo_last:
         per_token = ppo_last.get("objective/kl_per_token", float("nan"))
-        add("PPO", "KL to the SFT policy, last update's samples",
-            f"{ppo_last['objective/kl']:.3f} nats per summary, {per_token:.4f} per token", "", None, "reported", None)
+        add(
+            "PPO",
+            "KL to the SFT policy, last update's samples",
+            f"{ppo_last['objective/kl']:.3f} nats per summary, {per_token:.4f} per token",
+            "",
+            None,
+            "reported",
+            None,
+        )
         metrics.update({"eval/checks/ppo_kl": ppo_last["objective/kl"], "eval/checks/ppo_kl_per_token": per_token})
     return rows, metrics
 
@@ -197,8 +271,15 @@ def _last_record_with(path: Path, key: str) -> dict[str, float]:
 
 
 #: The files of the report, in ``out_dir``, that are logged as artifacts (those present).
-REPORT_FILES = ("report.html", "report.md", "length_control.png", "training_curves.png", "ppo_curves.png",
-                "calibration.png", "token_shift.html")
+REPORT_FILES = (
+    "report.html",
+    "report.md",
+    "length_control.png",
+    "training_curves.png",
+    "ppo_curves.png",
+    "calibration.png",
+    "token_shift.html",
+)
 
 
 @dataclass
@@ -237,15 +318,26 @@ def load_eval_prompts(data_dir: str | os.PathLike, ecfg: EvalConfig) -> EvalProm
         raise KeyError(f"eval.split names {ecfg.split!r}, not an SFT split ({', '.join(sft_data)})")
     ds = sft_data[ecfg.split]
     ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
-    return EvalPrompts(queries=torch.tensor(ds["query_token"]), reference_tokens=torch.tensor(ds["reference_response_token"]),
-                       references=[r.strip() for r in ds["reference_response"]], posts=list(ds["post"]),
-                       titles=list(ds["title"]), ids=[str(i) for i in ds["id"]],
-                       max_new=stats["padded_lengths"]["sft_response"], split=ecfg.split)
+    return EvalPrompts(
+        queries=torch.tensor(ds["query_token"]),
+        reference_tokens=torch.tensor(ds["reference_response_token"]),
+        references=[r.strip() for r in ds["reference_response"]],
+        posts=list(ds["post"]),
+        titles=list(ds["title"]),
+        ids=[str(i) for i in ds["id"]],
+        max_new=stats["padded_lengths"]["sft_response"],
+        split=ecfg.split,
+    )
 
 
-def sample_policies(model_dirs: dict[str, Path], tokenizer, prompts: EvalPrompts, ecfg: EvalConfig,
-                    train_temperature: float, device: torch.device
-                    ) -> tuple[dict[str, Summaries], dict[str, list[list[str]]]]:
+def sample_policies(
+    model_dirs: dict[str, Path],
+    tokenizer,
+    prompts: EvalPrompts,
+    ecfg: EvalConfig,
+    train_temperature: float,
+    device: torch.device,
+) -> tuple[dict[str, Summaries], dict[str, list[list[str]]]]:
     """Each policy's near-greedy summaries (``eval.temperature``) of every prompt, for the win
     rates, and ``eval.diversity_samples`` samples at the training temperature of each of the
     first ``eval.diversity_prompts`` prompts, for diversity. One model in memory at a time.
@@ -259,34 +351,66 @@ def sample_policies(model_dirs: dict[str, Path], tokenizer, prompts: EvalPrompts
     for key, _ in POLICIES:
         model = load_causal_lm(model_dirs[key]).to(device)
         log.info("evaluation: %s summaries of %d %s prompts", key, len(prompts), prompts.split)
-        summaries[key] = summarize(model, tokenizer, q, prompts.max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed,
-                                   ecfg.bf16)
+        summaries[key] = summarize(
+            model, tokenizer, q, prompts.max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed, ecfg.bf16
+        )
         if k:
             repeated = q[:k].repeat_interleave(ecfg.diversity_samples, dim=0)
-            texts = summarize(model, tokenizer, repeated, prompts.max_new, train_temperature, ecfg.batch_size,
-                              ecfg.seed + 1, ecfg.bf16).texts
+            texts = summarize(
+                model,
+                tokenizer,
+                repeated,
+                prompts.max_new,
+                train_temperature,
+                ecfg.batch_size,
+                ecfg.seed + 1,
+                ecfg.bf16,
+            ).texts
             diverse[key] = [texts[i * ecfg.diversity_samples : (i + 1) * ecfg.diversity_samples] for i in range(k)]
         model = None
         _free()
     return summaries, diverse
 
 
-def score_policies(reward_model_dir: Path, tokenizer, prompts: EvalPrompts, summaries: dict[str, Summaries],
-                   ecfg: EvalConfig, non_eos_penalty: float | None, device: torch.device) -> dict[str, ResponseScores]:
+def score_policies(
+    reward_model_dir: Path,
+    tokenizer,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    non_eos_penalty: float | None,
+    device: torch.device,
+) -> dict[str, ResponseScores]:
     """Reward-model scores of every policy's summaries and of the references, with PPO's EOS
     trick (Detail 23; :func:`rlhf_core.reward.score_responses`). Keys: the policies and ``reference``."""
     reward_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
     responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": prompts.reference_tokens}
-    scored = {key: score_responses(reward_model, prompts.queries, tokens, tokenizer.pad_token_id,
-                                   tokenizer.eos_token_id, non_eos_penalty, ecfg.batch_size, ecfg.bf16)
-              for key, tokens in responses.items()}
+    scored = {
+        key: score_responses(
+            reward_model,
+            prompts.queries,
+            tokens,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            non_eos_penalty,
+            ecfg.batch_size,
+            ecfg.bf16,
+        )
+        for key, tokens in responses.items()
+    }
     reward_model = None
     _free()
     return scored
 
 
-def token_shift_blocks(base_model_dir: Path, tokenizer, prompts: EvalPrompts, summaries: dict[str, Summaries],
-                       ecfg: EvalConfig, device: torch.device) -> list[str]:
+def token_shift_blocks(
+    base_model_dir: Path,
+    tokenizer,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    device: torch.device,
+) -> list[str]:
     """HTML blocks of the first ``eval.token_shift_samples`` SFT and PPO summaries, each token
     coloured by its rank under the base model (Table 8)."""
     m = min(ecfg.token_shift_samples, len(prompts))
@@ -316,27 +440,49 @@ class JudgedPolicies:
     by_id: dict[str, Any]
 
 
-def judge_policies(judge: Judge, prompts: EvalPrompts, summaries: dict[str, Summaries], ecfg: EvalConfig,
-                   cache: JudgementCache) -> JudgedPolicies:
+def judge_policies(
+    judge: Judge, prompts: EvalPrompts, summaries: dict[str, Summaries], ecfg: EvalConfig, cache: JudgementCache
+) -> JudgedPolicies:
     """Each policy's summary against the reference for every prompt, interleaved so that a
     spending cap (``eval.max_comparisons``) leaves every policy the same number of comparisons."""
     n, ids = len(prompts), prompts.ids
-    comparisons = [Comparison(id=f"{key}/{ids[i]}", post=prompts.posts[i], response=summaries[key].texts[i],
-                              reference=prompts.references[i], policy=key)
-                   for i in range(n) for key, _ in POLICIES]
-    judgements = judge_comparisons(judge, comparisons, cache=cache, seed=ecfg.seed,
-                                   max_comparisons=ecfg.max_comparisons, concurrency=ecfg.concurrency,
-                                   progress=True)
+    comparisons = [
+        Comparison(
+            id=f"{key}/{ids[i]}",
+            post=prompts.posts[i],
+            response=summaries[key].texts[i],
+            reference=prompts.references[i],
+            policy=key,
+        )
+        for i in range(n)
+        for key, _ in POLICIES
+    ]
+    judgements = judge_comparisons(
+        judge,
+        comparisons,
+        cache=cache,
+        seed=ecfg.seed,
+        max_comparisons=ecfg.max_comparisons,
+        concurrency=ecfg.concurrency,
+        progress=True,
+    )
     by_id = {j.id: j for j in judgements}
-    wins = {key: [by_id[f"{key}/{ids[i]}"].response_wins if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
-            for key, _ in POLICIES}
+    wins = {
+        key: [by_id[f"{key}/{ids[i]}"].response_wins if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
+        for key, _ in POLICIES
+    }
     judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
     return JudgedPolicies(judgements, len(comparisons), wins, judged, by_id)
 
 
-def policy_measurements(prompts: EvalPrompts, summaries: dict[str, Summaries], diverse: dict[str, list[list[str]]],
-                        scored: dict[str, ResponseScores], verdicts: JudgedPolicies, ecfg: EvalConfig
-                        ) -> tuple[dict[str, float], list[dict], dict[str, tuple[list[float], list]]]:
+def policy_measurements(
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    diverse: dict[str, list[list[str]]],
+    scored: dict[str, ResponseScores],
+    verdicts: JudgedPolicies,
+    ecfg: EvalConfig,
+) -> tuple[dict[str, float], list[dict], dict[str, tuple[list[float], list]]]:
     """Win rate, ROUGE-L, reward-model scores, EOS rate, title copying, diversity and RM-judge
     agreement of each policy, and the references' scores.
 
@@ -361,49 +507,88 @@ def policy_measurements(prompts: EvalPrompts, summaries: dict[str, Summaries], d
         agree = diag.agreement(rm_prefers, [wins[key][i] for i in sel])
         reward_agree += rm_prefers
         judge_agree += [wins[key][i] for i in sel]
-        curves[label] = ([diag.length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
-                         [wins[key][i] for i in sel])
-        metrics.update({
-            f"eval/{key}/win_rate": wr["win_rate"], f"eval/{key}/win_rate_ci_low": wr["ci_low"],
-            f"eval/{key}/win_rate_ci_high": wr["ci_high"], f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
-            f"eval/{key}/win_rate_invalid": float(counts["invalid"]), f"eval/{key}/win_rate_errors": float(counts["errors"]),
-            f"eval/{key}/rougeL": _mean(rouge), f"eval/{key}/score": scores[key].mean().item(),
-            f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
-            f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
-            f"eval/{key}/title_copy_rate": float(title["rate"]), f"eval/{key}/diversity": float(div["mean"]),
-            f"eval/{key}/agreement": float(agree["agreement"]),
-            f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
-        })
-        headline.append({"policy": label, "win rate vs reference": wr, "ROUGE-L": _mean(rouge),
-                         "RM score": scores[key].mean().item(), "RM raw score": scored[key].raw_scores.mean().item(),
-                         "EOS rate": scored[key].has_eos.double().mean().item(), "title copy": float(title["rate"]),
-                         "diversity": float(div["mean"]), "RM-judge agreement": float(agree["agreement"]),
-                         "words": _mean([len(diag.words(t)) for t in texts])})
+        curves[label] = (
+            [diag.length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
+            [wins[key][i] for i in sel],
+        )
+        metrics.update(
+            {
+                f"eval/{key}/win_rate": wr["win_rate"],
+                f"eval/{key}/win_rate_ci_low": wr["ci_low"],
+                f"eval/{key}/win_rate_ci_high": wr["ci_high"],
+                f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
+                f"eval/{key}/win_rate_invalid": float(counts["invalid"]),
+                f"eval/{key}/win_rate_errors": float(counts["errors"]),
+                f"eval/{key}/rougeL": _mean(rouge),
+                f"eval/{key}/score": scores[key].mean().item(),
+                f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
+                f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
+                f"eval/{key}/title_copy_rate": float(title["rate"]),
+                f"eval/{key}/diversity": float(div["mean"]),
+                f"eval/{key}/agreement": float(agree["agreement"]),
+                f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
+            }
+        )
+        headline.append(
+            {
+                "policy": label,
+                "win rate vs reference": wr,
+                "ROUGE-L": _mean(rouge),
+                "RM score": scores[key].mean().item(),
+                "RM raw score": scored[key].raw_scores.mean().item(),
+                "EOS rate": scored[key].has_eos.double().mean().item(),
+                "title copy": float(title["rate"]),
+                "diversity": float(div["mean"]),
+                "RM-judge agreement": float(agree["agreement"]),
+                "words": _mean([len(diag.words(t)) for t in texts]),
+            }
+        )
     ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
-    metrics.update({"eval/reference/score": scores["reference"].mean().item(),
-                    "eval/reference/title_copy_rate": float(ref_title["rate"]),
-                    "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
-                    "eval/samples": float(n)})
-    headline.append({"policy": "human reference", "RM score": scores["reference"].mean().item(),
-                     "RM raw score": scored["reference"].raw_scores.mean().item(),
-                     "EOS rate": scored["reference"].has_eos.double().mean().item(),
-                     "title copy": float(ref_title["rate"]),
-                     "words": _mean([len(diag.words(t)) for t in references])})
+    metrics.update(
+        {
+            "eval/reference/score": scores["reference"].mean().item(),
+            "eval/reference/title_copy_rate": float(ref_title["rate"]),
+            "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
+            "eval/samples": float(n),
+        }
+    )
+    headline.append(
+        {
+            "policy": "human reference",
+            "RM score": scores["reference"].mean().item(),
+            "RM raw score": scored["reference"].raw_scores.mean().item(),
+            "EOS rate": scored["reference"].has_eos.double().mean().item(),
+            "title copy": float(ref_title["rate"]),
+            "words": _mean([len(diag.words(t)) for t in references]),
+        }
+    )
     return metrics, headline, curves
 
 
-def summary_rows(prompts: EvalPrompts, summaries: dict[str, Summaries], scored: dict[str, ResponseScores],
-                 verdicts: JudgedPolicies) -> list[dict]:
+def summary_rows(
+    prompts: EvalPrompts, summaries: dict[str, Summaries], scored: dict[str, ResponseScores], verdicts: JudgedPolicies
+) -> list[dict]:
     """One row per prompt for ``summaries.jsonl``: the post, the reference and each policy's
     summary with its scores (with and without the EOS trick), EOS and judgement."""
     rows = []
     for i in range(len(prompts)):
-        row = {"id": prompts.ids[i], "title": prompts.titles[i], "post": prompts.posts[i],
-               "reference": prompts.references[i], "reference_score": scored["reference"].scores[i].item()}
+        row = {
+            "id": prompts.ids[i],
+            "title": prompts.titles[i],
+            "post": prompts.posts[i],
+            "reference": prompts.references[i],
+            "reference_score": scored["reference"].scores[i].item(),
+        }
         for key, _ in POLICIES:
-            row.update({key: summaries[key].texts[i], f"{key}_score": scored[key].scores[i].item(),
-                        f"{key}_raw_score": scored[key].raw_scores[i].item(),
-                        f"{key}_has_eos": bool(scored[key].has_eos[i]), f"{key}_wins": verdicts.wins[key][i]})
+            row.update(
+                {
+                    key: summaries[key].texts[i],
+                    f"{key}_score": scored[key].scores[i].item(),
+                    f"{key}_raw_score": scored[key].raw_scores[i].item(),
+                    f"{key}_has_eos": bool(scored[key].has_eos[i]),
+                    f"{key}_wins": verdicts.wins[key][i],
+                }
+            )
         rows.append(row)
     return rows
 
@@ -454,21 +639,25 @@ def run_evaluation(
     prompts = load_eval_prompts(data_dir, ecfg)
     tokenizer = load_data_tokenizer(data_dir)
     device = pick_device()
-    tracker.log_params({f"eval.{k}": v for k, v in ecfg.model_dump().items()}
-                      | {"eval.precision": precision_name(ecfg.bf16, device)})
+    tracker.log_params(
+        {f"eval.{k}": v for k, v in ecfg.model_dump().items()} | {"eval.precision": precision_name(ecfg.bf16, device)}
+    )
     model_dirs = {"base": Path(base_model_dir), "sft": Path(sft_dir) / "model", "ppo": Path(ppo_dir) / "model"}
 
     # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
     summaries, diverse = sample_policies(model_dirs, tokenizer, prompts, ecfg, cfg.ppo.temperature, device)
     # 2. Reward-model scores of every summary and of the references, with PPO's EOS trick (Detail 23).
-    scored = score_policies(Path(reward_dirs["reward_norm"]) / "model", tokenizer, prompts, summaries, ecfg,
-                            cfg.ppo.non_eos_penalty, device)
+    scored = score_policies(
+        Path(reward_dirs["reward_norm"]) / "model", tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
+    )
     # 3. Token ranks of PPO and SFT summaries under the base model (Table 8).
     shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
     # 4. The judge: each policy's summary against the reference.
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
     judge = make_judge(ecfg, model_dirs["base"], base_name)
-    verdicts = judge_policies(judge, prompts, summaries, ecfg, JudgementCache(judgement_cache or out / "judge_cache.jsonl"))
+    verdicts = judge_policies(
+        judge, prompts, summaries, ecfg, JudgementCache(judgement_cache or out / "judge_cache.jsonl")
+    )
     judge = None
     _free()
     # 5. Measurements per policy.
@@ -477,8 +666,21 @@ def run_evaluation(
     rows = summary_rows(prompts, summaries, scored, verdicts)
     write_jsonl_atomic(out / "summaries.jsonl", rows)
     write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements))
-    metrics |= _write_report(cfg, out, prompts, rows, headline, curves, shift_blocks, scored, verdicts, base_name,
-                             Path(sft_dir), reward_dirs, Path(ppo_dir))
+    metrics |= _write_report(
+        cfg,
+        out,
+        prompts,
+        rows,
+        headline,
+        curves,
+        shift_blocks,
+        scored,
+        verdicts,
+        base_name,
+        Path(sft_dir),
+        reward_dirs,
+        Path(ppo_dir),
+    )
     metrics["eval/seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "metrics.json", metrics)
     tracker.log_metrics(metrics)
@@ -490,82 +692,141 @@ def run_evaluation(
     return metrics
 
 
-def _write_report(cfg: PipelineConfig, out: Path, prompts: EvalPrompts, rows: list[dict], headline: list[dict],
-                  curves: dict, shift_blocks: list[str], scored: dict[str, ResponseScores], verdicts: JudgedPolicies,
-                  base_name: str, sft_dir: Path, reward_dirs: dict[str, str | os.PathLike], ppo_dir: Path
-                  ) -> dict[str, float]:
+def _write_report(
+    cfg: PipelineConfig,
+    out: Path,
+    prompts: EvalPrompts,
+    rows: list[dict],
+    headline: list[dict],
+    curves: dict,
+    shift_blocks: list[str],
+    scored: dict[str, ResponseScores],
+    verdicts: JudgedPolicies,
+    base_name: str,
+    sft_dir: Path,
+    reward_dirs: dict[str, str | os.PathLike],
+    ppo_dir: Path,
+) -> dict[str, float]:
     """Plots, token-shift page, learning checks and ``report.html``/``report.md``; returns the
     learning checks' metrics."""
     ecfg, n, max_new = cfg.eval, len(prompts), prompts.max_new
-    plots = {"Win rate against summary length": diag.plot_length_control(curves, out / "length_control.png",
-                                                                          bins=ecfg.length_bins)}
+    plots = {
+        "Win rate against summary length": diag.plot_length_control(
+            curves, out / "length_control.png", bins=ecfg.length_bins
+        )
+    }
     reward_eval = Path(reward_dirs["reward_eval"])
     if (reward_eval / "calibration.png").is_file():
         shutil.copyfile(reward_eval / "calibration.png", out / "calibration.png")
         plots["Reward model calibration"] = out / "calibration.png"
-    metric_files = {"SFT": sft_dir / "metrics.jsonl", "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
-                    "PPO": ppo_dir / "metrics.jsonl"}
+    metric_files = {
+        "SFT": sft_dir / "metrics.jsonl",
+        "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
+        "PPO": ppo_dir / "metrics.jsonl",
+    }
     if any(p.is_file() for p in metric_files.values()):
-        plots["Training curves"] = plot_training_curves({k: v for k, v in metric_files.items() if v.is_file()},
-                                                        out / "training_curves.png")
+        plots["Training curves"] = plot_training_curves(
+            {k: v for k, v in metric_files.items() if v.is_file()}, out / "training_curves.png"
+        )
     shift_html = "\n".join(shift_blocks)
     if shift_html:
         with atomic_file(out / "token_shift.html") as fh:
             fh.write(f"<!doctype html><meta charset='utf-8'>{shift_html}")
     rm_metrics = _read_json(reward_eval / "metrics.json")
-    tables = {"Reward model": [{"split": name, "accuracy": rm_metrics[key]} for name, key in
-                               (("TL;DR validation comparisons", "eval/accuracy"),
-                                ("CNN/DM comparisons", "eval/validation_cnndm/accuracy")) if key in rm_metrics]}
+    tables = {
+        "Reward model": [
+            {"split": name, "accuracy": rm_metrics[key]}
+            for name, key in (
+                ("TL;DR validation comparisons", "eval/accuracy"),
+                ("CNN/DM comparisons", "eval/validation_cnndm/accuracy"),
+            )
+            if key in rm_metrics
+        ]
+    }
     sft_samples_file = sft_dir / "samples.jsonl"
     sft_samples = [json.loads(line) for line in sft_samples_file.open()] if sft_samples_file.is_file() else []
-    checks, check_metrics = learning_checks(_read_json(sft_dir / "metrics.json"), sft_samples, rm_metrics,
-                                            _last_record_with(metric_files["PPO"], "objective/kl"),
-                                            scored["ppo"], scored["sft"])
+    checks, check_metrics = learning_checks(
+        _read_json(sft_dir / "metrics.json"),
+        sft_samples,
+        rm_metrics,
+        _last_record_with(metric_files["PPO"], "objective/kl"),
+        scored["ppo"],
+        scored["sft"],
+    )
     if metric_files["PPO"].is_file():
         try:
-            plots = {"PPO per update": plot_training_curves({"PPO": metric_files["PPO"]}, out / "ppo_curves.png",
-                                                           keys={"PPO": PPO_CURVE_KEYS}, max_columns=4)} | plots
+            plots = {
+                "PPO per update": plot_training_curves(
+                    {"PPO": metric_files["PPO"]}, out / "ppo_curves.png", keys={"PPO": PPO_CURVE_KEYS}, max_columns=4
+                )
+            } | plots
         except ValueError:  # no stepped PPO record: nothing to plot
             pass
     by_id = verdicts.by_id
     judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
-    notes = [f"Win rates: share of valid judgements preferring the policy's summary to the human reference, "
-             f"judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, A/B order randomised; "
-             f"95% Wilson intervals; {n} {ecfg.split} prompts."]
+    notes = [
+        f"Win rates: share of valid judgements preferring the policy's summary to the human reference, "
+        f"judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, A/B order randomised; "
+        f"95% Wilson intervals; {n} {ecfg.split} prompts."
+    ]
     if ecfg.judge == "offline":
-        notes.append(f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
-                     "probabilities of those letters: its verdicts are close to chance and are not comparable "
-                     "with GPT-3.5 or Claude win rates.")
+        notes.append(
+            f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
+            "probabilities of those letters: its verdicts are close to chance and are not comparable "
+            "with GPT-3.5 or Claude win rates."
+        )
     total = win_counts(verdicts.judgements)
     if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
-        notes.append(f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
-                     f"({total['invalid']} unreadable answers, {total['errors']} request errors).")
+        notes.append(
+            f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
+            f"({total['invalid']} unreadable answers, {total['errors']} request errors)."
+        )
     k = min(ecfg.diversity_prompts, n)
-    notes.append(f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
-                 f"at least {ecfg.title_copy_threshold:.0%} of the title. Diversity: mean pairwise normalised edit "
-                 f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
-                 f"({k} prompts). RM-judge agreement: share of judged pairs where the reward model and the judge "
-                 "prefer the same summary (Detail 17).")
+    notes.append(
+        f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
+        f"at least {ecfg.title_copy_threshold:.0%} of the title. Diversity: mean pairwise normalised edit "
+        f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
+        f"({k} prompts). RM-judge agreement: share of judged pairs where the reward model and the judge "
+        "prefer the same summary (Detail 17)."
+    )
     if cfg.ppo.non_eos_penalty is None:
-        notes.append("RM score: the normalised reward model's output at the summary's last token, EOS or not "
-                     "(ppo.non_eos_penalty: null, no EOS trick), the same as RM raw score. EOS rate: share of "
-                     "summaries that end with EOS.")
+        notes.append(
+            "RM score: the normalised reward model's output at the summary's last token, EOS or not "
+            "(ppo.non_eos_penalty: null, no EOS trick), the same as RM raw score. EOS rate: share of "
+            "summaries that end with EOS."
+        )
     else:
-        notes.append(f"RM score: the normalised reward model's score with PPO's EOS trick (Detail 23): a summary "
-                     f"that does not end with EOS within {max_new} tokens scores {cfg.ppo.non_eos_penalty:g} "
-                     f"(ppo.non_eos_penalty). RM raw score: the reward model's output at the summary's last token, "
-                     f"EOS or not. EOS rate: share of summaries that end with EOS.")
-    samples = [{"post": r["post"], "reference": r["reference"], "reference_score": r["reference_score"],
-                **{key: r[key] for key, _ in POLICIES}, **{f"{key}_score": r[f"{key}_score"] for key, _ in POLICIES},
-                **{f"{key}_raw_score": r[f"{key}_raw_score"] for key, _ in POLICIES}}
-               for r in rows[: ecfg.report_samples]]
-    write_report(out, title=f"RLHF on TL;DR: {cfg.name}",
-                 intro=f"Base model: {base_name}; evaluation on {n} {ecfg.split} prompts at temperature "
-                       f"{ecfg.temperature}.",
-                 summary=checks, headline=headline, tables=tables, plots=plots, samples=samples,
-                 html_blocks={"Token shift (Table 8): PPO and SFT summaries coloured by rank under the base model":
-                              shift_html} if shift_html else None,
-                 notes=notes)
+        notes.append(
+            f"RM score: the normalised reward model's score with PPO's EOS trick (Detail 23): a summary "
+            f"that does not end with EOS within {max_new} tokens scores {cfg.ppo.non_eos_penalty:g} "
+            f"(ppo.non_eos_penalty). RM raw score: the reward model's output at the summary's last token, "
+            f"EOS or not. EOS rate: share of summaries that end with EOS."
+        )
+    samples = [
+        {
+            "post": r["post"],
+            "reference": r["reference"],
+            "reference_score": r["reference_score"],
+            **{key: r[key] for key, _ in POLICIES},
+            **{f"{key}_score": r[f"{key}_score"] for key, _ in POLICIES},
+            **{f"{key}_raw_score": r[f"{key}_raw_score"] for key, _ in POLICIES},
+        }
+        for r in rows[: ecfg.report_samples]
+    ]
+    write_report(
+        out,
+        title=f"RLHF on TL;DR: {cfg.name}",
+        intro=f"Base model: {base_name}; evaluation on {n} {ecfg.split} prompts at temperature {ecfg.temperature}.",
+        summary=checks,
+        headline=headline,
+        tables=tables,
+        plots=plots,
+        samples=samples,
+        html_blocks={"Token shift (Table 8): PPO and SFT summaries coloured by rank under the base model": shift_html}
+        if shift_html
+        else None,
+        notes=notes,
+    )
     return check_metrics
 
 

@@ -55,8 +55,9 @@ class LaunchError(RuntimeError):
     """A ``torchrun`` job of a stage failed; the message carries its exit code and last output lines."""
 
 
-def launch_torchrun(stage: str, cfg: PipelineConfig, inputs: list[Path], out: Path, nproc: int,
-                    tracker: Tracker) -> dict:
+def launch_torchrun(
+    stage: str, cfg: PipelineConfig, inputs: list[Path], out: Path, nproc: int, tracker: Tracker
+) -> dict:
     """Run ``stage`` as a ``torchrun`` job of ``nproc`` processes on this machine
     (:mod:`rlhf_core.launch`) and relay what its rank 0 records to ``tracker``.
 
@@ -75,9 +76,24 @@ def launch_torchrun(stage: str, cfg: PipelineConfig, inputs: list[Path], out: Pa
     config_path.write_text(cfg.model_dump_json(indent=1))
     result_path.unlink(missing_ok=True)
     rendezvous = shlex.split(os.environ.get("RLHF_TORCHRUN_ARGS", "")) or ["--standalone"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
-           "-m", "rlhf_core.launch", stage, "--preset", str(config_path), "--inputs", *map(str, inputs),
-           "--out", str(out), "--result", str(result_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *rendezvous,
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "rlhf_core.launch",
+        stage,
+        "--preset",
+        str(config_path),
+        "--inputs",
+        *map(str, inputs),
+        "--out",
+        str(out),
+        "--result",
+        str(result_path),
+    ]
     metrics_file = out / "metrics.jsonl"
     offset = metrics_file.stat().st_size if metrics_file.exists() else 0
     log.info("%s: %d processes: %s", stage, nproc, shlex.join(cmd))
@@ -96,8 +112,10 @@ def launch_torchrun(stage: str, cfg: PipelineConfig, inputs: list[Path], out: Pa
         replay(metrics_file, tracker, offset)
     if proc.returncode != 0:
         cause = errors[0] if errors else "(no error line from the ranks)"
-        raise LaunchError(f"stage {stage}: torchrun with {nproc} processes exited with code {proc.returncode}: "
-                          f"{cause}\nlast lines of the ranks:\n" + "\n".join(tail))
+        raise LaunchError(
+            f"stage {stage}: torchrun with {nproc} processes exited with code {proc.returncode}: "
+            f"{cause}\nlast lines of the ranks:\n" + "\n".join(tail)
+        )
     return json.loads(result_path.read_text())
 
 
@@ -122,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     if w.size > 1 and args.stage not in DATA_PARALLEL:
         raise ValueError(f"stage {args.stage} runs on one process; data-parallel stages: {', '.join(DATA_PARALLEL)}")
     if len(args.inputs) != len(stage.inputs):
-        raise ValueError(f"stage {args.stage} reads {len(stage.inputs)} input directories "
-                         f"({', '.join(stage.inputs)}), got {len(args.inputs)}")
+        raise ValueError(
+            f"stage {args.stage} reads {len(stage.inputs)} input directories "
+            f"({', '.join(stage.inputs)}), got {len(args.inputs)}"
+        )
     cfg = load_config(args.preset, args.overrides)
     tracker = JsonlTracker(args.out / "metrics.jsonl") if w.is_main else NullTracker()
     result = stage.run(cfg, args.inputs, args.out, tracker) or {}

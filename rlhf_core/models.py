@@ -11,9 +11,10 @@ import importlib.util
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -240,8 +241,9 @@ def build_random_model(tokenizer: PreTrainedTokenizerBase, cfg: RandomInitConfig
     return disable_dropout(model)
 
 
-def save_pretrained_atomic(model: PreTrainedModel, path: str | os.PathLike,
-                           tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+def save_pretrained_atomic(
+    model: PreTrainedModel, path: str | os.PathLike, tokenizer: PreTrainedTokenizerBase | None = None
+) -> Path:
     """``save_pretrained`` of ``model`` (and ``tokenizer``) into ``path``, replacing it atomically."""
     with atomic_directory(path, overwrite=True) as tmp:
         model.save_pretrained(tmp)
@@ -317,7 +319,9 @@ def import_base_model(cfg: ModelConfig, out_dir: str | os.PathLike, overwrite: b
 # ---------------------------------------------------------------- padding-free forward
 
 
-def padding_aware_inputs(query_responses: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def padding_aware_inputs(
+    query_responses: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention mask and position ids that make left padding invisible (Detail 14).
 
     Args:

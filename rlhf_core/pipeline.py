@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .config import PipelineConfig
 from .io import json_digest
@@ -94,14 +95,24 @@ REWARD_NORM_KEYS = ("reward.normalize", "reward.normalization_split", "reward.no
 #: Settings that change how a model is run but not what it computes beyond float rounding.
 REWARD_RUN_KEYS = ("reward.micro_batch_size", "reward.bf16")
 
+
 def _evaluation(cfg, inputs, out, tracker):
     from .evaluation import run_evaluation
 
     data, base, sft, reward, reward_norm, reward_eval, ppo = inputs
     # Judgements are shared by every run of the stage beside this one: never paid for twice.
     cache = Path(os.environ.get("RLHF_JUDGE_CACHE") or out.parent / "judge_cache.jsonl")
-    return run_evaluation(cfg, data, base, sft, {"reward": reward, "reward_norm": reward_norm,
-                                                 "reward_eval": reward_eval}, ppo, out, tracker, cache)
+    return run_evaluation(
+        cfg,
+        data,
+        base,
+        sft,
+        {"reward": reward, "reward_norm": reward_norm, "reward_eval": reward_eval},
+        ppo,
+        out,
+        tracker,
+        cache,
+    )
 
 
 STAGES: dict[str, Stage] = {
@@ -114,8 +125,12 @@ STAGES: dict[str, Stage] = {
         Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm),
         Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval),
         Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo),
-        Stage("evaluation", ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
-              ("eval", "ppo.temperature", "ppo.non_eos_penalty"), _evaluation),
+        Stage(
+            "evaluation",
+            ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
+            ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
+            _evaluation,
+        ),
     )
 }
 
@@ -164,8 +179,13 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
     """
     from .rule_rewards import reward_code_digest  # imports torch: only when a key is made
 
-    payload: dict[str, Any] = {"stage": name, "config": stage_config(cfg, name), "upstream": list(upstream),
-                               "code": code_version(), **context}
+    payload: dict[str, Any] = {
+        "stage": name,
+        "config": stage_config(cfg, name),
+        "upstream": list(upstream),
+        "code": code_version(),
+        **context,
+    }
     reward_code = reward_code_digest(cfg.ppo.reward) if name == "ppo" else None
     if reward_code is not None:
         payload["reward_code"] = reward_code

@@ -65,8 +65,12 @@ def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.P
     ax.plot(xs, [1 / (1 + math.exp(-x)) for x in xs], "--", color="gray", label="calibrated: 1/(1+e^-Δ)")
     for split, rows in tables.items():
         if rows:
-            ax.plot([r["center"] for r in rows], [r["accuracy"] for r in rows], "o-",
-                    label=f"{split} (n={sum(r['count'] for r in rows)})")
+            ax.plot(
+                [r["center"] for r in rows],
+                [r["accuracy"] for r in rows],
+                "o-",
+                label=f"{split} (n={sum(r['count'] for r in rows)})",
+            )
     ax.set_xlabel("|reward(chosen) − reward(rejected)|")
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1.05)

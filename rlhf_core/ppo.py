@@ -124,8 +124,9 @@ def sampling_logits(logits: torch.Tensor, temperature: float, pad_token_id: int 
     return tempered
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
-                         pad_token_id: int | None) -> torch.Tensor:
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, pad_token_id: int | None
+) -> torch.Tensor:
     """Log-probability of ``tokens`` under the sampling distribution :func:`sampling_logits`
     (Detail 23: the sampling temperature; PAD is never sampled).
 
@@ -161,8 +162,9 @@ def response_mask(last_token_indices: torch.Tensor, response_length: int, extra:
     return positions <= (last_token_indices + extra).unsqueeze(1)
 
 
-def apply_eos_trick(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int,
-                    penalty: float | None) -> torch.Tensor:
+def apply_eos_trick(
+    scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int, penalty: float | None
+) -> torch.Tensor:
     """Replace the score of every response without an EOS by ``penalty`` (Detail 23); with
     ``penalty`` ``None`` (``ppo.non_eos_penalty: null``) return ``scores`` unchanged.
 
@@ -221,7 +223,11 @@ def per_token_rewards(
 
 
 def policy_loss(
-    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, cliprange: float
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
 ) -> dict[str, torch.Tensor]:
     """PPO's clipped surrogate loss over the valid response tokens (Schulman et al. 2017,
     arXiv 1707.06347, eq. 7, negated to minimise): ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``
@@ -246,7 +252,11 @@ def policy_loss(
 
 
 def value_loss(
-    new_values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, cliprange_value: float
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
 ) -> dict[str, torch.Tensor]:
     """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over valid positions
     (value-function loss clipping of OpenAI baselines' ``ppo2``: Huang et al. 2022, "The 37

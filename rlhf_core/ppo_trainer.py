@@ -123,8 +123,10 @@ def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Ten
     mean = total / count
     (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
     var = sq / (count - 1)
-    return (torch.tensor(mean, dtype=values.dtype, device=values.device),
-            torch.tensor(var, dtype=values.dtype, device=values.device))
+    return (
+        torch.tensor(mean, dtype=values.dtype, device=values.device),
+        torch.tensor(var, dtype=values.dtype, device=values.device),
+    )
 
 
 def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list[int]:
@@ -145,7 +147,9 @@ def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list
     return out
 
 
-def response_logits(model: PreTrainedModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+def response_logits(
+    model: PreTrainedModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
     """Language-model logits at the positions that predict the response tokens only.
 
     Args:
@@ -155,18 +159,23 @@ def response_logits(model: PreTrainedModel, query_responses: torch.Tensor, pad_t
         ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
     """
     hidden = causal_forward(
-        lambda ids, mask, pos: model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                                use_cache=False).last_hidden_state,
-        query_responses, pad_token_id,
+        lambda ids, mask, pos: (
+            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        ),
+        query_responses,
+        pad_token_id,
     )
     return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
 
 
-def response_values(value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int) -> torch.Tensor:
+def response_values(
+    value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
     """Value of the state before each response token. ``(batch, response_length)`` float32."""
     values = causal_forward(
         lambda ids, mask, pos: value_model(input_ids=ids, attention_mask=mask, position_ids=pos),
-        query_responses, pad_token_id,
+        query_responses,
+        pad_token_id,
     )
     return values[:, context_length - 1 : -1]
 
@@ -210,9 +219,18 @@ class Trajectory:
     time_score: float = 0.0
 
 
-def make_trajectory(query_responses: torch.Tensor, responses: torch.Tensor, logprobs: torch.Tensor,
-                    ref_logprobs: torch.Tensor, values: torch.Tensor, scored: ResponseScores, context_length: int,
-                    eos_token_id: int, pad_token_id: int, **times: float) -> Trajectory:
+def make_trajectory(
+    query_responses: torch.Tensor,
+    responses: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scored: ResponseScores,
+    context_length: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    **times: float,
+) -> Trajectory:
     """A :class:`Trajectory` from sampled responses: each ends at its first EOS (Detail 23), and
     the log-probabilities after it are ``INVALID_LOGPROB``.
 
@@ -225,11 +243,19 @@ def make_trajectory(query_responses: torch.Tensor, responses: torch.Tensor, logp
     last = torch.clamp(last_token_indices(truncated, pad_token_id), min=0)  # 0 for a response that starts with PAD
     token_mask = response_mask(last, responses.size(1))
     return Trajectory(
-        query_responses=query_responses, responses=responses,
+        query_responses=query_responses,
+        responses=responses,
         logprobs=torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB),
         ref_logprobs=torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB),
-        values=values, raw_scores=scored.raw_scores, scores=scored.scores, has_eos=scored.has_eos,
-        last_token_indices=last, token_mask=token_mask, context_length=context_length, **times)
+        values=values,
+        raw_scores=scored.raw_scores,
+        scores=scored.scores,
+        has_eos=scored.has_eos,
+        last_token_indices=last,
+        token_mask=token_mask,
+        context_length=context_length,
+        **times,
+    )
 
 
 @dataclass
@@ -256,7 +282,8 @@ def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
     (:func:`rlhf_core.ppo.per_token_rewards`; Huang et al. 2024, arXiv 2403.17031, eq. 3, per token as in Figure 11),
     optionally whitened without shifting the mean over the global batch (Detail 24)."""
     rewards, non_score_reward, value_mask = per_token_rewards(
-        traj.logprobs, traj.ref_logprobs, traj.scores, traj.last_token_indices, cfg.kl_coef, cfg.score_position)
+        traj.logprobs, traj.ref_logprobs, traj.scores, traj.last_token_indices, cfg.kl_coef, cfg.score_position
+    )
     if cfg.whiten_rewards:  # Detail 24
         rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
     return Rewards(rewards, non_score_reward, value_mask)
@@ -293,9 +320,16 @@ class PPOStats:
 
     def metrics(self) -> dict[str, float]:
         """The statistics under their logged names (TRL's)."""
-        return {"loss/policy": self.policy_loss, "loss/value": self.value_loss, "policy/clipfrac": self.clipfrac,
-                "policy/approxkl": self.approxkl, "val/clipfrac": self.value_clipfrac,
-                "policy/entropy": self.entropy, "val/ratio": self.ratio_mean, "val/ratio_var": self.ratio_var}
+        return {
+            "loss/policy": self.policy_loss,
+            "loss/value": self.value_loss,
+            "policy/clipfrac": self.clipfrac,
+            "policy/approxkl": self.approxkl,
+            "val/clipfrac": self.value_clipfrac,
+            "policy/entropy": self.entropy,
+            "val/ratio": self.ratio_mean,
+            "val/ratio_var": self.ratio_var,
+        }
 
 
 def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -313,8 +347,14 @@ def _peak_memory_mb(device: torch.device) -> float:
 class PPOTrainer:
     """Holds the four models and runs rollouts, updates and evaluations. See :func:`run_ppo`."""
 
-    def __init__(self, cfg: PPOConfig, data_dir: str | os.PathLike, sft_model_dir: str | os.PathLike,
-                 reward_model_dir: str | os.PathLike | None, device: torch.device | None = None):
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        data_dir: str | os.PathLike,
+        sft_model_dir: str | os.PathLike,
+        reward_model_dir: str | os.PathLike | None,
+        device: torch.device | None = None,
+    ):
         self.cfg = cfg
         self.reward_fn = load_reward_function(cfg.reward)  # None: the reward model scores
         if self.reward_fn is None and reward_model_dir is None:
@@ -328,13 +368,18 @@ class PPOTrainer:
         self.queries = torch.tensor(sft["train"]["query_token"])
         self.world = world()
         if cfg.batch_size % self.world.size or (cfg.batch_size // self.world.size) % cfg.num_minibatches:
-            raise ValueError(f"ppo.batch_size {cfg.batch_size} must split into {self.world.size} rank(s) x "
-                             f"ppo.num_minibatches {cfg.num_minibatches} equal parts")
+            raise ValueError(
+                f"ppo.batch_size {cfg.batch_size} must split into {self.world.size} rank(s) x "
+                f"ppo.num_minibatches {cfg.num_minibatches} equal parts"
+            )
         torch.manual_seed(cfg.seed)
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
         self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
-        self.reward_model = None if self.reward_fn is not None else (
-            ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
+        self.reward_model = (
+            None
+            if self.reward_fn is not None
+            else (ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
+        )
         if reward_model_dir is not None:
             self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
         else:  # no reward model (a rule reward): the SFT backbone with a zero head (V = 0 until it
@@ -347,8 +392,9 @@ class PPOTrainer:
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
         self.optimizer = torch.optim.AdamW(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
-        self.scheduler = get_scheduler(cfg.scheduler, self.optimizer, num_warmup_steps=0,
-                                       num_training_steps=self.num_updates)
+        self.scheduler = get_scheduler(
+            cfg.scheduler, self.optimizer, num_warmup_steps=0, num_training_steps=self.num_updates
+        )
         if self.world.rank:
             torch.manual_seed(cfg.seed + self.world.rank)  # each rank samples its own responses
 
@@ -374,8 +420,9 @@ class PPOTrainer:
         """
         cfg, pad, eos = self.cfg, self.pad_id, self.eos_id
         if self.reward_fn is None:
-            return score_responses(self.reward_model, queries, responses, pad, eos, cfg.non_eos_penalty,
-                                   cfg.micro_batch_size, cfg.bf16)
+            return score_responses(
+                self.reward_model, queries, responses, pad, eos, cfg.non_eos_penalty, cfg.micro_batch_size, cfg.bf16
+            )
         raw = rule_scores(self.reward_fn, cfg.reward, self.tokenizer, queries, responses, pad, eos)
         return response_scores(raw.to(responses.device), responses, eos, pad, cfg.non_eos_penalty)
 
@@ -398,33 +445,49 @@ class PPOTrainer:
             q = queries[mb]
             t0 = time.perf_counter()
             with autocast(self.device, cfg.bf16):
-                responses, logits = generate(self.policy, q, pad, R, cfg.temperature, eos_token_id=None,
-                                             return_logits=True)
+                responses, logits = generate(
+                    self.policy, q, pad, R, cfg.temperature, eos_token_id=None, return_logits=True
+                )
             logprobs = logprobs_from_logits(logits, responses, cfg.temperature, pad)
             del logits
             t1 = time.perf_counter()
             query_responses = torch.cat([q, responses], dim=1)
             with autocast(self.device, cfg.bf16):
-                ref_logprobs = logprobs_from_logits(response_logits(self.ref_policy, query_responses, pad, context),
-                                                    responses, cfg.temperature, pad)
+                ref_logprobs = logprobs_from_logits(
+                    response_logits(self.ref_policy, query_responses, pad, context), responses, cfg.temperature, pad
+                )
                 values = response_values(self.value_model, query_responses, pad, context)
             scored = self.score(q, truncate_after_eos(responses, eos, pad))
             t_gen += t1 - t0
             t_score += time.perf_counter() - t1
-            for name, value in (("query_responses", query_responses), ("responses", responses),
-                                ("logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values.float()),
-                                ("raw_scores", scored.raw_scores), ("scores", scored.scores),
-                                ("has_eos", scored.has_eos)):
+            for name, value in (
+                ("query_responses", query_responses),
+                ("responses", responses),
+                ("logprobs", logprobs),
+                ("ref_logprobs", ref_logprobs),
+                ("values", values.float()),
+                ("raw_scores", scored.raw_scores),
+                ("scores", scored.scores),
+                ("has_eos", scored.has_eos),
+            ):
                 parts[name].append(value)
         batch = {k: torch.cat(v) for k, v in parts.items()}
         scored = ResponseScores(batch.pop("raw_scores"), batch.pop("scores"), batch.pop("has_eos"))
-        return make_trajectory(**batch, scored=scored, context_length=context, eos_token_id=eos, pad_token_id=pad,
-                               time_generate=t_gen, time_score=t_score)
+        return make_trajectory(
+            **batch,
+            scored=scored,
+            context_length=context,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            time_generate=t_gen,
+            time_score=t_score,
+        )
 
     # -------------------------------------------------------- step 4: optimise
 
-    def optimise(self, traj: Trajectory, value_mask: torch.Tensor, advantages: torch.Tensor,
-                 returns: torch.Tensor, update: int) -> PPOStats:
+    def optimise(
+        self, traj: Trajectory, value_mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor, update: int
+    ) -> PPOStats:
         """``ppo_epochs`` passes over this rank's share of the batch, each in ``num_minibatches``
         shuffled minibatches with one optimiser step per minibatch (Table 7).
 
@@ -457,8 +520,9 @@ class PPOTrainer:
                 try:
                     for micro in micro_batches(minibatch, cfg.micro_batch_size):
                         idx = torch.tensor(micro, device=self.device)
-                        stats, ratio = self._ppo_step(traj, value_mask, advantages, returns, idx,
-                                                      scale=len(micro) / len(minibatch) / ranks)
+                        stats, ratio = self._ppo_step(
+                            traj, value_mask, advantages, returns, idx, scale=len(micro) / len(minibatch) / ranks
+                        )
                         for key, value in stats.items():
                             mb_sums[key] += value * len(micro) / len(minibatch)
                         ratios.append(ratio)
@@ -473,13 +537,25 @@ class PPOTrainer:
                 steps += 1
         return _reduce_stats(sums, steps, torch.cat(ratios).double())
 
-    def _ppo_step(self, traj: Trajectory, value_mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
-                  idx: torch.Tensor, scale: float) -> tuple[dict[str, float], torch.Tensor]:
+    def _ppo_step(
+        self,
+        traj: Trajectory,
+        value_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        returns: torch.Tensor,
+        idx: torch.Tensor,
+        scale: float,
+    ) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
         surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus ``vf_coef`` times the
         clipped value loss. Returns its statistics and the ratios on its response tokens."""
         cfg, pad, context = self.cfg, self.pad_id, traj.context_length
-        qr, resp, token_mask, vmask = traj.query_responses[idx], traj.responses[idx], traj.token_mask[idx], value_mask[idx]
+        qr, resp, token_mask, vmask = (
+            traj.query_responses[idx],
+            traj.responses[idx],
+            traj.token_mask[idx],
+            value_mask[idx],
+        )
         # The two models share no parameters, so each part of the loss is backpropagated on its
         # own: the policy's activations are freed before the value model's forward pass.
         with autocast(self.device, cfg.bf16):
@@ -500,8 +576,14 @@ class PPOTrainer:
         if not torch.isfinite(vl["loss"]):
             raise _NonFinite(f"non-finite loss (value {vl['loss'].item()})")
         (cfg.vf_coef * vl["loss"] * scale).backward()
-        stats = {"policy_loss": pl["loss"], "value_loss": vl["loss"], "clipfrac": pl["clipfrac"],
-                 "approxkl": pl["approxkl"], "value_clipfrac": vl["clipfrac"], "entropy": entropy}
+        stats = {
+            "policy_loss": pl["loss"],
+            "value_loss": vl["loss"],
+            "clipfrac": pl["clipfrac"],
+            "approxkl": pl["approxkl"],
+            "value_clipfrac": vl["clipfrac"],
+            "entropy": entropy,
+        }
         return {k: v.item() for k, v in stats.items()}, pl["ratio"][token_mask].detach().float().cpu()
 
     # --------------------------------------------------------------- evaluation
@@ -528,12 +610,27 @@ class PPOTrainer:
             references = torch.tensor(mine["reference_response_token"])
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 # the same samples every time, training's RNG untouched
-                summaries = summarize(self.policy, self.tokenizer, queries, self.response_length, cfg.eval_temperature,
-                                      cfg.micro_batch_size, cfg.seed + self.world.rank, cfg.bf16)
+                summaries = summarize(
+                    self.policy,
+                    self.tokenizer,
+                    queries,
+                    self.response_length,
+                    cfg.eval_temperature,
+                    cfg.micro_batch_size,
+                    cfg.seed + self.world.rank,
+                    cfg.bf16,
+                )
             policy = self.score(queries, summaries.responses)
             reference = self.score(queries, references)
-            rows = list(zip(policy.scores.tolist(), policy.raw_scores.tolist(), policy.has_eos.tolist(),
-                            reference.scores.tolist(), summaries.texts))
+            rows = list(
+                zip(
+                    policy.scores.tolist(),
+                    policy.raw_scores.tolist(),
+                    policy.has_eos.tolist(),
+                    reference.scores.tolist(),
+                    summaries.texts,
+                )
+            )
         rows = [row for rank_rows in all_gather_object(rows) for row in rank_rows]
         sp, raw, has_eos, sr = (torch.tensor([row[i] for row in rows], dtype=torch.float64) for i in range(4))
         metrics = {
@@ -543,9 +640,17 @@ class PPOTrainer:
             "eval/score_reference": sr.mean().item(),
             "eval/rm_win_rate_vs_reference": (sp > sr).double().mean().item(),
         }
-        samples = [{"post": p, "reference": r.strip(), "policy": row[4], "score_policy": row[0],
-                    "raw_score_policy": row[1], "score_reference": row[3]}
-                   for p, r, row in zip(ds["post"], ds["reference_response"], rows)]
+        samples = [
+            {
+                "post": p,
+                "reference": r.strip(),
+                "policy": row[4],
+                "score_policy": row[0],
+                "raw_score_policy": row[1],
+                "score_reference": row[3],
+            }
+            for p, r, row in zip(ds["post"], ds["reference_response"], rows)
+        ]
         return metrics, samples
 
 
@@ -564,8 +669,9 @@ def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> P
     return PPOStats(**means, ratio_mean=ratio_mean, ratio_var=ratio_sq / (count - 1) if count > 1 else 0.0)
 
 
-def rollout_statistics(traj: Trajectory, rewards: Rewards, advantages: torch.Tensor,
-                       returns: torch.Tensor) -> dict[str, float]:
+def rollout_statistics(
+    traj: Trajectory, rewards: Rewards, advantages: torch.Tensor, returns: torch.Tensor
+) -> dict[str, float]:
     """Statistics of the global batch (every rank's share gathered; the identity on one rank):
     score, KL to the reference (nats per response and per token), rewards, advantages,
     returns, response length and EOS rate, under TRL's names."""
@@ -651,8 +757,14 @@ def run_ppo(
     w = trainer.world
     if not w.is_main:
         tracker = NullTracker()
-    digest = json_digest([cfg.model_dump(mode="json"), trainer.stats, str(Path(sft_model_dir).resolve()),
-                          str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None])
+    digest = json_digest(
+        [
+            cfg.model_dump(mode="json"),
+            trainer.stats,
+            str(Path(sft_model_dir).resolve()),
+            str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None,
+        ]
+    )
     checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
     resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
     start = resumed["step"] if resumed else 0
@@ -664,10 +776,14 @@ def run_ppo(
         states = all_gather_object(torch.get_rng_state())
         checkpoints.save(step, trainer.models, trainer.optimizer, trainer.scheduler, extra={"rank_rng": states})
 
-    tracker.log_params({f"ppo.{k}": v for k, v in cfg.model_dump().items()}
-                      | {"ppo.response_length_used": trainer.response_length,
-                         "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
-                         "ppo.precision": precision_name(cfg.bf16, trainer.device)})
+    tracker.log_params(
+        {f"ppo.{k}": v for k, v in cfg.model_dump().items()}
+        | {
+            "ppo.response_length_used": trainer.response_length,
+            "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
+            "ppo.precision": precision_name(cfg.bf16, trainer.device),
+        }
+    )
     interactive = sys.stderr.isatty() and w.is_main
     bar = tqdm(total=trainer.num_updates, initial=start, desc="ppo", disable=not interactive, dynamic_ncols=True)
     log_every = max(1, trainer.num_updates // 20)
@@ -691,16 +807,21 @@ def run_ppo(
             stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update)
         except _NonFinite as exc:
             save_checkpoint(update)
-            raise TrainingError(f"ppo: {exc} at update {update + 1}; parameters from before the failing step "
-                                f"saved in {checkpoints.root}") from None
+            raise TrainingError(
+                f"ppo: {exc} at update {update + 1}; parameters from before the failing step "
+                f"saved in {checkpoints.root}"
+            ) from None
         t_train = time.perf_counter() - t0
         lr = trainer.scheduler.get_last_lr()[0]
         trainer.scheduler.step()
 
         # plumbing: statistics, evaluation, logging, checkpoints
-        metrics = (rollout_statistics(traj, rewards, advantages, returns) | stats.metrics()
-                   | _throughput(traj, t_train, cfg.ppo_epochs, trainer.device)
-                   | {"lr": lr, "episodes": float((update + 1) * cfg.batch_size)})
+        metrics = (
+            rollout_statistics(traj, rewards, advantages, returns)
+            | stats.metrics()
+            | _throughput(traj, t_train, cfg.ppo_epochs, trainer.device)
+            | {"lr": lr, "episodes": float((update + 1) * cfg.batch_size)}
+        )
         if (update + 1) % cfg.eval_every == 0 or update + 1 == trainer.num_updates:
             eval_metrics, samples = trainer.evaluate()
             metrics |= eval_metrics
@@ -710,10 +831,16 @@ def run_ppo(
         bar.update(1)
         bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
         if not interactive and w.is_main and ((update + 1) % log_every == 0 or update + 1 == trainer.num_updates):
-            log.info("ppo update %d/%d: score %.3f kl %.3f no-eos %.2f len %.1f (%.0f s)", update + 1,
-                     trainer.num_updates, metrics["objective/scores"], metrics["objective/kl"],
-                     metrics["response/no_eos_fraction"], metrics["response/length_mean"],
-                     metrics["time/generate"] + metrics["time/score"] + t_train)
+            log.info(
+                "ppo update %d/%d: score %.3f kl %.3f no-eos %.2f len %.1f (%.0f s)",
+                update + 1,
+                trainer.num_updates,
+                metrics["objective/scores"],
+                metrics["objective/kl"],
+                metrics["response/no_eos_fraction"],
+                metrics["response/length_mean"],
+                metrics["time/generate"] + metrics["time/score"] + t_train,
+            )
         if (update + 1) % cfg.checkpoint_every == 0 and update + 1 < trainer.num_updates:
             save_checkpoint(update + 1)
     bar.close()

@@ -136,8 +136,9 @@ def plot_training_curves(
         if series:
             panels.append((stage, series))
     if not panels:
-        raise ValueError(f"none of {', '.join(map(str, metrics_files.values())) or 'no files'} "
-                         "holds a stepped metric to plot")
+        raise ValueError(
+            f"none of {', '.join(map(str, metrics_files.values())) or 'no files'} holds a stepped metric to plot"
+        )
     ncols = min(max_columns, max(len(series) for _, series in panels))
     cells: list[tuple[str, str, np.ndarray, np.ndarray] | None] = []
     for stage, series in panels:  # each stage starts a new row and wraps after ncols panels
@@ -153,8 +154,13 @@ def plot_training_curves(
             window = len(xs) // 20
             if window >= 2:
                 ax.plot(xs, ys, color="#4C72B0", alpha=0.3, linewidth=0.8, label="per step")
-                ax.plot(xs[window - 1:], _moving_average(ys, window), color="#4C72B0", linewidth=1.6,
-                        label=f"mean of {window} steps")
+                ax.plot(
+                    xs[window - 1 :],
+                    _moving_average(ys, window),
+                    color="#4C72B0",
+                    linewidth=1.6,
+                    label=f"mean of {window} steps",
+                )
                 ax.legend(fontsize=7)
             else:
                 ax.plot(xs, ys, "o-" if len(xs) < 10 else "-", color="#4C72B0", markersize=3)
@@ -230,9 +236,14 @@ def _md_cell(text: str) -> str:
 
 def _md_table(rows: Sequence[dict[str, Any]]) -> str:
     cols = _columns(rows)
-    lines = ["| " + " | ".join(_md_cell(c) for c in cols) + " |",
-             "|" + "|".join("---:" if any(_is_number(r.get(c)) or isinstance(r.get(c), dict) for r in rows)
-                            else "---" for c in cols) + "|"]
+    lines = [
+        "| " + " | ".join(_md_cell(c) for c in cols) + " |",
+        "|"
+        + "|".join(
+            "---:" if any(_is_number(r.get(c)) or isinstance(r.get(c), dict) for r in rows) else "---" for c in cols
+        )
+        + "|",
+    ]
     for row in rows:
         lines.append("| " + " | ".join(_md_cell(format_value(row.get(c))) for c in cols) + " |")
     return "\n".join(lines)
@@ -260,9 +271,11 @@ def _html_samples(samples: Sequence[dict[str, Any]], post_chars: int) -> str:
         if has_post:
             post = str(s.get("post", ""))
             if len(post) > post_chars:
-                cells.append(f"<td><details><summary>{html.escape(post[:post_chars])}… "
-                             f"<i>(show all {len(post)} characters)</i></summary>"
-                             f'<div class="text">{html.escape(post)}</div></details></td>')
+                cells.append(
+                    f"<td><details><summary>{html.escape(post[:post_chars])}… "
+                    f"<i>(show all {len(post)} characters)</i></summary>"
+                    f'<div class="text">{html.escape(post)}</div></details></td>'
+                )
             else:
                 cells.append(f'<td><div class="text">{html.escape(post)}</div></td>')
         for c in cols:
@@ -377,9 +390,13 @@ def write_report(
         figures.append((heading, file, captions.get(heading, DEFAULT_CAPTIONS.get(file.stem, "")), _data_uri(file)))
     esc = html.escape
 
-    h = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-         '<meta name="viewport" content="width=device-width, initial-scale=1">',
-         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>", f"<h1>{esc(title)}</h1>"]
+    h = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{esc(title)}</h1>",
+    ]
     m = [f"# {title}", ""]
     if intro:
         h.append(f'<p class="text">{esc(intro)}</p>')
@@ -400,8 +417,10 @@ def write_report(
         m += ["## Plots", ""]
     for heading, file, caption, uri in figures:
         cap = f" {esc(caption)}" if caption else ""
-        h.append(f'<figure><img src="{uri}" alt="{esc(heading)}">'
-                 f"<figcaption><b>{esc(heading)}.</b>{cap}</figcaption></figure>")
+        h.append(
+            f'<figure><img src="{uri}" alt="{esc(heading)}">'
+            f"<figcaption><b>{esc(heading)}.</b>{cap}</figcaption></figure>"
+        )
         m += [f"### {heading}", "", f"![{heading}]({file.name})", ""] + ([caption, ""] if caption else [])
     if samples:
         h += ["<h2>Samples</h2>", _html_samples(samples, post_chars)]

@@ -60,8 +60,13 @@ class ScalarModelConfig(PretrainedConfig):
 
     model_type = "rlhf_scalar"
 
-    def __init__(self, base_config: dict | None = None, hidden_size: int | None = None,
-                 normalization_mean: float = 0.0, **kwargs: Any):
+    def __init__(
+        self,
+        base_config: dict | None = None,
+        hidden_size: int | None = None,
+        normalization_mean: float = 0.0,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.base_config = base_config or {}
         self.hidden_size = hidden_size
@@ -95,9 +100,15 @@ class ScalarModel(PreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:  # weights come from the backbone or a checkpoint
         pass
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
@@ -115,14 +126,20 @@ def reward_model_from_causal_lm(path: str | os.PathLike, seed: int = 0, dtype: s
     """A new reward model: the backbone of the causal LM at ``path`` and a fresh head (Details 10, 11)."""
     backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype])
     base_config = backbone.config.to_dict()
-    config = ScalarModelConfig(base_config=base_config, hidden_size=backbone.config.hidden_size,
-                               pad_token_id=backbone.config.pad_token_id, eos_token_id=backbone.config.eos_token_id)
+    config = ScalarModelConfig(
+        base_config=base_config,
+        hidden_size=backbone.config.hidden_size,
+        pad_token_id=backbone.config.pad_token_id,
+        eos_token_id=backbone.config.eos_token_id,
+    )
     model = ScalarModel(config, backbone=backbone)
     init_head(model.head, config.hidden_size, torch.Generator().manual_seed(seed))
     return model.to(DTYPES[dtype])
 
 
-def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def get_reward(
+    model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scalars at every position, and the reward at each sequence's EOS (Details 12, 14).
 
     The EOS index is the index before the first PAD after ``context_length``; with no PAD
@@ -139,14 +156,18 @@ def get_reward(model: ScalarModel, query_responses: torch.Tensor, pad_token_id: 
         ``query_responses`` of each response's last real token (its EOS, when it has one).
     """
     reward_logits = causal_forward(
-        lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos), query_responses, pad_token_id
+        lambda ids, mask, pos: model(input_ids=ids, attention_mask=mask, position_ids=pos),
+        query_responses,
+        pad_token_id,
     )
     score_indices = last_token_indices(query_responses[:, context_length:], pad_token_id) + context_length
     scores = reward_logits[torch.arange(reward_logits.size(0), device=reward_logits.device), score_indices]
     return reward_logits, scores, score_indices
 
 
-def pair_scores(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_scores(
+    model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of chosen and rejected rows, running the tokens they share (the query) once.
 
     A causal model's hidden state at a token depends only on the tokens before it, so the
@@ -176,8 +197,10 @@ def pair_scores(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor
     prefix = torch.minimum(common, eos.min(1).values)  # (batch,): at least each row's EOS runs in the second pass
     width = int(prefix.max()) if batch else 0
     positions = torch.arange(length, device=chosen.device)
-    right_padded = bool(((chosen != pad_token_id) == (positions < (eos[:, 0] + 1)[:, None])).all()
-                        and ((rejected != pad_token_id) == (positions < (eos[:, 1] + 1)[:, None])).all())
+    right_padded = bool(
+        ((chosen != pad_token_id) == (positions < (eos[:, 0] + 1)[:, None])).all()
+        and ((rejected != pad_token_id) == (positions < (eos[:, 1] + 1)[:, None])).all()
+    )
     checkpointing = getattr(model.backbone, "gradient_checkpointing", False)
     if width == 0 or not right_padded or bool(eos.min() < 0) or checkpointing or is_sharded(model):
         _, scores, _ = get_reward(model, torch.cat([chosen, rejected]), pad_token_id)
@@ -194,8 +217,9 @@ def pair_scores(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor
     valid = offsets < n_suffix[:, None]
     input_ids = torch.gather(rows, 1, index).masked_fill(~valid, 0)
     attention_mask = torch.cat([torch.arange(width, device=chosen.device) < start[:, None], valid], 1).long()
-    hidden = model.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=index,
-                            past_key_values=cache, use_cache=True).last_hidden_state
+    hidden = model.backbone(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=index, past_key_values=cache, use_cache=True
+    ).last_hidden_state
     last = hidden[torch.arange(2 * batch, device=chosen.device), n_suffix - 1]  # (2 * batch, hidden): each EOS
     scores = model.head(last).squeeze(-1).float().view(batch, 2)
     return scores[:, 0], scores[:, 1]
@@ -250,17 +274,26 @@ def run_reward_training(
             sums["chosen_reward"] += chosen.detach().sum().item()
             sums["rejected_reward"] += rejected.detach().sum().item()
         names = ["loss", "accuracy", "chosen_reward", "rejected_reward"]
-        totals = all_reduce_sum([sums[k] for k in names]
-                                + [(chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item()])
+        totals = all_reduce_sum(
+            [sums[k] for k in names] + [(chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item()]
+        )
         out = {k: v / n for k, v in zip(names, totals)}
         out["tokens"] = totals[-1]
         return out
 
     digest = json_digest([cfg.model_dump(mode="json"), stats, str(Path(sft_model_dir).resolve())])
-    tracker.log_params({f"reward.{k}": v for k, v in cfg.model_dump().items()}
-                      | {"reward.precision": precision_name(cfg.bf16, device)})
-    last = train_loop(model=model, n_rows=len(train), optim=cfg, step_fn=step_fn,
-                      checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="reward")
+    tracker.log_params(
+        {f"reward.{k}": v for k, v in cfg.model_dump().items()} | {"reward.precision": precision_name(cfg.bf16, device)}
+    )
+    last = train_loop(
+        model=model,
+        n_rows=len(train),
+        optim=cfg,
+        step_fn=step_fn,
+        checkpoints=CheckpointManager(out_dir / "checkpoints", digest),
+        tracker=tracker,
+        desc="reward",
+    )
     model = gather_to_main(model, lambda: reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device))
     if not w.is_main:
         return {}  # rank 0 saves
@@ -291,8 +324,13 @@ class ResponseScores:
     has_eos: torch.Tensor
 
 
-def response_scores(raw_scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int,
-                    non_eos_penalty: float | None) -> ResponseScores:
+def response_scores(
+    raw_scores: torch.Tensor,
+    responses: torch.Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+    non_eos_penalty: float | None,
+) -> ResponseScores:
     """:class:`ResponseScores` from the reward model's raw scores: the EOS trick (Detail 23).
 
     Args:
@@ -303,15 +341,24 @@ def response_scores(raw_scores: torch.Tensor, responses: torch.Tensor, eos_token
         :class:`ResponseScores` on the device of ``raw_scores``.
     """
     raw_scores = raw_scores.float()
-    return ResponseScores(raw_scores=raw_scores,
-                          scores=apply_eos_trick(raw_scores, responses, eos_token_id, pad_token_id, non_eos_penalty),
-                          has_eos=ends_with_eos(responses, eos_token_id, pad_token_id))
+    return ResponseScores(
+        raw_scores=raw_scores,
+        scores=apply_eos_trick(raw_scores, responses, eos_token_id, pad_token_id, non_eos_penalty),
+        has_eos=ends_with_eos(responses, eos_token_id, pad_token_id),
+    )
 
 
 @torch.no_grad()
-def score_responses(reward_model: ScalarModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                    eos_token_id: int, non_eos_penalty: float | None, batch_size: int,
-                    bf16: bool | str = False) -> ResponseScores:
+def score_responses(
+    reward_model: ScalarModel,
+    queries: torch.Tensor,
+    responses: torch.Tensor,
+    pad_token_id: int,
+    eos_token_id: int,
+    non_eos_penalty: float | None,
+    batch_size: int,
+    bf16: bool | str = False,
+) -> ResponseScores:
     """Reward-model scores of query + response pairs, in batches, without gradients (Details 12, 14, 23).
 
     Every sampled or reference response scored outside reward-model training goes through
@@ -346,8 +393,14 @@ def score_responses(reward_model: ScalarModel, queries: torch.Tensor, responses:
 
 
 @torch.no_grad()
-def score_pairs(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int,
-                batch_size: int, bf16: bool | str = False) -> tuple[torch.Tensor, torch.Tensor]:
+def score_pairs(
+    model: ScalarModel,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    pad_token_id: int,
+    batch_size: int,
+    bf16: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of preference pairs, in batches, without gradients: the training pass
     (:func:`pair_scores`, the shared query run once) in evaluation mode.
 
@@ -364,8 +417,12 @@ def score_pairs(model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor
     out_chosen, out_rejected = [], []
     for start in range(0, len(chosen), batch_size):
         with autocast(device, bf16):
-            c, r = pair_scores(model, chosen[start : start + batch_size].to(device),
-                               rejected[start : start + batch_size].to(device), pad_token_id)
+            c, r = pair_scores(
+                model,
+                chosen[start : start + batch_size].to(device),
+                rejected[start : start + batch_size].to(device),
+                pad_token_id,
+            )
         out_chosen.append(c.float().cpu())
         out_rejected.append(r.float().cpu())
     empty = torch.zeros(0)
@@ -406,8 +463,9 @@ def normalize_reward_model(
     queries, references = rows["query_token"], rows["reference_response_token"]
 
     def reference_scores() -> torch.Tensor:  # references end with EOS (Detail 3): their raw scores
-        return score_responses(model, queries, references, pad, eos, float("nan"), cfg.micro_batch_size,
-                               cfg.bf16).raw_scores
+        return score_responses(
+            model, queries, references, pad, eos, float("nan"), cfg.micro_batch_size, cfg.bf16
+        ).raw_scores
 
     before = reference_scores()
     mean = before.double().mean().item()
@@ -430,19 +488,27 @@ def normalize_reward_model(
     tracker.log_metrics(metrics)
     write_json_atomic(out_dir / "metrics.json", metrics)
     if cfg.normalize:
-        log.info("reward normalisation: mean %.4f -> %.2e over %d references", mean,
-                 metrics["normalization/mean_after"], len(before))
+        log.info(
+            "reward normalisation: mean %.4f -> %.2e over %d references",
+            mean,
+            metrics["normalization/mean_after"],
+            len(before),
+        )
     else:
-        log.info("reward normalisation off (reward.normalize: false): model written unchanged; mean %.4f over "
-                 "%d references", mean, len(before))
+        log.info(
+            "reward normalisation off (reward.normalize: false): model written unchanged; mean %.4f over %d references",
+            mean,
+            len(before),
+        )
     return metrics
 
 
 # ------------------------------------------------------------------ evaluation
 
 
-def accuracy_by_group(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor,
-                      groups: dict[str, list], prefix: str) -> dict[str, float]:
+def accuracy_by_group(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, groups: dict[str, list], prefix: str
+) -> dict[str, float]:
     """Accuracy overall and within each value of each grouping (Detail 16).
 
     Args:
@@ -458,8 +524,12 @@ def accuracy_by_group(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     """
     correct = (chosen_scores > rejected_scores).float()
     low, high = wilson_interval(int(correct.sum().item()), len(correct))
-    out = {f"{prefix}/accuracy": correct.mean().item(), f"{prefix}/count": float(len(correct)),
-           f"{prefix}/accuracy_ci_low": low, f"{prefix}/accuracy_ci_high": high}
+    out = {
+        f"{prefix}/accuracy": correct.mean().item(),
+        f"{prefix}/count": float(len(correct)),
+        f"{prefix}/accuracy_ci_low": low,
+        f"{prefix}/accuracy_ci_high": high,
+    }
     for group, labels in groups.items():
         buckets: dict[str, list[int]] = defaultdict(list)
         for i, label in enumerate(labels):
@@ -475,9 +545,14 @@ def reward_statistics(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     out = {}
     for name, s in (("chosen", chosen_scores), ("rejected", rejected_scores)):
         s = s.double()
-        out.update({f"{prefix}/reward/{name}/max": s.max().item(), f"{prefix}/reward/{name}/mean": s.mean().item(),
-                    f"{prefix}/reward/{name}/min": s.min().item(),
-                    f"{prefix}/reward/{name}/std": s.std().item() if len(s) > 1 else 0.0})
+        out.update(
+            {
+                f"{prefix}/reward/{name}/max": s.max().item(),
+                f"{prefix}/reward/{name}/mean": s.mean().item(),
+                f"{prefix}/reward/{name}/min": s.min().item(),
+                f"{prefix}/reward/{name}/std": s.std().item() if len(s) > 1 else 0.0,
+            }
+        )
     return out
 
 
@@ -503,9 +578,16 @@ def calibration_table(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
         if not sel.any():
             continue
         center = float((edges[b] + edges[b + 1]) / 2)
-        rows.append({"low": float(edges[b]), "high": float(edges[b + 1]), "center": center,
-                     "count": int(sel.sum()), "accuracy": float((delta[sel] > 0).double().mean()),
-                     "ideal": 1.0 / (1.0 + math.exp(-center))})
+        rows.append(
+            {
+                "low": float(edges[b]),
+                "high": float(edges[b + 1]),
+                "center": center,
+                "count": int(sel.sum()),
+                "accuracy": float((delta[sel] > 0).double().mean()),
+                "ideal": 1.0 / (1.0 + math.exp(-center)),
+            }
+        )
     return rows
 
 
@@ -542,8 +624,14 @@ def evaluate_reward_model(
         ds = pref[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
         torch_ds = ds.with_format("torch", columns=["query_chosen_token", "query_rejected_token"])[:]
-        chosen, rejected = score_pairs(model, torch_ds["query_chosen_token"], torch_ds["query_rejected_token"],
-                                       tokenizer.pad_token_id, cfg.micro_batch_size, cfg.bf16)
+        chosen, rejected = score_pairs(
+            model,
+            torch_ds["query_chosen_token"],
+            torch_ds["query_rejected_token"],
+            tokenizer.pad_token_id,
+            cfg.micro_batch_size,
+            cfg.bf16,
+        )
         prefix = "eval" if split == "validation" else f"eval/{split}"
         groups = {"batch": list(ds["batch"]), "confidence": list(ds["confidence"]), "split": list(ds["split"])}
         metrics.update(accuracy_by_group(chosen, rejected, groups, prefix))

@@ -32,8 +32,8 @@ import hashlib
 import importlib
 import importlib.util
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -79,8 +79,9 @@ def load_reward_function(spec: str) -> RewardFunction | None:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or any error raised while the module runs
-        raise RewardSpecError(f"ppo.reward {spec!r}: cannot import module {module_name!r}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        raise RewardSpecError(
+            f"ppo.reward {spec!r}: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     fn = getattr(module, name, None)
     if fn is None:
         raise RewardSpecError(f"ppo.reward {spec!r}: module {module_name!r} has no attribute {name!r}")
@@ -129,7 +130,7 @@ def describe_reward(spec: str, reward_model_dir: str | Path | None) -> str:
     return f"python:{parsed[0]}:{parsed[1]} ({reward_source(spec)})"
 
 
-def reward_tensor(output: "Sequence[float] | torch.Tensor", n: int, spec: str) -> torch.Tensor:
+def reward_tensor(output: Sequence[float] | torch.Tensor, n: int, spec: str) -> torch.Tensor:
     """A reward function's output as ``(n,)`` float32 on the CPU.
 
     Raises:
@@ -137,19 +138,24 @@ def reward_tensor(output: "Sequence[float] | torch.Tensor", n: int, spec: str) -
             shape, or values that are not numbers), naming ``ppo.reward`` and the spec.
     """
     try:
-        scores = torch.as_tensor(output.detach().cpu() if isinstance(output, torch.Tensor) else list(output),
-                                 dtype=torch.float32)
+        scores = torch.as_tensor(
+            output.detach().cpu() if isinstance(output, torch.Tensor) else list(output), dtype=torch.float32
+        )
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise RewardSpecError(f"ppo.reward {spec!r}: the function must return {n} floats, got "
-                              f"{type(output).__name__} ({exc})") from exc
+        raise RewardSpecError(
+            f"ppo.reward {spec!r}: the function must return {n} floats, got {type(output).__name__} ({exc})"
+        ) from exc
     if scores.shape != (n,):
-        raise RewardSpecError(f"ppo.reward {spec!r}: the function must return {n} floats (one per response), "
-                              f"got shape {tuple(scores.shape)}")
+        raise RewardSpecError(
+            f"ppo.reward {spec!r}: the function must return {n} floats (one per response), "
+            f"got shape {tuple(scores.shape)}"
+        )
     return scores
 
 
-def reward_inputs(tokenizer, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int,
-                  eos_token_id: int) -> tuple[list[str], list[str], list[list[int]], list[list[int]]]:
+def reward_inputs(
+    tokenizer, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int, eos_token_id: int
+) -> tuple[list[str], list[str], list[list[int]], list[list[int]]]:
     """The four arguments of a reward function for a batch of query + response token ids.
 
     Args:
@@ -173,8 +179,15 @@ def reward_inputs(tokenizer, queries: torch.Tensor, responses: torch.Tensor, pad
     return [decode(ids) for ids in query_ids], [decode(ids) for ids in response_ids], query_ids, response_ids
 
 
-def rule_scores(fn: RewardFunction, spec: str, tokenizer, queries: torch.Tensor, responses: torch.Tensor,
-                pad_token_id: int, eos_token_id: int) -> torch.Tensor:
+def rule_scores(
+    fn: RewardFunction,
+    spec: str,
+    tokenizer,
+    queries: torch.Tensor,
+    responses: torch.Tensor,
+    pad_token_id: int,
+    eos_token_id: int,
+) -> torch.Tensor:
     """``fn`` on a batch (:func:`reward_inputs`), checked (:func:`reward_tensor`): ``(n,)`` float32, CPU."""
     inputs = reward_inputs(tokenizer, queries, responses, pad_token_id, eos_token_id)
     return reward_tensor(fn(*inputs), len(responses), spec)
@@ -185,10 +198,28 @@ def rule_scores(fn: RewardFunction, spec: str, tokenizer, queries: torch.Tensor,
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['’][A-Za-z]+)*")
 
 #: First-person pronouns and their contractions, lower case.
-FIRST_PERSON = frozenset({
-    "i", "me", "my", "mine", "myself", "i'm", "i've", "i'd", "i'll",
-    "we", "us", "our", "ours", "ourselves", "we're", "we've", "we'd", "we'll",
-})
+FIRST_PERSON = frozenset(
+    {
+        "i",
+        "me",
+        "my",
+        "mine",
+        "myself",
+        "i'm",
+        "i've",
+        "i'd",
+        "i'll",
+        "we",
+        "us",
+        "our",
+        "ours",
+        "ourselves",
+        "we're",
+        "we've",
+        "we'd",
+        "we'll",
+    }
+)
 
 
 def words(text: str) -> list[str]:
@@ -212,13 +243,16 @@ def word_count_score(n_words: int, target: int) -> float:
 def word_count_reward(target: int) -> RewardFunction:
     """A reward function: :func:`word_count_score` of each response's word count (:func:`words`)."""
 
-    def reward(queries: list[str], responses: list[str], query_ids: list[list[int]],
-               response_ids: list[list[int]]) -> list[float]:
+    def reward(
+        queries: list[str], responses: list[str], query_ids: list[list[int]], response_ids: list[list[int]]
+    ) -> list[float]:
         return [word_count_score(len(words(text)), target) for text in responses]
 
     reward.__name__ = reward.__qualname__ = f"word_count_{target}"
-    reward.__doc__ = (f"Closeness of each summary's word count to {target}: "
-                      f"``word_count_score(len(words(response)), {target})``, in [-1, 0].")
+    reward.__doc__ = (
+        f"Closeness of each summary's word count to {target}: "
+        f"``word_count_score(len(words(response)), {target})``, in [-1, 0]."
+    )
     return reward
 
 
@@ -236,8 +270,9 @@ def first_person_share(text: str) -> float:
     return sum(w in FIRST_PERSON for w in ws) / len(ws) if ws else 1.0
 
 
-def no_first_person(queries: list[str], responses: list[str], query_ids: list[list[int]],
-                    response_ids: list[list[int]]) -> list[float]:
+def no_first_person(
+    queries: list[str], responses: list[str], query_ids: list[list[int]], response_ids: list[list[int]]
+) -> list[float]:
     """Minus the share of first-person words in each summary (:func:`first_person_share`), in
     ``[-1, 0]``: a summary in the third person, as a summary by someone else would be.
 
@@ -255,8 +290,9 @@ def repeat_share(ids: Sequence[int]) -> float:
     return sum(a == b for a, b in zip(ids[1:], ids[:-1])) / (len(ids) - 1)
 
 
-def non_repeating_tokens(queries: list[str], responses: list[str], query_ids: list[list[int]],
-                         response_ids: list[list[int]]) -> list[float]:
+def non_repeating_tokens(
+    queries: list[str], responses: list[str], query_ids: list[list[int]], response_ids: list[list[int]]
+) -> list[float]:
     """``1 - repeat_share(response_ids)`` per response, in ``[0, 1]``: penalises a token that
     repeats the one before it, the degenerate repetition of an untrained or collapsed policy.
 

@@ -41,7 +41,9 @@ from .training import (
 log = logging.getLogger(__name__)
 
 
-def make_loss_mask(input_ids: torch.Tensor, pad_token_id: int, query_lengths: torch.Tensor | None = None) -> torch.Tensor:
+def make_loss_mask(
+    input_ids: torch.Tensor, pad_token_id: int, query_lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """Which tokens are SFT targets.
 
     Args:
@@ -60,7 +62,9 @@ def make_loss_mask(input_ids: torch.Tensor, pad_token_id: int, query_lengths: to
     return mask
 
 
-def masked_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+def masked_token_loss(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy over target tokens, from full logits.
 
     Position ``t`` of ``logits`` predicts token ``t + 1``; a token counts when
@@ -80,7 +84,9 @@ def masked_token_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
     return F.cross_entropy(logits, targets, reduction="sum"), int(target_mask.sum())
 
 
-def sft_loss_sum(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, int]:
+def sft_loss_sum(
+    model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_token_id: int
+) -> tuple[torch.Tensor, int]:
     """:func:`masked_token_loss` computed without full-vocabulary logits at non-target positions.
 
     The backbone runs through :func:`~rlhf_core.models.causal_forward` (no attention mask,
@@ -95,9 +101,11 @@ def sft_loss_sum(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: tor
         ``(loss_sum, n_targets)`` as :func:`masked_token_loss`.
     """
     hidden = causal_forward(
-        lambda ids, mask, pos: model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                                use_cache=False).last_hidden_state,
-        input_ids, pad_token_id,
+        lambda ids, mask, pos: (
+            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        ),
+        input_ids,
+        pad_token_id,
     )
     target_mask = loss_mask[:, 1:]
     head = model.get_output_embeddings()
@@ -249,11 +257,17 @@ def run_sft(
         return {"loss": total / n_targets, "tokens": tokens}
 
     digest = json_digest([cfg.model_dump(mode="json"), stats, str(Path(base_model_dir).resolve())])
-    tracker.log_params({f"sft.{k}": v for k, v in cfg.model_dump().items()}
-                      | {"sft.precision": precision_name(cfg.bf16, device)})
+    tracker.log_params(
+        {f"sft.{k}": v for k, v in cfg.model_dump().items()} | {"sft.precision": precision_name(cfg.bf16, device)}
+    )
     train_metrics = train_loop(
-        model=model, n_rows=len(train), optim=cfg, step_fn=step_fn,
-        checkpoints=CheckpointManager(out_dir / "checkpoints", digest), tracker=tracker, desc="sft",
+        model=model,
+        n_rows=len(train),
+        optim=cfg,
+        step_fn=step_fn,
+        checkpoints=CheckpointManager(out_dir / "checkpoints", digest),
+        tracker=tracker,
+        desc="sft",
     )
     model = gather_to_main(model, lambda: load_causal_lm(base_model_dir).to(device))  # the full weights, sharded or not
     if not w.is_main:
@@ -271,14 +285,27 @@ def run_sft(
     tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=train_metrics["steps"])
     tracker.log_table("sft_samples", samples[:32])
     write_json_atomic(out_dir / "metrics.json", metrics)
-    log.info("sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts", metrics["eval/rougeL"],
-             metrics["eval/rougeL_base"], metrics["eval/eos_rate"], metrics["eval/eos_rate_base"],
-             int(metrics["eval/samples"]), cfg.eval_split)
+    log.info(
+        "sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts",
+        metrics["eval/rougeL"],
+        metrics["eval/rougeL_base"],
+        metrics["eval/eos_rate"],
+        metrics["eval/eos_rate_base"],
+        int(metrics["eval/samples"]),
+        cfg.eval_split,
+    )
     return metrics
 
 
-def evaluate_sft(model: PreTrainedModel, base_model_dir: str | os.PathLike, eval_ds, stats: dict, tokenizer,
-                 cfg: SFTConfig, device: torch.device) -> tuple[dict[str, float], list[dict]]:
+def evaluate_sft(
+    model: PreTrainedModel,
+    base_model_dir: str | os.PathLike,
+    eval_ds,
+    stats: dict,
+    tokenizer,
+    cfg: SFTConfig,
+    device: torch.device,
+) -> tuple[dict[str, float], list[dict]]:
     """Near-greedy summaries (``sft.eval_temperature``) of the first ``sft.eval_max_samples``
     prompts of ``eval_ds`` by the fine-tuned ``model`` and by the base model, with ROUGE-L
     against the references, EOS rate and length. ``model`` is released before the base model
@@ -296,20 +323,41 @@ def evaluate_sft(model: PreTrainedModel, base_model_dir: str | os.PathLike, eval
     references = [r.strip() for r in eval_ds["reference_response"]]
     max_new = stats["padded_lengths"]["sft_response"]
     t0 = time.perf_counter()
-    sft_out = summarize(model, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed,
-                        cfg.bf16)
+    sft_out = summarize(
+        model, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed, cfg.bf16
+    )
     model = None  # free the SFT model before loading the base model
     base = load_causal_lm(base_model_dir).to(device)
-    base_out = summarize(base, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed,
-                         cfg.bf16)
+    base_out = summarize(
+        base, tokenizer, queries, max_new, cfg.eval_temperature, cfg.micro_batch_size, cfg.seed, cfg.bf16
+    )
     base = None
     sft_rouge, base_rouge = rouge_l(sft_out.texts, references), rouge_l(base_out.texts, references)
     samples = [
-        {"post": p, "reference": r, "base": b, "sft": s, "rougeL_base": rb, "rougeL_sft": rs,
-         "has_eos_base": eb, "has_eos_sft": es, "length_base": lb, "length_sft": ls}
+        {
+            "post": p,
+            "reference": r,
+            "base": b,
+            "sft": s,
+            "rougeL_base": rb,
+            "rougeL_sft": rs,
+            "has_eos_base": eb,
+            "has_eos_sft": es,
+            "length_base": lb,
+            "length_sft": ls,
+        }
         for p, r, b, s, rb, rs, eb, es, lb, ls in zip(
-            eval_ds["post"], references, base_out.texts, sft_out.texts, base_rouge, sft_rouge,
-            base_out.has_eos.tolist(), sft_out.has_eos.tolist(), base_out.lengths.tolist(), sft_out.lengths.tolist())
+            eval_ds["post"],
+            references,
+            base_out.texts,
+            sft_out.texts,
+            base_rouge,
+            sft_rouge,
+            base_out.has_eos.tolist(),
+            sft_out.has_eos.tolist(),
+            base_out.lengths.tolist(),
+            sft_out.lengths.tolist(),
+        )
     ]
     metrics = {
         "eval/rougeL": sum(sft_rouge) / n_eval,

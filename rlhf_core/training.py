@@ -18,8 +18,9 @@ import random
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -127,9 +128,18 @@ Checkpointing = bool | Literal["selective"]
 def _saved_ops() -> frozenset:
     """The aten ops whose outputs :func:`recompute_policy` keeps (those this torch build has)."""
     aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward")
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
@@ -188,8 +198,9 @@ def accumulation_steps(batch_size: int, micro_batch_size: int, world_size: int =
     """Micro-batches per rank per optimiser step, keeping the global ``batch_size`` whatever the
     number of ranks. Raises ValueError unless ``micro_batch_size * world_size`` divides ``batch_size``."""
     if batch_size % (micro_batch_size * world_size):
-        raise ValueError(f"batch_size {batch_size} is not a multiple of micro_batch_size {micro_batch_size} "
-                         f"x {world_size} rank(s)")
+        raise ValueError(
+            f"batch_size {batch_size} is not a multiple of micro_batch_size {micro_batch_size} x {world_size} rank(s)"
+        )
     return batch_size // (micro_batch_size * world_size)
 
 
@@ -342,8 +353,10 @@ def train_loop(
         if not math.isfinite(metrics["loss"]):
             # every rank has the same global loss, so all save together; parameters are the last good ones
             checkpoints.save(step, model, optimizer, scheduler)
-            raise TrainingError(f"{desc}: non-finite loss {metrics['loss']} at step {step + 1}; "
-                                f"last good state saved in {checkpoints.root}")
+            raise TrainingError(
+                f"{desc}: non-finite loss {metrics['loss']} at step {step + 1}; "
+                f"last good state saved in {checkpoints.root}"
+            )
         all_reduce_gradients(model)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
@@ -355,8 +368,15 @@ def train_loop(
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
         if not interactive and w.is_main and ((step + 1) % log_every == 0 or step + 1 == total):
-            log.info("%s step %d/%d loss %.4f lr %.3g %.0f tok/s", desc, step + 1, total, metrics["loss"], lr,
-                     last["tokens_per_s"])
+            log.info(
+                "%s step %d/%d loss %.4f lr %.3g %.0f tok/s",
+                desc,
+                step + 1,
+                total,
+                metrics["loss"],
+                lr,
+                last["tokens_per_s"],
+            )
         if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total:
             checkpoints.save(step + 1, model, optimizer, scheduler)
     bar.close()

@@ -38,7 +38,9 @@ class MLflowTracker:
         client: an ``MlflowClient``; default: one for ``MLFLOW_TRACKING_URI``.
     """
 
-    def __init__(self, run_id: str, client: MlflowClient | None = None, flush_seconds: float = 5.0, flush_size: int = 200):
+    def __init__(
+        self, run_id: str, client: MlflowClient | None = None, flush_seconds: float = 5.0, flush_size: int = 200
+    ):
         self.run_id = run_id
         self.client = client or MlflowClient()
         self.flush_seconds = flush_seconds
@@ -118,7 +120,7 @@ def experiment_id(client: MlflowClient, name: str) -> str:
         return found.experiment_id
     location = None
     if client.tracking_uri.startswith("sqlite:///"):
-        db = Path(client.tracking_uri[len("sqlite:///"):])
+        db = Path(client.tracking_uri[len("sqlite:///") :])
         location = (db.resolve().parent / "mlartifacts").as_uri()
     return client.create_experiment(name, artifact_location=location)
 

@@ -23,11 +23,12 @@ from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 from rlhf_core.config import PipelineConfig
-from rlhf_core.pipeline import STAGES, stage_key
 from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
+from rlhf_core.pipeline import STAGES, stage_key
 from rlhf_core.tracking import JsonlTracker, TeeTracker
 
 from .storage import ArtifactStore
+
 
 class StageRecord(BaseModel):
     """What a stage task returns: small, JSON-serialisable, cacheable."""
@@ -71,8 +72,10 @@ def provide_judge_key(secret_block: str) -> None:
     try:
         key = Secret.load(secret_block).get()
     except ValueError:
-        raise JudgeConfigError(f"the Anthropic judge needs ANTHROPIC_API_KEY or a Prefect Secret block named "
-                               f"{secret_block!r} (eval.api_key_secret); neither exists") from None
+        raise JudgeConfigError(
+            f"the Anthropic judge needs ANTHROPIC_API_KEY or a Prefect Secret block named "
+            f"{secret_block!r} (eval.api_key_secret); neither exists"
+        ) from None
     os.environ["ANTHROPIC_API_KEY"] = str(key)
 
 
@@ -118,8 +121,15 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
         else:
             result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
         mlflow_tracker.close()
-        for name in ("metrics.json", "stats.json", "samples.jsonl", "token_lengths.png", "calibration.png",
-                     "calibration.json", "import.json"):
+        for name in (
+            "metrics.json",
+            "stats.json",
+            "samples.jsonl",
+            "token_lengths.png",
+            "calibration.png",
+            "calibration.json",
+            "import.json",
+        ):
             if (out / name).is_file():
                 mlflow_tracker.log_artifact(out / name)
         stored = store.put_dir(out, key, exclude=("checkpoints",))
@@ -130,5 +140,6 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
         client.set_terminated(run_id, "FAILED")
         raise
     metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return StageRecord(stage=stage, key=key, uri=stored["uri"], digest=stored["digest"], mlflow_run_id=run_id,
-                       metrics=metrics).model_dump()
+    return StageRecord(
+        stage=stage, key=key, uri=stored["uri"], digest=stored["digest"], mlflow_run_id=run_id, metrics=metrics
+    ).model_dump()

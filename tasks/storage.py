@@ -88,8 +88,10 @@ class ArtifactStore:
         if manifest is None or manifest["digest"] != digest:
             return False
         prefix = self._path(key).rstrip("/") + "/"
-        sizes = {path.split(prefix, 1)[-1]: info.get("size")
-                 for path, info in self.fs.find(self._path(key), detail=True).items()}
+        sizes = {
+            path.split(prefix, 1)[-1]: info.get("size")
+            for path, info in self.fs.find(self._path(key), detail=True).items()
+        }
         return all(sizes.get(rel) == meta["size"] for rel, meta in manifest["files"].items())
 
     def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
@@ -111,7 +113,9 @@ class ArtifactStore:
         if self.is_local:
             tmp = Path(f"{target}.partial-{uuid.uuid4().hex[:8]}")
             top_level = set(exclude) | {MANIFEST}
-            shutil.copytree(local, tmp, ignore=lambda d, names: [n for n in names if Path(d) == local and n in top_level])
+            shutil.copytree(
+                local, tmp, ignore=lambda d, names: [n for n in names if Path(d) == local and n in top_level]
+            )
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             if Path(target).exists():
                 shutil.rmtree(target)

@@ -108,8 +108,12 @@ def moto_s3(tmp_path_factory):
     from tests.servers import start_moto
 
     server = start_moto(tmp_path_factory.mktemp("moto"))
-    env = {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {
+        "AWS_ENDPOINT_URL": server.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     boto3.client("s3", endpoint_url=server.url).create_bucket(Bucket="rlhf-test")

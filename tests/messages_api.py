@@ -68,8 +68,13 @@ class Request:
 _ids = itertools.count(1)
 
 
-def message_body(text: str, model: str = DEFAULT_MODEL, stop_reason: str = "end_turn",
-                 input_tokens: int = 231, output_tokens: int = 38) -> dict:
+def message_body(
+    text: str,
+    model: str = DEFAULT_MODEL,
+    stop_reason: str = "end_turn",
+    input_tokens: int = 231,
+    output_tokens: int = 38,
+) -> dict:
     """A Messages API ``message`` object with one text block."""
     return {
         "id": f"msg_01Test{next(_ids):016d}",
@@ -88,8 +93,13 @@ def text_reply(text: str, **kwargs: Any) -> Reply:
     return Reply(200, message_body(text, **kwargs), {"request-id": f"req_test{next(_ids)}"})
 
 
-def error_reply(status: int, error_type: str, message: str | None = None,
-                retry_after_ms: int | None = 1, headers: dict[str, str] | None = None) -> Reply:
+def error_reply(
+    status: int,
+    error_type: str,
+    message: str | None = None,
+    retry_after_ms: int | None = 1,
+    headers: dict[str, str] | None = None,
+) -> Reply:
     """An API error (``rate_limit_error`` with 429, ``api_error`` with 500, ...)."""
     hdrs = {"request-id": f"req_test{next(_ids)}"}
     if retry_after_ms is not None:
@@ -165,8 +175,9 @@ class MessagesAPI:
 
         self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
-                                        name="messages-api", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="messages-api", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -192,8 +203,9 @@ class MessagesAPI:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        request = Request(h.command, h.path, {k.lower(): v for k, v in h.headers.items()}, body, parsed,
-                          time.monotonic())
+        request = Request(
+            h.command, h.path, {k.lower(): v for k, v in h.headers.items()}, body, parsed, time.monotonic()
+        )
         with self._lock:
             self.requests.append(request)
             self._in_flight += 1
@@ -225,10 +237,12 @@ class MessagesAPI:
 
     def _reply_for(self, request: Request) -> Reply:
         if request.method != "POST" or request.path.split("?")[0] != "/v1/messages":
-            return error_reply(404, "not_found_error", f"{request.method} {request.path}: not found",
-                               retry_after_ms=None)
+            return error_reply(
+                404, "not_found_error", f"{request.method} {request.path}: not found", retry_after_ms=None
+            )
         if self.api_key is not None and self.api_key not in (
-            request.headers.get("x-api-key"), request.headers.get("authorization", "").removeprefix("Bearer ")
+            request.headers.get("x-api-key"),
+            request.headers.get("authorization", "").removeprefix("Bearer "),
         ):
             return error_reply(401, "authentication_error", "invalid x-api-key", retry_after_ms=None)
         if request.json is None:
@@ -242,7 +256,17 @@ class MessagesAPI:
                 return self.handler(request)
             except Exception as err:  # noqa: BLE001 -- a broken test handler: answer, and keep it for the test
                 self.handler_errors.append(err)
-                return error_reply(500, "api_error", f"test handler failed: {err!r}", retry_after_ms=None,
-                                   headers={"x-should-retry": "false"})
-        return error_reply(500, "api_error", "no scripted reply for this request", retry_after_ms=None,
-                           headers={"x-should-retry": "false"})
+                return error_reply(
+                    500,
+                    "api_error",
+                    f"test handler failed: {err!r}",
+                    retry_after_ms=None,
+                    headers={"x-should-retry": "false"},
+                )
+        return error_reply(
+            500,
+            "api_error",
+            "no scripted reply for this request",
+            retry_after_ms=None,
+            headers={"x-should-retry": "false"},
+        )

@@ -31,14 +31,23 @@ def free_port() -> int:
 class Server:
     """A subprocess serving HTTP on 127.0.0.1:port; ``stop()`` ends exactly that process group."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, health_path: str = "/",
-                 env: dict | None = None, timeout: float = 120.0):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        port: int,
+        log_dir: Path,
+        health_path: str = "/",
+        env: dict | None = None,
+        timeout: float = 120.0,
+    ):
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
         full_env = {**os.environ, **QUIET_ENV, **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -50,7 +59,9 @@ class Server:
             except Exception:
                 time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"{name} did not answer on {self.url} within {timeout} s: {self.log_path.read_text()[-2000:]}")
+        raise RuntimeError(
+            f"{name} did not answer on {self.url} within {timeout} s: {self.log_path.read_text()[-2000:]}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -64,14 +75,26 @@ class Server:
 
 def start_moto(log_dir: Path) -> Server:
     port = free_port()
-    return Server("moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, log_dir,
-                  health_path="/moto-api/")
+    return Server(
+        "moto", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], port, log_dir, health_path="/moto-api/"
+    )
 
 
 def start_mlflow(root: Path) -> Server:
     port = free_port()
     root.mkdir(parents=True, exist_ok=True)
-    cmd = [str(BIN / "mlflow"), "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-           "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
-           "--workers", "1"]
+    cmd = [
+        str(BIN / "mlflow"),
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     return Server("mlflow", cmd, port, root, health_path="/health", timeout=180)

@@ -9,4 +9,3 @@ def link_stages(smoke_stages: Path, root: Path, **names: str) -> Path:
     for name, target in names.items():
         (root / name).symlink_to(smoke_stages / target, target_is_directory=True)
     return root
-

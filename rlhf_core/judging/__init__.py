@@ -34,9 +34,26 @@ from .runner import Judge, judge_comparisons
 if TYPE_CHECKING:
     from .anthropic_judge import AnthropicJudge
 
-__all__ = ["JUDGE_PROMPT", "AnthropicJudge", "CachedAnswer", "Comparison", "Judge", "JudgeConfigError", "JudgeError",
-           "JudgeRequestError", "Judgement", "JudgementCache", "OfflineJudge", "Preference", "format_judge_prompt",
-           "judge_comparisons", "parse_preference", "prompt_sha256", "response_is_a", "win_counts"]
+__all__ = [
+    "JUDGE_PROMPT",
+    "AnthropicJudge",
+    "CachedAnswer",
+    "Comparison",
+    "Judge",
+    "JudgeConfigError",
+    "JudgeError",
+    "JudgeRequestError",
+    "Judgement",
+    "JudgementCache",
+    "OfflineJudge",
+    "Preference",
+    "format_judge_prompt",
+    "judge_comparisons",
+    "parse_preference",
+    "prompt_sha256",
+    "response_is_a",
+    "win_counts",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -45,23 +45,30 @@ class AnthropicJudge:
 
     thread_safe = True
 
-    def __init__(self, model: str, api_key: str | None = None, base_url: str | None = None, max_retries: int = 4,
-                 timeout: float = 60.0, max_tokens: int = 256):
+    def __init__(
+        self,
+        model: str,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        max_retries: int = 4,
+        timeout: float = 60.0,
+        max_tokens: int = 256,
+    ):
         if not model:
             raise JudgeConfigError("AnthropicJudge needs a model id (eval.judge_model)")
         key = api_key or os.environ.get("ANTHROPIC_API_KEY") or None
         if key is None:
             raise JudgeConfigError(
-                "AnthropicJudge needs an API key: set the ANTHROPIC_API_KEY environment variable "
-                "(or pass api_key=...)"
+                "AnthropicJudge needs an API key: set the ANTHROPIC_API_KEY environment variable (or pass api_key=...)"
             )
         self.model = model
         self.name = model
         self.max_retries = int(max_retries)
         self.timeout = float(timeout)
         self.max_tokens = int(max_tokens)
-        self._client = anthropic.Anthropic(api_key=key, base_url=base_url, max_retries=self.max_retries,
-                                           timeout=self.timeout)
+        self._client = anthropic.Anthropic(
+            api_key=key, base_url=base_url, max_retries=self.max_retries, timeout=self.timeout
+        )
         self._secret = key
         self._usage_lock = threading.Lock()
         self.usage = {"requests": 0, "input_tokens": 0, "output_tokens": 0}
@@ -72,8 +79,10 @@ class AnthropicJudge:
         return str(self._client.base_url)
 
     def __repr__(self) -> str:
-        return (f"AnthropicJudge(model={self.model!r}, base_url={self.base_url!r}, max_retries={self.max_retries}, "
-                f"timeout={self.timeout}, max_tokens={self.max_tokens})")
+        return (
+            f"AnthropicJudge(model={self.model!r}, base_url={self.base_url!r}, max_retries={self.max_retries}, "
+            f"timeout={self.timeout}, max_tokens={self.max_tokens})"
+        )
 
     __str__ = __repr__
 
@@ -88,8 +97,9 @@ class AnthropicJudge:
                 error type in the message), or the reply is not a readable message.
         """
         try:
-            message = self._client.messages.create(model=self.model, max_tokens=self.max_tokens,
-                                                   messages=[{"role": "user", "content": prompt}])
+            message = self._client.messages.create(
+                model=self.model, max_tokens=self.max_tokens, messages=[{"role": "user", "content": prompt}]
+            )
         except anthropic.APIStatusError as err:
             error = err.body.get("error") if isinstance(err.body, dict) else None
             etype = error.get("type") if isinstance(error, dict) else None
@@ -106,9 +116,12 @@ class AnthropicJudge:
                 f"{self.model}: timed out after {self.timeout} s; gave up after {self.max_retries} retries"
             ) from None
         except anthropic.APIConnectionError as err:
-            raise JudgeRequestError(self._scrub(
-                f"{self.model}: connection to {self.base_url} failed ({err.message}); "
-                f"gave up after {self.max_retries} retries")) from None
+            raise JudgeRequestError(
+                self._scrub(
+                    f"{self.model}: connection to {self.base_url} failed ({err.message}); "
+                    f"gave up after {self.max_retries} retries"
+                )
+            ) from None
         except (anthropic.APIResponseValidationError, ValueError) as err:
             text = f"{self.model}: unreadable reply: {type(err).__name__}: {err}"
             raise JudgeRequestError(self._scrub(text)) from None

@@ -103,8 +103,19 @@ class JudgementCache:
         if not isinstance(answer, str):
             raise TypeError(f"answer must be a string, got {type(answer).__name__}")
         key = self.key(judge, prompt)
-        line = json.dumps({"key": key, "judge": judge, "prompt_sha256": prompt_sha256(prompt), "answer": answer,
-                           "attempts": int(attempts)}, ensure_ascii=False) + "\n"
+        line = (
+            json.dumps(
+                {
+                    "key": key,
+                    "judge": judge,
+                    "prompt_sha256": prompt_sha256(prompt),
+                    "answer": answer,
+                    "attempts": int(attempts),
+                },
+                ensure_ascii=False,
+            )
+            + "\n"
+        )
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a", encoding="utf-8") as fh:

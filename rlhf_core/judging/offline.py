@@ -70,8 +70,14 @@ class OfflineJudge:
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, name: str | None = None, dtype: str = "float32",
-                        device: str | torch.device | None = None, batch_size: int = 4) -> OfflineJudge:
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        name: str | None = None,
+        dtype: str = "float32",
+        device: str | torch.device | None = None,
+        batch_size: int = 4,
+    ) -> OfflineJudge:
         """Load a model directory (``save_pretrained`` layout with its tokenizer) as a judge.
 
         Uses :func:`rlhf_core.models.load_causal_lm` and :func:`rlhf_core.models.load_tokenizer`.
@@ -94,8 +100,9 @@ class OfflineJudge:
             ValueError: longer than the model's ``max_position_embeddings``.
         """
         if getattr(self.tokenizer, "chat_template", None):
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             ids = self.tokenizer.encode(text + "Preferred:", add_special_tokens=False)
         else:
             ids = self.tokenizer.encode(prompt + "\n\nPreferred:")
@@ -126,8 +133,12 @@ class OfflineJudge:
                 input_ids[i, width - len(e) :] = torch.tensor(e)
                 mask[i, width - len(e) :] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                                position_ids=positions.to(device), logits_to_keep=1).logits[:, -1]
+            logits = self.model(
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                position_ids=positions.to(device),
+                logits_to_keep=1,
+            ).logits[:, -1]
             logp = torch.log_softmax(logits.double(), dim=-1)
             out.append(torch.stack([logp[:, ids_a].logsumexp(-1), logp[:, ids_b].logsumexp(-1)], dim=-1).cpu())
         return torch.cat(out) if out else torch.zeros((0, 2), dtype=torch.float64)
@@ -135,8 +146,10 @@ class OfflineJudge:
     def _format(self, lp_a: float, lp_b: float) -> str:
         p_a = 1.0 / (1.0 + math.exp(lp_b - lp_a))
         choice = "A" if lp_a >= lp_b else "B"
-        return (f"Comparison: offline judge {self.name}: log p(A)={lp_a:.4f}, log p(B)={lp_b:.4f}, p(A)={p_a:.4f}\n"
-                f"Preferred: {choice}")
+        return (
+            f"Comparison: offline judge {self.name}: log p(A)={lp_a:.4f}, log p(B)={lp_b:.4f}, p(A)={p_a:.4f}\n"
+            f"Preferred: {choice}"
+        )
 
     def answer(self, prompt: str) -> str:
         """The answer to one prompt (see the class docstring for its format)."""

@@ -22,11 +22,11 @@ JUDGE_PROMPT = (
     "{summary_b}\n"
     "\n"
     "FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. "
-    "SECOND, on a new line, state only \"A\" or \"B\" to indicate your choice. Your response should use "
+    'SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use '
     "the format:\n"
     "\n"
     "Comparison: <one-sentence comparison and explanation>\n"
-    "Preferred: <\"A\" or \"B\">"
+    'Preferred: <"A" or "B">'
 )
 
 Preference = Literal["A", "B"]

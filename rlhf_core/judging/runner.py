@@ -34,13 +34,23 @@ class _Job:
     response_first: bool
 
 
-def _judgement(job: _Job, judge_name: str, answer: str | None, attempts: int, error: str | None = None,
-               cached: bool = False) -> Judgement:
+def _judgement(
+    job: _Job, judge_name: str, answer: str | None, attempts: int, error: str | None = None, cached: bool = False
+) -> Judgement:
     preferred = parse_preference(answer) if (answer is not None and error is None) else None
-    return Judgement(id=job.comparison.id, judge=judge_name, prompt_sha256=prompt_sha256(job.prompt),
-                     response_is_a=job.response_first, answer=answer, preferred=preferred,
-                     response_wins=_outcome(preferred, job.response_first), attempts=attempts, error=error,
-                     cached=cached, policy=job.comparison.policy)
+    return Judgement(
+        id=job.comparison.id,
+        judge=judge_name,
+        prompt_sha256=prompt_sha256(job.prompt),
+        response_is_a=job.response_first,
+        answer=answer,
+        preferred=preferred,
+        response_wins=_outcome(preferred, job.response_first),
+        attempts=attempts,
+        error=error,
+        cached=cached,
+        policy=job.comparison.policy,
+    )
 
 
 def _finish(judge: Judge, job: _Job, cache: JudgementCache | None, answer: str | None, attempts: int) -> Judgement:
@@ -58,9 +68,16 @@ def _finish(judge: Judge, job: _Job, cache: JudgementCache | None, answer: str |
     return _judgement(job, judge.name, answer, attempts)
 
 
-def judge_comparisons(judge: Judge, comparisons: Iterable[Comparison], *, cache: JudgementCache | None, seed: int,
-                      max_comparisons: int | None = None, concurrency: int = 4,
-                      progress: bool = True) -> list[Judgement]:
+def judge_comparisons(
+    judge: Judge,
+    comparisons: Iterable[Comparison],
+    *,
+    cache: JudgementCache | None,
+    seed: int,
+    max_comparisons: int | None = None,
+    concurrency: int = 4,
+    progress: bool = True,
+) -> list[Judgement]:
     """Judge each comparison's response against its reference.
 
     Per comparison: the A/B order comes from :func:`response_is_a` (``seed``, id); the
@@ -114,12 +131,17 @@ def judge_comparisons(judge: Judge, comparisons: Iterable[Comparison], *, cache:
     if max_comparisons is not None and len(pending) > max_comparisons:
         skipped = len(pending) - max_comparisons
         pending = pending[:max_comparisons]
-        log.warning("judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
-                    judge.name, max_comparisons, skipped)
+        log.warning(
+            "judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
+            judge.name,
+            max_comparisons,
+            skipped,
+        )
     log.info("judge %s: %d cached, %d to send", judge.name, hits, len(pending))
 
-    bar = tqdm(total=len(pending), desc=f"judging ({judge.name})", disable=not progress or not pending,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=len(pending), desc=f"judging ({judge.name})", disable=not progress or not pending, dynamic_ncols=True
+    )
     try:
         if getattr(judge, "thread_safe", False) and concurrency > 1 and len(pending) > 1:
             with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="judge") as pool:
@@ -148,7 +170,14 @@ def judge_comparisons(judge: Judge, comparisons: Iterable[Comparison], *, cache:
         bar.close()
     judgements = [results[i] for i in sorted(results)]
     counts = win_counts(judgements)
-    log.info("judge %s: %d judged (%d wins, %d losses, %d invalid, %d errors)%s", judge.name, len(judgements),
-             counts["wins"], counts["losses"], counts["invalid"], counts["errors"],
-             f"; {skipped} left out by the spending cap" if skipped else "")
+    log.info(
+        "judge %s: %d judged (%d wins, %d losses, %d invalid, %d errors)%s",
+        judge.name,
+        len(judgements),
+        counts["wins"],
+        counts["losses"],
+        counts["invalid"],
+        counts["errors"],
+        f"; {skipped} left out by the spending cap" if skipped else "",
+    )
     return judgements

@@ -21,11 +21,23 @@ from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-OVERRIDES = ["sft.max_steps=1", "sft.eval_max_samples=2", "reward.max_steps=1", "reward.eval_max_samples=4",
-             "ppo.batch_size=4", "ppo.micro_batch_size=4", "ppo.total_episodes=24", "ppo.checkpoint_every=1",
-             "ppo.eval_every=100", "ppo.eval_max_samples=2",
-             "eval.max_samples=2", "eval.max_comparisons=6", "eval.diversity_prompts=1", "eval.diversity_samples=2",
-             "eval.token_shift_samples=1"]
+OVERRIDES = [
+    "sft.max_steps=1",
+    "sft.eval_max_samples=2",
+    "reward.max_steps=1",
+    "reward.eval_max_samples=4",
+    "ppo.batch_size=4",
+    "ppo.micro_batch_size=4",
+    "ppo.total_episodes=24",
+    "ppo.checkpoint_every=1",
+    "ppo.eval_every=100",
+    "ppo.eval_max_samples=2",
+    "eval.max_samples=2",
+    "eval.max_comparisons=6",
+    "eval.diversity_prompts=1",
+    "eval.diversity_samples=2",
+    "eval.token_shift_samples=1",
+]
 STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"]
 
 
@@ -33,8 +45,13 @@ STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "
 def server_stack(tmp_path_factory):
     """One stack (Prefect server, MLflow server, worker, deployment) for both artifact roots."""
     root = tmp_path_factory.mktemp("stack")
-    env = {**os.environ, "STACK_DIR": str(root / "stack"), "PREFECT_PORT": str(free_port()),
-           "MLFLOW_PORT": str(free_port()), "VENV": str(BIN.parent)}
+    env = {
+        **os.environ,
+        "STACK_DIR": str(root / "stack"),
+        "PREFECT_PORT": str(free_port()),
+        "MLFLOW_PORT": str(free_port()),
+        "VENV": str(BIN.parent),
+    }
     up = subprocess.run([str(REPO / "infra" / "stack.sh"), "up"], env=env, capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout + up.stderr
     env["PREFECT_API_URL"] = f"http://127.0.0.1:{env['PREFECT_PORT']}/api"
@@ -52,23 +69,43 @@ def stack(request, server_stack, tmp_path):
     job_env = {"RLHF_WORK_DIR": str(tmp_path / "work"), "PREFECT_LOGGING_EXTRA_LOGGERS": "rlhf_core"}
     if request.param == "s3":
         s3 = request.getfixturevalue("moto_s3")
-        job_env.update({k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                                   "AWS_DEFAULT_REGION")})
+        job_env.update(
+            {
+                k: os.environ[k]
+                for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+            }
+        )
         job_env["RLHF_ARTIFACT_ROOT"] = f"s3://{s3['bucket']}/e2e-{tmp_path.name}"
     else:
         job_env["RLHF_ARTIFACT_ROOT"] = str(tmp_path / "artifacts")
-    return {**server_stack, **job_env, "JOB_ENV": json.dumps(job_env), "VARIANT": request.param,
-            "EXPERIMENT": f"e2e-{request.param}"}
+    return {
+        **server_stack,
+        **job_env,
+        "JOB_ENV": json.dumps(job_env),
+        "VARIANT": request.param,
+        "EXPERIMENT": f"e2e-{request.param}",
+    }
 
 
 def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
     overrides = OVERRIDES + [f"tracking.experiment_name={env['EXPERIMENT']}"] + list(extra)
-    cmd = [str(BIN / "prefect"), "deployment", "run", "rlhf/full-pipeline", "--param", "preset=smoke",
-           "--params", json.dumps({"overrides": overrides}), "--job-variable", f"env={env['JOB_ENV']}"]
+    cmd = [
+        str(BIN / "prefect"),
+        "deployment",
+        "run",
+        "rlhf/full-pipeline",
+        "--param",
+        "preset=smoke",
+        "--params",
+        json.dumps({"overrides": overrides}),
+        "--job-variable",
+        f"env={env['JOB_ENV']}",
+    ]
     if not watch:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-    return subprocess.run(cmd + ["--watch", "--watch-timeout", "1200"], env=env, capture_output=True, text=True,
-                          timeout=1300)
+    return subprocess.run(
+        cmd + ["--watch", "--watch-timeout", "1200"], env=env, capture_output=True, text=True, timeout=1300
+    )
 
 
 def task_states(output: str) -> dict[str, str]:
@@ -136,7 +173,9 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     assert done.data.tags["rlhf.stage_run.sft"] == finished["sft"].info.run_id
     assert done.data.tags["prefect.flow_run_id"]
     assert "report/report.html" in {f.path for f in client.list_artifacts(done.info.run_id, "report")}
-    assert done.data.tags["rlhf.artifact.ppo"].startswith("s3://" if env["RLHF_ARTIFACT_ROOT"].startswith("s3") else "/")
+    assert done.data.tags["rlhf.artifact.ppo"].startswith(
+        "s3://" if env["RLHF_ARTIFACT_ROOT"].startswith("s3") else "/"
+    )
     for name in ("rlhf-tldr-policy", "rlhf-tldr-reward-model"):
         version = client.get_model_version_by_alias(name, "latest-pipeline")
         assert version.run_id in {r.info.run_id for r in children}
@@ -145,4 +184,8 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
         return  # a changed setting re-runs its stage alone: shown once, on the local root
     changed = deployment_run(env, "ppo.kl_coef=0.1")
     assert changed.returncode == 0, changed.stdout[-3000:]
-    assert task_states(changed.stdout) == {**{s: "Cached" for s in STAGES[:-2]}, "ppo": "Completed", "evaluation": "Completed"}
+    assert task_states(changed.stdout) == {
+        **{s: "Cached" for s in STAGES[:-2]},
+        "ppo": "Completed",
+        "evaluation": "Completed",
+    }

@@ -15,27 +15,49 @@ from mlflow.tracking import MlflowClient
 from tasks.storage import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
-FAST = ["sft.max_steps=2", "sft.eval_max_samples=2", "reward.max_steps=2", "reward.eval_max_samples=4",
-        "ppo.batch_size=4", "ppo.micro_batch_size=4", "ppo.total_episodes=8", "ppo.eval_max_samples=2",
-        "eval.max_samples=4", "eval.max_comparisons=12", "eval.diversity_prompts=1", "eval.diversity_samples=2",
-        "eval.token_shift_samples=1"]
+FAST = [
+    "sft.max_steps=2",
+    "sft.eval_max_samples=2",
+    "reward.max_steps=2",
+    "reward.eval_max_samples=4",
+    "ppo.batch_size=4",
+    "ppo.micro_batch_size=4",
+    "ppo.total_episodes=8",
+    "ppo.eval_max_samples=2",
+    "eval.max_samples=4",
+    "eval.max_comparisons=12",
+    "eval.diversity_prompts=1",
+    "eval.diversity_samples=2",
+    "eval.token_shift_samples=1",
+]
 
 
 def flow_env(root: Path) -> dict:
-    return {**os.environ, "PREFECT_HOME": str(root / "prefect"), "RLHF_ARTIFACT_ROOT": str(root / "artifacts"),
-            "RLHF_WORK_DIR": str(root / "work"), "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "MLFLOW_DISABLE_TELEMETRY": "true",
-            "PREFECT_LOGGING_LEVEL": "INFO"}
+    return {
+        **os.environ,
+        "PREFECT_HOME": str(root / "prefect"),
+        "RLHF_ARTIFACT_ROOT": str(root / "artifacts"),
+        "RLHF_WORK_DIR": str(root / "work"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }
 
 
 def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, *overrides,
-                             "--out", str(root)],
-                            cwd=root, env={**flow_env(root), **(env or {})}, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, *overrides, "--out", str(root)],
+        cwd=root,
+        env={**flow_env(root), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     out = result.stdout
-    return json.loads(out[out.index("{\n"):out.rindex("}") + 1]), result.stdout + result.stderr
+    return json.loads(out[out.index("{\n") : out.rindex("}") + 1]), result.stdout + result.stderr
 
 
 def states(log: str) -> dict[str, str]:
@@ -54,16 +76,22 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.data.params["ppo.kl_coef"] == "0.05" and "ppo/objective/kl" in parent.data.metrics
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    children = client.search_runs(
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
     assert sorted(r.info.run_name for r in children) == sorted(first["stages"])
     sft_run = next(r for r in children if r.info.run_name == "sft")
-    assert "eval/rougeL" in sft_run.data.metrics and len(client.get_metric_history(sft_run.info.run_id, "train/loss")) == 2
+    assert (
+        "eval/rougeL" in sft_run.data.metrics and len(client.get_metric_history(sft_run.info.run_id, "train/loss")) == 2
+    )
     assert client.get_model_version_by_alias("rlhf-tldr-policy", "latest-pipeline").source.endswith("/model")
     eval_run = next(r for r in children if r.info.run_name == "evaluation")
-    assert 0 <= eval_run.data.metrics["eval/ppo/win_rate"] <= 1 and "evaluation/eval/ppo/win_rate" in parent.data.metrics
+    assert (
+        0 <= eval_run.data.metrics["eval/ppo/win_rate"] <= 1 and "evaluation/eval/ppo/win_rate" in parent.data.metrics
+    )
     assert {"report/report.html", "report/length_control.png"} <= {
-        f.path for f in client.list_artifacts(parent.info.run_id, "report")}
+        f.path for f in client.list_artifacts(parent.info.run_id, "report")
+    }
 
     second, log = run_flow(tmp_path, "ppo.kl_coef=0.1")
     s = states(log)
@@ -86,8 +114,9 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
         assert third["stages"][stage] == second["stages"][stage]
     assert third["stages"]["reward_eval"]["key"] != second["stages"]["reward_eval"]["key"]
     assert third["stages"]["ppo"]["key"] == second["stages"]["ppo"]["key"]  # same settings, artifact rebuilt
-    assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(third["stages"]["ppo"]["key"],
-                                                                 third["stages"]["ppo"]["digest"])
+    assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(
+        third["stages"]["ppo"]["key"], third["stages"]["ppo"]["digest"]
+    )
 
     # Only a judge setting changed: the evaluation stage alone runs again.
     fourth, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5")

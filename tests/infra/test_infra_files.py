@@ -16,22 +16,27 @@ import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
-from pydantic import ConfigDict
-
 from prefect.server.schemas.actions import validate_base_job_template
 from prefect.utilities.schema_tools import ValidationError, is_valid_schema, validate
 from prefect.workers.base import BaseJobConfiguration
+from pydantic import ConfigDict
+
 from rlhf_core.config import PRESET_DIR, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-TEMPLATES = {"docker": REPO / "infra" / "gpu-pool" / "docker-job-template.json",
-             "kubernetes": REPO / "infra" / "gpu-pool" / "kubernetes-job-template.json"}
+TEMPLATES = {
+    "docker": REPO / "infra" / "gpu-pool" / "docker-job-template.json",
+    "kubernetes": REPO / "infra" / "gpu-pool" / "kubernetes-job-template.json",
+}
 PINNED = ("prefect", "mlflow", "torch")
 #: Images of docker/compose.yaml, by the package whose version their tag carries.
-IMAGE_PACKAGE = {"rlhf-tldr-prefect-server": "prefect", "rlhf-tldr-docker-worker": "prefect",
-                 "rlhf-tldr-mlflow-server": "mlflow"}
+IMAGE_PACKAGE = {
+    "rlhf-tldr-prefect-server": "prefect",
+    "rlhf-tldr-docker-worker": "prefect",
+    "rlhf-tldr-mlflow-server": "mlflow",
+}
 
 
 def requirement_ranges() -> dict[str, SpecifierSet]:
@@ -46,8 +51,7 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     """``(INSTRUCTION, arguments)`` pairs, continuation lines joined and comments dropped."""
     lines = [ln for ln in path.read_text().splitlines() if not ln.lstrip().startswith("#")]
     text = re.sub(r"\\\n", " ", "\n".join(lines))
-    return [(m.group(1).upper(), m.group(2).strip())
-            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, flags=re.M)]
+    return [(m.group(1).upper(), m.group(2).strip()) for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, flags=re.M)]
 
 
 def compose() -> dict:
@@ -97,6 +101,7 @@ def constraints() -> dict[str, str]:
 
 # ---------------------------------------------------------------- versions
 
+
 def test_pinned_versions_fall_inside_pyproject_ranges():
     ranges = requirement_ranges()
     found = pins()
@@ -143,6 +148,7 @@ def test_base_images_are_pinned_python_in_requires_python(dockerfile):
 
 # ---------------------------------------------------------------- images
 
+
 def test_worker_image_is_a_job_image_of_the_project():
     instructions = dockerfile_instructions(DOCKER / "worker.Dockerfile")
     kinds = [i for i, _ in instructions]
@@ -154,8 +160,13 @@ def test_worker_image_is_a_job_image_of_the_project():
     (cmd,) = [a for i, a in instructions if i == "CMD"]
     assert "worker" not in cmd
     env = " ".join(a for i, a in instructions if i == "ENV")
-    for setting in ("DO_NOT_TRACK=1", "PREFECT_SERVER_ANALYTICS_ENABLED=false", "MLFLOW_DISABLE_TELEMETRY=true",
-                    "HF_HUB_DISABLE_TELEMETRY=1", "RLHF_WORK_DIR=/var/lib/rlhf/"):
+    for setting in (
+        "DO_NOT_TRACK=1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED=false",
+        "MLFLOW_DISABLE_TELEMETRY=true",
+        "HF_HUB_DISABLE_TELEMETRY=1",
+        "RLHF_WORK_DIR=/var/lib/rlhf/",
+    ):
         assert setting in env, setting
     runs = [a for i, a in instructions if i == "RUN"]
     assert any("offline-models" in r and "--no-deps" in r for r in runs)
@@ -164,8 +175,9 @@ def test_worker_image_is_a_job_image_of_the_project():
 
 @pytest.mark.parametrize("dockerfile", ["worker.Dockerfile", "server.Dockerfile"])
 def test_copied_paths_exist_and_are_in_the_build_context(dockerfile):
-    ignored = {ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines()
-               if ln.strip() and not ln.startswith("#")}
+    ignored = {
+        ln.strip() for ln in (REPO / ".dockerignore").read_text().splitlines() if ln.strip() and not ln.startswith("#")
+    }
     for inst, arg in dockerfile_instructions(DOCKER / dockerfile):
         if inst == "COPY" and "--from" not in arg:
             for src in arg.split()[:-1]:
@@ -207,6 +219,7 @@ def test_compose_servers_are_pinned_local_and_quiet():
 
 # ---------------------------------------------------------------- work-pool templates
 
+
 class _Rendered(BaseJobConfiguration):
     """Prefect's base job configuration, keeping the worker-specific fields it renders."""
 
@@ -239,8 +252,14 @@ def test_template_passes_prefects_validation(kind):
     validate_base_job_template(base)  # every placeholder is a declared variable
     is_valid_schema(base["variables"], preprocess=False)
     job_variables = {**defaults(kind), **gpu_deployment()["work_pool"]["job_variables"]}
-    validate(job_variables, base["variables"], raise_on_error=True, preprocess=True, ignore_required=True,
-             allow_none_with_default=True)
+    validate(
+        job_variables,
+        base["variables"],
+        raise_on_error=True,
+        preprocess=True,
+        ignore_required=True,
+        allow_none_with_default=True,
+    )
     with pytest.raises(ValidationError):
         validate({"gpus": "two"}, base["variables"], raise_on_error=True, ignore_required=True)
 
@@ -278,8 +297,12 @@ def test_kubernetes_template_requests_nvidia_gpus(gpus):
 @pytest.mark.parametrize("kind", TEMPLATES)
 def test_deployment_env_is_merged_with_the_templates_env(kind):
     job_variables = gpu_deployment()["work_pool"]["job_variables"]
-    rendered = render(kind, {**job_variables, "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}
-                      if kind == "kubernetes" else job_variables)
+    rendered = render(
+        kind,
+        {**job_variables, "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}
+        if kind == "kubernetes"
+        else job_variables,
+    )
     assert rendered["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "rlhf_core"
     assert rendered["env"]["MLFLOW_TRACKING_URI"].startswith("http")
     if kind == "kubernetes":
@@ -288,6 +311,7 @@ def test_deployment_env_is_merged_with_the_templates_env(kind):
 
 
 # ---------------------------------------------------------------- the GPU deployment
+
 
 def test_gpu_deployment_runs_the_flow_from_the_image():
     spec = deployment_file()

@@ -18,8 +18,17 @@ def test_data_command_writes_the_output_contract(tmp_path, capsys):
     assert main(["data", "--preset", "smoke", "--out", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["rows"]["sft/train"] == 32
-    for rel in ("sft/train", "sft/validation", "sft/test", "preference/train", "preference/validation",
-                "preference/validation_cnndm", "tokenizer/tokenizer_config.json", "stats.json", "token_lengths.png"):
+    for rel in (
+        "sft/train",
+        "sft/validation",
+        "sft/test",
+        "preference/train",
+        "preference/validation",
+        "preference/validation_cnndm",
+        "tokenizer/tokenizer_config.json",
+        "stats.json",
+        "token_lengths.png",
+    ):
         assert (out / rel).exists(), rel
     stats = json.loads((out / "stats.json").read_text())
     assert stats["padded_lengths"] == printed["padded_lengths"]
@@ -72,7 +81,11 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     ev = summary["evaluation"]["metrics"]
     for policy in ("base", "sft", "ppo"):
         assert 0 <= ev[f"eval/{policy}/win_rate"] <= 1 and ev[f"eval/{policy}/win_rate_n_valid"] == 8
-        assert ev[f"eval/{policy}/win_rate_ci_low"] <= ev[f"eval/{policy}/win_rate"] <= ev[f"eval/{policy}/win_rate_ci_high"]
+        assert (
+            ev[f"eval/{policy}/win_rate_ci_low"]
+            <= ev[f"eval/{policy}/win_rate"]
+            <= ev[f"eval/{policy}/win_rate_ci_high"]
+        )
     judged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
     assert len(judged) == 24 and {j["policy"] for j in judged} == {"base", "sft", "ppo"}
     assert sum(j["response_wins"] for j in judged if j["policy"] == "ppo") / 8 == ev["eval/ppo/win_rate"]
@@ -80,9 +93,17 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     assert "data:image/png;base64," in html and "token-shift" in html and "Training curves" in html
     for stage in summary:
         assert json.loads((out / stage / "stage.json").read_text())["status"] == "done"
-    for rel in ("sft/model/model.safetensors", "reward_norm/model/model.safetensors", "reward_eval/calibration.png",
-                "ppo/model/model.safetensors", "ppo/value_model/model.safetensors", "ppo/metrics.jsonl",
-                "evaluation/report.md", "evaluation/length_control.png", "evaluation/summaries.jsonl"):
+    for rel in (
+        "sft/model/model.safetensors",
+        "reward_norm/model/model.safetensors",
+        "reward_eval/calibration.png",
+        "ppo/model/model.safetensors",
+        "ppo/value_model/model.safetensors",
+        "ppo/metrics.jsonl",
+        "evaluation/report.md",
+        "evaluation/length_control.png",
+        "evaluation/summaries.jsonl",
+    ):
         assert (out / rel).is_file(), rel
     assert main(["stages", "--preset", "smoke", *SHORT, "ppo.kl_coef=0.1", "--out", str(out)]) == 0
     again = json.loads(capsys.readouterr().out)
@@ -96,22 +117,30 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
 def test_console_script_prints_gpu_preset():
     """The installed `rlhf` entry point loads and validates a GPU preset without a GPU."""
     exe = Path(sys.executable).with_name("rlhf")
-    result = subprocess.run([str(exe), "config", "--preset", "llama-3.2-1b-h200", "ppo.kl_coef=0.07"],
-                            capture_output=True, text=True, env=os.environ, timeout=120)
+    result = subprocess.run(
+        [str(exe), "config", "--preset", "llama-3.2-1b-h200", "ppo.kl_coef=0.07"],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     cfg = yaml.safe_load(result.stdout)
     assert cfg["ppo"]["kl_coef"] == 0.07 and cfg["ppo"]["learning_rate"] == 1.5e-6
 
 
-@pytest.mark.parametrize("override, changed", [
-    ("reward.eval_max_samples=3", {"reward_eval", "evaluation"}),
-    ("reward.normalization_max_samples=3", {"reward_norm", "reward_eval", "ppo", "evaluation"}),
-    ("reward.learning_rate=1e-4", {"reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
-    ("eval.title_copy_threshold=0.5", {"evaluation"}),
-    ("ppo.temperature=0.9", {"ppo", "evaluation"}),
-    ("ppo.non_eos_penalty=-2", {"ppo", "evaluation"}),
-    ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
-])
+@pytest.mark.parametrize(
+    "override, changed",
+    [
+        ("reward.eval_max_samples=3", {"reward_eval", "evaluation"}),
+        ("reward.normalization_max_samples=3", {"reward_norm", "reward_eval", "ppo", "evaluation"}),
+        ("reward.learning_rate=1e-4", {"reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
+        ("eval.title_copy_threshold=0.5", {"evaluation"}),
+        ("ppo.temperature=0.9", {"ppo", "evaluation"}),
+        ("ppo.non_eos_penalty=-2", {"ppo", "evaluation"}),
+        ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
+    ],
+)
 def test_a_setting_changes_the_keys_of_its_stage_and_those_downstream_only(override, changed):
     from rlhf_core.pipeline import stage_keys
 
@@ -137,8 +166,16 @@ def test_the_reward_command_answers_to_its_old_name_rm(tmp_path, monkeypatch):
     from rlhf_core import cli
 
     seen = []
-    commands = {name: cli.Command(lambda cfg, args, name=name: seen.append((name, args.command)) or 0, c.help,
-                                  out=c.out, until=c.until, aliases=c.aliases) for name, c in cli.COMMANDS.items()}
+    commands = {
+        name: cli.Command(
+            lambda cfg, args, name=name: seen.append((name, args.command)) or 0,
+            c.help,
+            out=c.out,
+            until=c.until,
+            aliases=c.aliases,
+        )
+        for name, c in cli.COMMANDS.items()
+    }
     for typed in ("reward", "rm"):
         assert cli.main([typed, "--preset", "smoke", "--out", str(tmp_path)], commands=commands) == 0
     assert seen == [("reward", "reward"), ("reward", "reward")]

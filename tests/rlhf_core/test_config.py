@@ -16,12 +16,24 @@ def test_all_presets_exist_and_validate():
 
 def test_defaults_are_the_paper_hyperparameters():
     cfg = load_config(None)
-    assert (cfg.sft.learning_rate, cfg.sft.adam_eps, cfg.sft.batch_size, cfg.sft.scheduler) == (3e-6, 1e-5, 128, "cosine")
+    assert (cfg.sft.learning_rate, cfg.sft.adam_eps, cfg.sft.batch_size, cfg.sft.scheduler) == (
+        3e-6,
+        1e-5,
+        128,
+        "cosine",
+    )
     assert (cfg.reward.learning_rate, cfg.reward.batch_size) == (3e-6, 64)
     p = cfg.ppo
     assert (p.total_episodes, p.batch_size, p.ppo_epochs, p.num_minibatches) == (1_000_000, 512, 4, 1)
     assert (p.kl_coef, p.gamma, p.lam, p.cliprange, p.cliprange_value, p.vf_coef, p.temperature) == (
-        0.05, 1.0, 0.95, 0.2, 0.2, 0.1, 0.7)
+        0.05,
+        1.0,
+        0.95,
+        0.2,
+        0.2,
+        0.1,
+        0.7,
+    )
     assert cfg.data.tldr_format.max_query_length == 512
     assert not cfg.data.tldr_format.template.endswith(" ")
 
@@ -38,7 +50,12 @@ def test_h200_preset_scales_ppo_learning_rate_and_runs_one_epoch():
 def test_pythia_preset_is_the_paper_setting():
     cfg = load_config("pythia-1b")
     assert cfg.model.base == "EleutherAI/pythia-1b-deduped"
-    assert (cfg.ppo.batch_size, cfg.ppo.total_episodes, cfg.sft.batch_size, cfg.reward.batch_size) == (512, 1_000_000, 128, 64)
+    assert (cfg.ppo.batch_size, cfg.ppo.total_episodes, cfg.sft.batch_size, cfg.reward.batch_size) == (
+        512,
+        1_000_000,
+        128,
+        64,
+    )
 
 
 def test_overrides_parse_yaml_values_and_nested_keys():

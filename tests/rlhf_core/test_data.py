@@ -94,7 +94,9 @@ def test_post_without_newline_is_cut_by_tokens(tokenizer, sft_rows):
 
 def test_paragraphs_go_first_then_tokens(tokenizer, sft_rows):
     row = next(r for r in sft_rows if r["post"].count("\n") >= 2 and len(r["post"].split("\n")[0]) > 400)
-    fmt = QueryFormat(max_query_length=n_tokens(tokenizer, format_query(dict(row, post=row["post"].split("\n")[0]), FMT)) - 20)
+    fmt = QueryFormat(
+        max_query_length=n_tokens(tokenizer, format_query(dict(row, post=row["post"].split("\n")[0]), FMT)) - 20
+    )
     query, ids, counts = truncate_query(row, tokenizer, fmt)
     assert counts["paragraphs_removed"] >= 2 and counts["token_cut"] is True
     assert len(ids) <= fmt.max_query_length
@@ -131,8 +133,14 @@ def test_padding_helpers():
 @pytest.fixture(scope="module", params=["llama3.2", "smollm2"])
 def prepared(request, tmp_path_factory, llama_tokenizer, smol_tokenizer):
     tok = llama_tokenizer if request.param == "llama3.2" else smol_tokenizer
-    cfg = load_config("smoke", ["data.sft_splits.train.max_rows=64", "data.preference_splits.train.max_rows=48",
-                                "data.preference_splits.validation_cnndm.max_rows=16"])
+    cfg = load_config(
+        "smoke",
+        [
+            "data.sft_splits.train.max_rows=64",
+            "data.preference_splits.train.max_rows=48",
+            "data.preference_splits.validation_cnndm.max_rows=16",
+        ],
+    )
     out = tmp_path_factory.mktemp(f"data-{request.param}") / "data"
     stats = prepare_data(cfg, out, tokenizer=tok)
     sft, pref, loaded_stats = load_prepared(out)
@@ -144,15 +152,35 @@ def test_output_layout(prepared):
     tok, sft, pref, stats, out = prepared
     assert set(sft) == {"train", "validation", "test"}
     assert set(pref) == {"train", "validation", "validation_cnndm"}
-    for col in ("id", "subreddit", "title", "post", "query", "query_token", "reference_response",
-                "reference_response_token", "query_reference_response_token"):
+    for col in (
+        "id",
+        "subreddit",
+        "title",
+        "post",
+        "query",
+        "query_token",
+        "reference_response",
+        "reference_response_token",
+        "query_reference_response_token",
+    ):
         assert col in sft["train"].column_names
-    for col in ("query_token", "chosen_token", "rejected_token", "query_chosen_token", "query_rejected_token",
-                "batch", "confidence", "split", "chosen_policy", "rejected_policy"):
+    for col in (
+        "query_token",
+        "chosen_token",
+        "rejected_token",
+        "query_chosen_token",
+        "query_rejected_token",
+        "batch",
+        "confidence",
+        "split",
+        "chosen_policy",
+        "rejected_policy",
+    ):
         assert col in pref["train"].column_names
     saved = datasets.load_from_disk(str(out / "sft" / "train"))
     assert len(saved) == 64
     from transformers import AutoTokenizer
+
     assert AutoTokenizer.from_pretrained(out / "tokenizer").pad_token_id == tok.pad_token_id
     assert (out / "token_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -184,12 +212,12 @@ def test_sft_sequences_are_query_then_response_right_padded(prepared):
     pad, eos = tok.pad_token_id, tok.eos_token_id
     total = stats["padded_lengths"]["sft_query_response"]
     for row in sft["train"]:
-        q = row["query_token"][len(row["query_token"]) - row["query_token_len"]:]
+        q = row["query_token"][len(row["query_token"]) - row["query_token_len"] :]
         r = row["reference_response_token"][: row["reference_response_token_len"]]
         seq = row["query_reference_response_token"]
         assert len(seq) == total
         assert seq[: len(q) + len(r)] == q + r
-        assert seq[len(q) + len(r):] == [pad] * (total - len(q) - len(r))
+        assert seq[len(q) + len(r) :] == [pad] * (total - len(q) - len(r))
         # EOS survives padding: it is the last real token and is not PAD
         assert r[-1] == eos and r[-1] != pad
         assert r[:-1] == tok(row["reference_response"], add_special_tokens=False)["input_ids"]
@@ -203,12 +231,12 @@ def test_preference_sequences_are_right_padded(prepared):
         task = stats["splits"][f"preference/{name}"]["task"]
         total = stats["padded_lengths"]["rm_query_response"][task]
         for row in ds.select(range(min(8, len(ds)))):
-            q = row["query_token"][len(row["query_token"]) - row["query_token_len"]:]
+            q = row["query_token"][len(row["query_token"]) - row["query_token_len"] :]
             for side in ("chosen", "rejected"):
                 r = row[f"{side}_token"][: row[f"{side}_token_len"]]
                 seq = row[f"query_{side}_token"]
                 assert len(seq) == total and seq[: len(q) + len(r)] == q + r
-                assert set(seq[len(q) + len(r):]) <= {pad}
+                assert set(seq[len(q) + len(r) :]) <= {pad}
                 assert r[-1] == eos
 
 
@@ -219,12 +247,16 @@ def test_padded_lengths_are_derived_from_the_data(prepared):
     resp = [n for ds in sft.values() for n in ds["reference_response_token_len"]]
     assert lengths["sft_response"] == max(resp)
     assert lengths["sft_query_response"] == max(
-        q + r for ds in sft.values() for q, r in zip(ds["query_token_len"], ds["reference_response_token_len"]))
+        q + r for ds in sft.values() for q, r in zip(ds["query_token_len"], ds["reference_response_token_len"])
+    )
     assert len(sft["train"][0]["reference_response_token"]) == lengths["sft_response"]
     tldr = [pref["train"], pref["validation"]]
-    assert lengths["rm_response"]["tldr"] == max(max(list(ds["chosen_token_len"]) + list(ds["rejected_token_len"])) for ds in tldr)
-    assert lengths["rm_response"]["cnndm"] == max(list(pref["validation_cnndm"]["chosen_token_len"])
-                                                  + list(pref["validation_cnndm"]["rejected_token_len"]))
+    assert lengths["rm_response"]["tldr"] == max(
+        max(list(ds["chosen_token_len"]) + list(ds["rejected_token_len"])) for ds in tldr
+    )
+    assert lengths["rm_response"]["cnndm"] == max(
+        list(pref["validation_cnndm"]["chosen_token_len"]) + list(pref["validation_cnndm"]["rejected_token_len"])
+    )
     assert lengths["query"] == {"tldr": 256, "cnndm": 256}  # the smoke preset's limits
 
 
@@ -246,7 +278,11 @@ def test_comparison_metadata_is_kept(prepared, tldr_dir):
         for row in pref[name]:
             line = int(row["source_row"].rsplit(":", 1)[1])
             raw = source[line - 1]
-            assert (row["batch"], row["confidence"], row["split"]) == (raw["batch"], raw["confidence"], raw["orig_split"])
+            assert (row["batch"], row["confidence"], row["split"]) == (
+                raw["batch"],
+                raw["confidence"],
+                raw["orig_split"],
+            )
             assert (row["chosen_policy"], row["rejected_policy"]) == (raw["chosen_policy"], raw["rejected_policy"])
             assert (row["chosen"], row["rejected"]) == (raw["chosen"].strip(), raw["rejected"].strip())
     assert set(pref["train"]["batch"]) == {"batch13"}

@@ -10,8 +10,8 @@ from rlhf_core.data import DataError, load_prepared, prepare_data
 from tests.conftest import read_jsonl
 
 SPLITS = [
-    'data.sft_splits={train: {source: train}}',
-    'data.preference_splits={train: {source: train}}',
+    "data.sft_splits={train: {source: train}}",
+    "data.preference_splits={train: {source: train}}",
 ]
 
 
@@ -93,11 +93,19 @@ def test_skip_counts_every_bad_row(tmp_path, local_dir, sft_rows, llama_tokenize
     (local_dir / "sft_train.jsonl").write_text("\n".join(lines) + "\n")
     stats = prepare_data(cfg_for(local_dir, "data.on_bad_row=skip"), tmp_path / "out", tokenizer=llama_tokenizer)
     assert stats["dropped"]["sft/train"] == {
-        "missing_field:post": 1, "null_field:summary": 1, "empty_field:post": 1, "invalid_json": 1}
+        "missing_field:post": 1,
+        "null_field:summary": 1,
+        "empty_field:post": 1,
+        "invalid_json": 1,
+    }
     assert stats["splits"]["sft/train"]["rows"] == 5
     assert stats["dropped_total"] == 4
     assert {e["where"].rsplit("/", 1)[1] for e in stats["dropped_examples"]} == {
-        "sft_train.jsonl:2", "sft_train.jsonl:4", "sft_train.jsonl:6", "sft_train.jsonl:7"}
+        "sft_train.jsonl:2",
+        "sft_train.jsonl:4",
+        "sft_train.jsonl:6",
+        "sft_train.jsonl:7",
+    }
     written = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert written["dropped"] == stats["dropped"]
 
@@ -106,9 +114,11 @@ def test_real_cnndm_rows_with_empty_summaries(tmp_path, tldr_dir, llama_tokenize
     """The released CNN/DM comparisons include empty summaries: an error by default, counted with skip."""
     cnndm = read_jsonl(tldr_dir / "preference_validation_cnndm.jsonl")
     first_bad = next(i for i, r in enumerate(cnndm) if not r["rejected"].strip()) + 1
-    base = ["data.sft_splits={train: {source: validation, max_rows: 4}}",
-            "data.preference_splits={cnn: {source: validation, batches: [batch0_cnndm, cnndm0], task: cnndm}}",
-            "data.cnndm_format.max_query_length=4000"]
+    base = [
+        "data.sft_splits={train: {source: validation, max_rows: 4}}",
+        "data.preference_splits={cnn: {source: validation, batches: [batch0_cnndm, cnndm0], task: cnndm}}",
+        "data.cnndm_format.max_query_length=4000",
+    ]
     with pytest.raises(DataError, match=rf"preference_validation_cnndm\.jsonl:{first_bad}\b.*empty_field:rejected"):
         prepare_data(load_config("smoke", base + ["data.on_bad_row=error"]), tmp_path / "a", tokenizer=llama_tokenizer)
     stats = prepare_data(load_config("smoke", base), tmp_path / "b", tokenizer=llama_tokenizer)
@@ -163,18 +173,33 @@ def to_hub_comparison(row: dict) -> dict:
     choice = row["choice"]
     summaries = [chosen, rejected] if choice == 0 else [rejected, chosen]
     is_news = row.get("subreddit") is None
-    info = {"id": row["id"], "post": None if is_news else row["post"], "title": row["title"],
-            "subreddit": row["subreddit"], "site": row.get("site"), "article": row["post"] if is_news else None}
-    return {"info": info, "summaries": summaries, "choice": choice, "worker": row["worker"], "batch": row["batch"],
-            "split": row["orig_split"], "extra": {"confidence": row["confidence"]}}
+    info = {
+        "id": row["id"],
+        "post": None if is_news else row["post"],
+        "title": row["title"],
+        "subreddit": row["subreddit"],
+        "site": row.get("site"),
+        "article": row["post"] if is_news else None,
+    }
+    return {
+        "info": info,
+        "summaries": summaries,
+        "choice": choice,
+        "worker": row["worker"],
+        "batch": row["batch"],
+        "split": row["orig_split"],
+        "extra": {"confidence": row["confidence"]},
+    }
 
 
 def test_hub_loader_matches_the_local_loader(tmp_path, tldr_dir, sft_rows, preference_rows, llama_tokenizer):
     """Hub-layout dataset directories through `datasets.load_dataset` give the same output as local JSONL."""
     sft = {"train": sft_rows[:6], "validation": sft_rows[6:10], "test": sft_rows[10:13]}
     cnndm = [r for r in read_jsonl(tldr_dir / "preference_validation_cnndm.jsonl") if r["rejected"]][:4]
-    pref = {"train": [r for r in preference_rows if r["batch"] == "batch13"][:5],
-            "validation": [r for r in preference_rows if r["batch"] == "batch18"][:4]}
+    pref = {
+        "train": [r for r in preference_rows if r["batch"] == "batch13"][:5],
+        "validation": [r for r in preference_rows if r["batch"] == "batch18"][:4],
+    }
 
     hub_sft = tmp_path / "hub_sft"
     hub_sft.mkdir()
@@ -184,8 +209,9 @@ def test_hub_loader_matches_the_local_loader(tmp_path, tldr_dir, sft_rows, prefe
     (hub_cmp / "comparisons").mkdir(parents=True)
     (hub_cmp / "README.md").write_text(HUB_COMPARISONS_CARD)
     write_jsonl(hub_cmp / "comparisons" / "train.jsonl", [to_hub_comparison(r) for r in pref["train"]])
-    write_jsonl(hub_cmp / "comparisons" / "validation.jsonl",
-                [to_hub_comparison(r) for r in pref["validation"] + cnndm])
+    write_jsonl(
+        hub_cmp / "comparisons" / "validation.jsonl", [to_hub_comparison(r) for r in pref["validation"] + cnndm]
+    )
 
     local = tmp_path / "local"
     local.mkdir()
@@ -196,8 +222,9 @@ def test_hub_loader_matches_the_local_loader(tmp_path, tldr_dir, sft_rows, prefe
     write_jsonl(local / "preference_validation_cnndm.jsonl", cnndm)
 
     # the default (hub) split layout: validation minus CNN/DM batches, and validation_cnndm
-    hub_cfg = load_config(None, ["data.source=hub", f"data.sft_dataset={hub_sft}",
-                                 f"data.preference_dataset={hub_cmp}"])
+    hub_cfg = load_config(
+        None, ["data.source=hub", f"data.sft_dataset={hub_sft}", f"data.preference_dataset={hub_cmp}"]
+    )
     local_cfg = load_config(None, ["data.source=local", f"data.local_dir={local}"])
     assert hub_cfg.data.preference_splits["validation_cnndm"].batches  # defaults kept
     hub_stats = prepare_data(hub_cfg, tmp_path / "from_hub", tokenizer=llama_tokenizer)
@@ -210,8 +237,20 @@ def test_hub_loader_matches_the_local_loader(tmp_path, tldr_dir, sft_rows, prefe
             assert list(h_sft[split][col]) == list(l_sft[split][col])
     assert [len(h_pref[s]) for s in ("train", "validation", "validation_cnndm")] == [5, 4, 4]
     for split in ("train", "validation", "validation_cnndm"):
-        for col in ("query_token", "chosen_token", "rejected_token", "query_chosen_token", "query_rejected_token",
-                    "batch", "confidence", "split", "chosen_policy", "rejected_policy", "chosen", "rejected"):
+        for col in (
+            "query_token",
+            "chosen_token",
+            "rejected_token",
+            "query_chosen_token",
+            "query_rejected_token",
+            "batch",
+            "confidence",
+            "split",
+            "chosen_policy",
+            "rejected_policy",
+            "chosen",
+            "rejected",
+        ):
             assert list(h_pref[split][col]) == list(l_pref[split][col]), (split, col)
     assert set(h_pref["validation_cnndm"]["batch"]) <= {"batch0_cnndm", "cnndm0"}
     assert "source_row" in h_pref["train"].column_names and "hub_cmp[train] row 0" in h_pref["train"][0]["source_row"]

@@ -111,8 +111,10 @@ def test_length_control_rejects_bad_input():
 
 
 def test_plot_length_control_writes_a_png_atomically(tmp_path):
-    curves = {"SFT": ([-0.5, 0.0, 0.4, 0.8], [False, True, False, True]),
-              "PPO": ([0.1, 0.5, 0.9, float("nan")], [True, True, None, False])}
+    curves = {
+        "SFT": ([-0.5, 0.0, 0.4, 0.8], [False, True, False, True]),
+        "PPO": ([0.1, 0.5, 0.9, float("nan")], [True, True, None, False]),
+    }
     out = plot_length_control(curves, tmp_path / "length_control.png", bins=3)
     assert out == tmp_path / "length_control.png"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -195,13 +197,15 @@ def test_agreement_over_valid_judgements():
 
 
 def test_token_ranks_on_hand_made_logits():
-    logits = torch.tensor([
-        [1.0, 3.0, 2.0, 0.0],  # token 2: only 3.0 is larger -> 2
-        [5.0, 5.0, 1.0, 0.0],  # token 1 ties the maximum -> 1
-        [0.0, 1.0, 2.0, 3.0],  # token 0: three larger -> 4
-        [4.0, 2.0, 2.0, 1.0],  # token 2 ties token 1 below the maximum -> both rank 2
-        [4.0, 2.0, 2.0, 1.0],  # token 1 -> 2 as well
-    ])
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 2.0, 0.0],  # token 2: only 3.0 is larger -> 2
+            [5.0, 5.0, 1.0, 0.0],  # token 1 ties the maximum -> 1
+            [0.0, 1.0, 2.0, 3.0],  # token 0: three larger -> 4
+            [4.0, 2.0, 2.0, 1.0],  # token 2 ties token 1 below the maximum -> both rank 2
+            [4.0, 2.0, 2.0, 1.0],  # token 1 -> 2 as well
+        ]
+    )
     ranks = token_ranks(logits, torch.tensor([2, 1, 0, 2, 1]))
     assert ranks.dtype == torch.long
     assert ranks.tolist() == [2, 1, 4, 2, 2]
@@ -219,11 +223,19 @@ def test_token_shift_html_escapes_and_colours_by_rank():
     fragment = token_shift_html(["<script>", "alert", "(1)", "</script>", " & more"], [1, 2, 3, 4, 17])
     assert "<script>" not in fragment and "</script>" not in fragment
     spans = re.findall(r'<span class="(tok-[a-z0-9]+)" title="rank (\d+)">(.*?)</span>', fragment)
-    assert spans == [("tok-top1", "1", "&lt;script&gt;"), ("tok-top3", "2", "alert"), ("tok-top3", "3", "(1)"),
-                     ("tok-shifted", "4", "&lt;/script&gt;"), ("tok-shifted", "17", " &amp; more")]
+    assert spans == [
+        ("tok-top1", "1", "&lt;script&gt;"),
+        ("tok-top3", "2", "alert"),
+        ("tok-top3", "3", "(1)"),
+        ("tok-shifted", "4", "&lt;/script&gt;"),
+        ("tok-shifted", "17", " &amp; more"),
+    ]
     legend = fragment.split('<div class="legend">')[1].split("</div>")[0]
     assert re.findall(r'class="(tok-[a-z0-9]+)">[^<]*: (\d+) \((\d+)%\)', legend) == [
-        ("tok-top1", "1", "20"), ("tok-top3", "2", "40"), ("tok-shifted", "2", "40")]
+        ("tok-top1", "1", "20"),
+        ("tok-top3", "2", "40"),
+        ("tok-shifted", "2", "40"),
+    ]
     assert "http" not in fragment
     with pytest.raises(ValueError):
         token_shift_html(["a"], [0])

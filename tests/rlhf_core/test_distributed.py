@@ -51,8 +51,14 @@ def _whiten_on_rank(rank: int, world_size: int, store: str, out_dir: str) -> Non
     try:
         values, mask = _rank_batch(rank)
         whitened = whiten(values, *masked_mean_var(values, mask)) * mask
-        torch.save({"global": all_gather_cat(whitened), "mask": all_gather_cat(mask),
-                    "local": masked_whiten(values, mask) * mask}, f"{out_dir}/rank{rank}.pt")
+        torch.save(
+            {
+                "global": all_gather_cat(whitened),
+                "mask": all_gather_cat(mask),
+                "local": masked_whiten(values, mask) * mask,
+            },
+            f"{out_dir}/rank{rank}.pt",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -82,9 +88,23 @@ def inputs(smoke_stages, tmp_path_factory):
 
 
 def launch(stage: str, inputs: list, out, ranks: int, *overrides: str, expect: str = "") -> list[tuple[int, dict]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           "-m", "rlhf_core.launch", stage, "--preset", "smoke", "--inputs", *map(str, inputs), "--out", str(out),
-           *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        "rlhf_core.launch",
+        stage,
+        "--preset",
+        "smoke",
+        "--inputs",
+        *map(str, inputs),
+        "--out",
+        str(out),
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
@@ -103,8 +123,16 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inp
     else:
         stage_inputs, extra = [inputs / "data", inputs / "sft"], ["reward.max_steps=3"]
     one = launch(stage, stage_inputs, tmp_path / "one", 1, f"{stage}.micro_batch_size=4", *extra)
-    two = launch(stage, stage_inputs, tmp_path / "two", 2, f"{stage}.micro_batch_size=2", f"{stage}.strategy={strategy}",
-                 *extra, expect="" if strategy == "ddp" else f"{strategy}: 2 blocks sharded over 2 ranks")
+    two = launch(
+        stage,
+        stage_inputs,
+        tmp_path / "two",
+        2,
+        f"{stage}.micro_batch_size=2",
+        f"{stage}.strategy={strategy}",
+        *extra,
+        expect="" if strategy == "ddp" else f"{strategy}: 2 blocks sharded over 2 ranks",
+    )
     losses = [[m["train/loss"] for step, m in run if "train/loss" in m] for run in (one, two)]
     assert len(losses[0]) == 3 and len(losses[1]) == 3
     assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-6)
@@ -113,8 +141,10 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inp
     assert all(tokens[0]) and all(tokens[1])
     assert (tmp_path / "two" / "model").is_dir() and not (tmp_path / "two" / "checkpoints" / "step-000004").exists()
     # the checkpoint after step 2 holds full tensors, equal to the single process's
-    states = [torch.load(tmp_path / run / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
-              for run in ("one", "two")]
+    states = [
+        torch.load(tmp_path / run / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+        for run in ("one", "two")
+    ]
     assert states[1]["model"].keys() == states[0]["model"].keys()
     for name, tensor in states[0]["model"].items():
         torch.testing.assert_close(states[1]["model"][name], tensor, rtol=1e-4, atol=1e-5)
@@ -133,9 +163,17 @@ def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(inputs, tmp_pat
     prompts; the logged statistics are those of the gathered global batch, whose whitened
     advantages have mean 0 and variance 1; rank 0 alone saves."""
     out = tmp_path / "ppo"
-    metrics = launch("ppo", [inputs / "data", inputs / "sft", inputs / "reward"], out, 2,
-                     "ppo.total_episodes=16", "ppo.micro_batch_size=2", "ppo.eval_every=2", "ppo.eval_max_samples=3",
-                     "ppo.checkpoint_every=1")
+    metrics = launch(
+        "ppo",
+        [inputs / "data", inputs / "sft", inputs / "reward"],
+        out,
+        2,
+        "ppo.total_episodes=16",
+        "ppo.micro_batch_size=2",
+        "ppo.eval_every=2",
+        "ppo.eval_max_samples=3",
+        "ppo.checkpoint_every=1",
+    )
     updates = [m for step, m in metrics if "advantages/mean" in m]
     assert len(updates) == 2
     for m in updates:

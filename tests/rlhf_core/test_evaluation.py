@@ -75,8 +75,17 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
     """The server prefers whichever summary is the human reference, except for one policy's
     posts, and rate-limits the first request: the stage's win rates must follow exactly."""
     cfg, root = stages
-    cfg = load_config("smoke", ["eval.judge=anthropic", "eval.judge_model=claude-test-judge", "eval.max_samples=4",
-                                "eval.max_comparisons=12", "eval.diversity_prompts=0", "eval.token_shift_samples=1"])
+    cfg = load_config(
+        "smoke",
+        [
+            "eval.judge=anthropic",
+            "eval.judge_model=claude-test-judge",
+            "eval.max_samples=4",
+            "eval.max_comparisons=12",
+            "eval.diversity_prompts=0",
+            "eval.token_shift_samples=1",
+        ],
+    )
     references = [r.strip() for r in load_prepared(root / "data")[0]["validation"]["reference_response"][:4]]
     calls = []
 
@@ -92,9 +101,16 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
     with MessagesAPI(handler=judge, api_key="sk-test-secret") as api:
         monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-secret")
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)
-        metrics = run_evaluation(cfg, root / "data", root / "base", root / "sft",
-                                 {k: root / k for k in ("reward", "reward_norm", "reward_eval")}, root / "ppo",
-                                 tmp_path / "out", judgement_cache=tmp_path / "cache.jsonl")
+        metrics = run_evaluation(
+            cfg,
+            root / "data",
+            root / "base",
+            root / "sft",
+            {k: root / k for k in ("reward", "reward_norm", "reward_eval")},
+            root / "ppo",
+            tmp_path / "out",
+            judgement_cache=tmp_path / "cache.jsonl",
+        )
         assert len(calls) == 13  # 12 comparisons, one of them retried after the 429
         for policy in ("base", "sft", "ppo"):
             assert metrics[f"eval/{policy}/win_rate"] == 0.0 and metrics[f"eval/{policy}/win_rate_n_valid"] == 4
@@ -107,17 +123,27 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         # the first table: PPO against SFT on the same prompts, paired
         diffs = [r["ppo_score"] - r["sft_score"] for r in rows]
         assert metrics["eval/checks/ppo_minus_sft_score"] == pytest.approx(sum(diffs) / 4)
-        assert metrics["eval/checks/ppo_minus_sft_score_ci_low"] <= sum(diffs) / 4 <= \
-            metrics["eval/checks/ppo_minus_sft_score_ci_high"]
+        assert (
+            metrics["eval/checks/ppo_minus_sft_score_ci_low"]
+            <= sum(diffs) / 4
+            <= metrics["eval/checks/ppo_minus_sft_score_ci_high"]
+        )
         report = (tmp_path / "out" / "report.html").read_text()
         assert report.index("Does it learn?") < report.index("Headline")
         assert "RM score of PPO minus SFT summaries" in report and "accuracy, TL;DR validation comparisons" in report
         assert "claude-test-judge" in report and "sk-test-secret" not in report
         assert "0.0% [0.0, 49.0] (n=4)" in report  # Wilson interval of 0/4
         # a second run is answered from the judgement cache: no request at all
-        run_evaluation(cfg, root / "data", root / "base", root / "sft",
-                       {k: root / k for k in ("reward", "reward_norm", "reward_eval")}, root / "ppo",
-                       tmp_path / "out2", judgement_cache=tmp_path / "cache.jsonl")
+        run_evaluation(
+            cfg,
+            root / "data",
+            root / "base",
+            root / "sft",
+            {k: root / k for k in ("reward", "reward_norm", "reward_eval")},
+            root / "ppo",
+            tmp_path / "out2",
+            judgement_cache=tmp_path / "cache.jsonl",
+        )
         assert len(calls) == 13
     for path in (tmp_path / "out").iterdir():
         if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
@@ -128,8 +154,9 @@ def test_paired_difference():
     d = paired_difference([1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 1.0])  # differences 1, 2, 3, 3
     assert d["mean"] == pytest.approx(2.25) and d["n"] == 4
     assert d["std"] == pytest.approx(0.957427, abs=1e-6)
-    assert (d["ci_low"], d["ci_high"]) == pytest.approx((2.25 - 1.959964 * 0.957427 / 2, 2.25 + 1.959964 * 0.957427 / 2),
-                                                        abs=1e-5)
+    assert (d["ci_low"], d["ci_high"]) == pytest.approx(
+        (2.25 - 1.959964 * 0.957427 / 2, 2.25 + 1.959964 * 0.957427 / 2), abs=1e-5
+    )
     with pytest.raises(ValueError):
         paired_difference([1.0], [1.0, 2.0])
 
@@ -139,15 +166,22 @@ def test_learning_checks_state_each_target_with_its_interval():
     n = 100
     sft_metrics = {"eval/samples": float(n), "eval/eos_rate": 0.97, "eval/eos_rate_base": 0.0}
     sft_samples = [{"rougeL_sft": 0.25 + 0.01 * (i % 3), "rougeL_base": 0.15} for i in range(n)]
-    rm_metrics = {"eval/accuracy": 0.58, "eval/count": 603.0, "eval/accuracy_ci_low": 0.54, "eval/accuracy_ci_high": 0.62,
-                  "eval/validation_cnndm/accuracy": 0.55, "eval/validation_cnndm/count": 64.0}
+    rm_metrics = {
+        "eval/accuracy": 0.58,
+        "eval/count": 603.0,
+        "eval/accuracy_ci_low": 0.54,
+        "eval/accuracy_ci_high": 0.62,
+        "eval/validation_cnndm/accuracy": 0.55,
+        "eval/validation_cnndm/count": 64.0,
+    }
     sft = ResponseScores(raw_scores=torch.zeros(64), scores=torch.zeros(64), has_eos=torch.ones(64, dtype=torch.bool))
     ppo_scores = torch.linspace(0.1, 0.5, 64)
     has_eos = torch.ones(64, dtype=torch.bool)
     has_eos[:8] = False  # 56 of 64 = 87.5%: below the 90% target
     ppo = ResponseScores(raw_scores=ppo_scores, scores=ppo_scores, has_eos=has_eos)
-    rows, metrics = learning_checks(sft_metrics, sft_samples, rm_metrics, {"objective/kl": 2.0,
-                                                                           "objective/kl_per_token": 0.05}, ppo, sft)
+    rows, metrics = learning_checks(
+        sft_metrics, sft_samples, rm_metrics, {"objective/kl": 2.0, "objective/kl_per_token": 0.05}, ppo, sft
+    )
     by_check = {(r["stage"], r["check"]): r for r in rows}
     eos = by_check[("SFT", "greedy summaries that end with EOS")]
     assert eos["met"] is True and eos["n"] == n and eos["95% interval"] == "[91.5%, 99.0%]"  # Wilson, 97 of 100

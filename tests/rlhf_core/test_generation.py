@@ -17,8 +17,9 @@ from rlhf_core.models import build_random_model
 from rlhf_core.ppo import logprobs_from_logits
 
 PAD, EOS = 0, 9
-TINY = RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2)
+TINY = RandomInitConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 QUERY = "SUBREDDIT: r/AskReddit\n\nTITLE: a much longer title here\n\nPOST: text\n\nTL;DR:"
 
 
@@ -36,13 +37,15 @@ def test_truncate_after_eos_fills_pad_after_the_first_eos():
 
 def test_the_reward_index_must_hold_an_eos_for_a_response_to_count_as_ended():
     """Detail 12: the score is read before the first PAD; Detail 23: only an EOS there counts."""
-    responses = torch.tensor([
-        [5, 9, 0, 0],  # EOS, then PAD
-        [5, 6, 7, 8],  # no EOS, no PAD: read at the last token
-        [0, 5, 9, 0],  # PAD first
-        [5, 0, 9, 0],  # PAD before the EOS
-        [9, 0, 0, 0],  # EOS first
-    ])
+    responses = torch.tensor(
+        [
+            [5, 9, 0, 0],  # EOS, then PAD
+            [5, 6, 7, 8],  # no EOS, no PAD: read at the last token
+            [0, 5, 9, 0],  # PAD first
+            [5, 0, 9, 0],  # PAD before the EOS
+            [9, 0, 0, 0],  # EOS first
+        ]
+    )
     assert last_token_indices(responses, PAD).tolist() == [1, 3, -1, 0, 0]
     assert ends_with_eos(responses, EOS, PAD).tolist() == [True, False, False, False, True]
 
@@ -104,8 +107,12 @@ def test_decode_responses_cuts_at_eos(smol_tokenizer):
 def test_left_padded_generation_matches_unpadded(smol_tokenizer):
     """Position ids follow the attention mask: left padding does not change what is generated."""
     tok = smol_tokenizer
-    model = build_random_model(tok, RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    model = build_random_model(
+        tok,
+        RandomInitConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        ),
+    ).eval()
     a = tok("SUBREDDIT: r/AskReddit\n\nTITLE: a much longer title here\n\nPOST: text\n\nTL;DR:")["input_ids"]
     b = tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: x\n\nTL;DR:")["input_ids"]
     batch = torch.tensor([a, [tok.pad_token_id] * (len(a) - len(b)) + b])

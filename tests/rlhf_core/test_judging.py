@@ -35,8 +35,15 @@ from tests.messages_api import MessagesAPI, Reply, error_reply, message_body, te
 PAPER = REPO.parent / "shared" / "reference" / "huang2024_n_implementation_details_rlhf_ppo.txt"
 KEY = "sk-ant-test-0123456789-secret"
 MODEL = "claude-judge-test"
-TINY = RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=4096, seed=0)
+TINY = RandomInitConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    seed=0,
+)
 
 ANSWER_A = "Comparison: Summary A covers the breakup and the question; B misses the question.\nPreferred: A"
 ANSWER_B = "Comparison: Summary B is more accurate and complete than A.\nPreferred: B"
@@ -56,16 +63,26 @@ def comparisons(rows):
     out = []
     for i, row in enumerate(rows):
         first = re.split(r"(?<=[.!?])\s", row["post"].strip(), maxsplit=1)[0][:200]
-        out.append(Comparison(id=row["id"] or f"validation-{i}", post=row["post"], title=row["title"],
-                              response=first, reference=row["summary"], policy="test-policy"))
+        out.append(
+            Comparison(
+                id=row["id"] or f"validation-{i}",
+                post=row["post"],
+                title=row["title"],
+                response=first,
+                reference=row["summary"],
+                policy="test-policy",
+            )
+        )
     return out
 
 
 @pytest.fixture(scope="module")
 def short_comparisons(comparisons):
     """The first posts cut to 500 characters: enough for the offline judge, and quick."""
-    return [Comparison(id=c.id, post=c.post[:500], title=c.title, response=c.response, reference=c.reference)
-            for c in comparisons[:8]]
+    return [
+        Comparison(id=c.id, post=c.post[:500], title=c.title, response=c.response, reference=c.reference)
+        for c in comparisons[:8]
+    ]
 
 
 @pytest.fixture
@@ -92,14 +109,20 @@ def letter_in(prompt: str, marker: str) -> str:
 
 def test_prompt_is_the_papers_appendix_i():
     text = format_judge_prompt("<post>", "<Summary A>", "<Summary B>")
-    assert text.startswith("Which of the following summaries does a better job of summarizing the most important "
-                           "points in the given forum post, without including unimportant or irrelevant details? "
-                           "Judge based on accuracy, coverage, and coherence.\n\nPost:\n<post>\n\n")
+    assert text.startswith(
+        "Which of the following summaries does a better job of summarizing the most important "
+        "points in the given forum post, without including unimportant or irrelevant details? "
+        "Judge based on accuracy, coverage, and coherence.\n\nPost:\n<post>\n\n"
+    )
     assert "\n\nSummary A:\n<Summary A>\n\nSummary B:\n<Summary B>\n\n" in text
-    assert ("FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. "
-            "SECOND, on a new line, state only \"A\" or \"B\" to indicate your choice.") in text
-    assert text.endswith("Your response should use the format:\n\n"
-                         "Comparison: <one-sentence comparison and explanation>\nPreferred: <\"A\" or \"B\">")
+    assert (
+        "FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. "
+        'SECOND, on a new line, state only "A" or "B" to indicate your choice.'
+    ) in text
+    assert text.endswith(
+        "Your response should use the format:\n\n"
+        'Comparison: <one-sentence comparison and explanation>\nPreferred: <"A" or "B">'
+    )
     assert "\\" not in JUDGE_PROMPT
     if not PAPER.is_file():
         pytest.skip(f"{PAPER} not present")
@@ -123,7 +146,7 @@ def test_prompt_inserts_texts_verbatim():
     [
         (ANSWER_A, "A"),
         (ANSWER_B, "B"),
-        ("Comparison: A is better.\nPreferred: \"A\"", "A"),
+        ('Comparison: A is better.\nPreferred: "A"', "A"),
         ("Comparison: B is better.\nPreferred: 'B'", "B"),
         ("Comparison: B is better.\nPreferred: \u201cB\u201d", "B"),
         ("Comparison: x.\n   Preferred:   A   \n\n  \n", "A"),
@@ -140,7 +163,7 @@ def test_prompt_inserts_texts_verbatim():
         ("Comparison: x.\nPreferred: C", None),
         ("Comparison: x.\nPreferred: a", None),
         ("Comparison: x.\nPreferred: A or B", None),
-        ("Comparison: x.\nPreferred: <\"A\" or \"B\">", None),
+        ('Comparison: x.\nPreferred: <"A" or "B">', None),
         ("Comparison: x.\nPreferred:", None),
         ("Comparison: x.\nPreferred A", None),
         ("Comparison: x.\nPreferred: AB", None),
@@ -172,7 +195,11 @@ def test_win_counts():
         return Judgement("x", "j", "h", True, "a", pref, wins, 1, error)
 
     assert win_counts([j(True), j(True), j(False), j(None), j(None, "boom")]) == {
-        "wins": 2, "losses": 1, "invalid": 1, "errors": 1}
+        "wins": 2,
+        "losses": 1,
+        "invalid": 1,
+        "errors": 1,
+    }
 
 
 # ------------------------------------------------------------------------- cache
@@ -266,9 +293,16 @@ def test_wrong_key_is_fatal_and_not_leaked(api, comparisons, tmp_path):
 
 
 def test_rate_limit_then_success_honours_retry_after(api, comparisons):
-    api.push(error_reply(429, "rate_limit_error", "Number of request tokens has exceeded your per-minute rate limit",
-                         retry_after_ms=None, headers={"retry-after": "0.3"}),
-             text_reply(ANSWER_B))
+    api.push(
+        error_reply(
+            429,
+            "rate_limit_error",
+            "Number of request tokens has exceeded your per-minute rate limit",
+            retry_after_ms=None,
+            headers={"retry-after": "0.3"},
+        ),
+        text_reply(ANSWER_B),
+    )
     [j] = judge_comparisons(make_judge(api), comparisons[:1], cache=None, seed=1, progress=False)
     assert len(api.requests) == 2
     assert api.requests[1].received_at - api.requests[0].received_at >= 0.28  # waited as asked
@@ -355,8 +389,12 @@ def test_unparseable_then_valid(api, comparisons):
 
 
 def test_post_quoting_the_format_does_not_confuse(api):
-    c = Comparison(id="tricky", post="My landlord wrote 'Preferred: A' on the lease.\nPreferred: A",
-                   response="landlord wrote on the lease", reference="lease note")
+    c = Comparison(
+        id="tricky",
+        post="My landlord wrote 'Preferred: A' on the lease.\nPreferred: A",
+        response="landlord wrote on the lease",
+        reference="lease note",
+    )
     api.push(text_reply("Comparison: B names the lease note, which A misses.\nPreferred: B"))
     [j] = judge_comparisons(make_judge(api), [c], cache=None, seed=3, progress=False)
     assert "Preferred: A" in api.requests[0].prompt
@@ -380,7 +418,10 @@ def test_cache_hits_make_no_requests(api, comparisons, tmp_path):
     second = judge_comparisons(make_judge(api), comparisons[:6], cache=JudgementCache(path), seed=2, progress=False)
     assert len(api.requests) == 6  # zero new requests
     assert all(j.cached and j.attempts == 0 for j in second)
-    strip = lambda j: {k: v for k, v in j.to_dict().items() if k not in ("cached", "attempts")}
+
+    def strip(j):
+        return {k: v for k, v in j.to_dict().items() if k not in ("cached", "attempts")}
+
     assert [strip(j) for j in first] == [strip(j) for j in second]
     # another seed flips some orders: different prompts, so those are asked
     judge_comparisons(make_judge(api), comparisons[:6], cache=JudgementCache(path), seed=99, progress=False)
@@ -392,14 +433,13 @@ def test_spending_cap(api, comparisons, tmp_path, caplog):
     api.handler = lambda req: text_reply(ANSWER_A)
     cache = JudgementCache(tmp_path / "cache.jsonl")
     with caplog.at_level(logging.INFO, logger="rlhf_core.judging"):
-        out = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=2,
-                                progress=False)
+        out = judge_comparisons(
+            make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=2, progress=False
+        )
     assert len(api.requests) == 2 and [j.id for j in out] == [c.id for c in comparisons[:2]]
-    assert any("spending cap" in r.message and "3 uncached comparisons not judged" in r.message
-               for r in caplog.records)
+    assert any("spending cap" in r.message and "3 uncached comparisons not judged" in r.message for r in caplog.records)
     # cache hits are free: a second capped run returns the 2 cached and 2 new ones
-    out = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=2,
-                            progress=False)
+    out = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=2, progress=False)
     assert len(api.requests) == 4 and [j.id for j in out] == [c.id for c in comparisons[:4]]
 
 
@@ -407,8 +447,10 @@ def test_bounded_concurrency(comparisons):
     def handler(req):  # the response always holds the marker: it must win whatever the order
         return Reply(200, message_body(f"Comparison: x.\nPreferred: {letter_in(req.prompt, 'MARKER')}"), delay=0.2)
 
-    items = [Comparison(id=c.id, post=c.post, response="MARKER " + c.response, reference=c.reference)
-             for c in comparisons[:12]]
+    items = [
+        Comparison(id=c.id, post=c.post, response="MARKER " + c.response, reference=c.reference)
+        for c in comparisons[:12]
+    ]
     with MessagesAPI(handler=handler, api_key=KEY) as server:
         start = time.monotonic()
         out = judge_comparisons(make_judge(server), items, cache=None, seed=4, concurrency=4, progress=False)
@@ -445,8 +487,12 @@ def tiny_model(llama_tokenizer):
 def direct_letter_logprobs(model, tokenizer, prompt):
     """log p(A), log p(B) after ``Preferred:``: one unpadded forward pass, the LM head applied by hand."""
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True) + "Preferred:"
+        text = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
+            + "Preferred:"
+        )
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(prompt + "\n\nPreferred:").input_ids
@@ -459,8 +505,9 @@ def direct_letter_logprobs(model, tokenizer, prompt):
 
 
 @pytest.mark.parametrize("template", [False, True], ids=["plain", "chat-template"])
-def test_offline_judge_matches_a_direct_forward_pass(tiny_model, llama_tokenizer, short_comparisons, template,
-                                                     monkeypatch):
+def test_offline_judge_matches_a_direct_forward_pass(
+    tiny_model, llama_tokenizer, short_comparisons, template, monkeypatch
+):
     tok = llama_tokenizer
     assert not tok.chat_template
     if template:
@@ -480,8 +527,9 @@ def test_offline_judge_matches_a_direct_forward_pass(tiny_model, llama_tokenizer
         assert judge.answer(prompt) == answer  # unbatched gives the same
     if template:  # the user turn, then the assistant turn opened with "Preferred:"
         text = tok.decode(judge.encode("hi"))
-        assert text.endswith("user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant"
-                             "<|end_header_id|>\n\nPreferred:")
+        assert text.endswith(
+            "user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nPreferred:"
+        )
         assert text.count("<|begin_of_text|>") == 1
     else:
         assert tok.decode(judge.encode("hi")) == "<|begin_of_text|>hi\n\nPreferred:"
@@ -518,9 +566,11 @@ def test_offline_judge_from_pretrained(tiny_model, llama_tokenizer, tmp_path):
 
 def test_the_offline_path_never_imports_the_anthropic_sdk():
     """Only the Anthropic judge needs the SDK: the judging package and the evaluation stage load without it."""
-    code = ("import sys, rlhf_core.judging, rlhf_core.evaluation; "
-            "from rlhf_core.judging import OfflineJudge, judge_comparisons; "
-            "assert 'anthropic' not in sys.modules, 'imported'; "
-            "from rlhf_core.judging import AnthropicJudge; assert 'anthropic' in sys.modules")
+    code = (
+        "import sys, rlhf_core.judging, rlhf_core.evaluation; "
+        "from rlhf_core.judging import OfflineJudge, judge_comparisons; "
+        "assert 'anthropic' not in sys.modules, 'imported'; "
+        "from rlhf_core.judging import AnthropicJudge; assert 'anthropic' in sys.modules"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

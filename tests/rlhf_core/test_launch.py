@@ -63,9 +63,24 @@ def test_rlhf_sft_trains_on_two_processes_when_asked(tmp_path):
     """`rlhf sft` with RLHF_NPROC_PER_NODE=2 runs SFT as a torchrun job; rank 0's records are written once."""
     env = {**os.environ, "RLHF_NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1"}
     exe = str(Path(sys.executable).with_name("rlhf"))
-    result = subprocess.run([exe, "sft", "--preset", "smoke", "sft.max_steps=2", "sft.batch_size=4",
-                             "sft.micro_batch_size=2", "sft.eval_max_samples=1", "--out", str(tmp_path)],
-                            capture_output=True, text=True, env=env, timeout=900)
+    result = subprocess.run(
+        [
+            exe,
+            "sft",
+            "--preset",
+            "smoke",
+            "sft.max_steps=2",
+            "sft.batch_size=4",
+            "sft.micro_batch_size=2",
+            "sft.eval_max_samples=1",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sft: 2 processes:" in result.stderr and "--nproc_per_node=2" in result.stderr
     steps = [step for step, m in read_metrics(tmp_path / "sft" / "metrics.jsonl") if "train/loss" in m]

@@ -10,16 +10,22 @@ from rlhf_core.models import (
     ModelSourceError,
     build_random_model,
     disable_dropout,
-    gguf_to_safetensors,
     ensure_pad_token,
+    gguf_to_safetensors,
     import_base_model,
     load_causal_lm,
     resolve_source,
 )
 from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
 
-TINY = RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=1024)
+TINY = RandomInitConfig(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 
 
 def test_resolve_source_kinds(tmp_path):
@@ -74,13 +80,22 @@ def test_gguf_tokenizer_cache_matches_the_gguf_tokenizer(smol_tokenizer, sft_row
 
 def test_disable_dropout_makes_train_mode_deterministic(llama_tokenizer):
     """Detail 7: with dropout on, two train-mode passes differ; after disable_dropout they match."""
-    config = LlamaConfig(vocab_size=len(llama_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)
+    config = LlamaConfig(
+        vocab_size=len(llama_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_dropout=0.5,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.config._attn_implementation = "eager"  # eager attention applies dropout in train mode
     model.train()
-    ids = torch.tensor([llama_tokenizer("SUBREDDIT: r/relationships\n\nTITLE: hi\n\nPOST: text\n\nTL;DR:")["input_ids"]])
+    ids = torch.tensor(
+        [llama_tokenizer("SUBREDDIT: r/relationships\n\nTITLE: hi\n\nPOST: text\n\nTL;DR:")["input_ids"]]
+    )
     with torch.no_grad():
         before = [model(ids).logits for _ in range(2)]
     assert not torch.equal(before[0], before[1])

@@ -86,13 +86,15 @@ def test_rewards_put_kl_on_tokens_and_score_at_eos():
 def test_eos_trick():
     """Detail 23: a response is scored as ended only when the token its score is read at
     (before the first PAD, Detail 12) is EOS."""
-    responses = torch.tensor([
-        [5, 9, 0],  # EOS, then PAD: keeps its score
-        [5, 6, 7],  # no EOS
-        [0, 5, 9],  # PAD sampled first: read in the query, not at an EOS
-        [5, 0, 9],  # PAD before the EOS: read at 5
-        [9, 0, 0],  # EOS first: keeps its score
-    ])
+    responses = torch.tensor(
+        [
+            [5, 9, 0],  # EOS, then PAD: keeps its score
+            [5, 6, 7],  # no EOS
+            [0, 5, 9],  # PAD sampled first: read in the query, not at an EOS
+            [5, 0, 9],  # PAD before the EOS: read at 5
+            [9, 0, 0],  # EOS first: keeps its score
+        ]
+    )
     scores = torch.tensor([2.0, 3.0, 4.0, 5.0, 6.0])
     got = apply_eos_trick(scores, responses, eos_token_id=9, pad_token_id=0, penalty=-1.0)
     assert got.tolist() == [2.0, -1.0, -1.0, -1.0, 6.0]
@@ -112,12 +114,19 @@ def test_policy_loss_clipping_on_a_constructed_batch():
     # losses -A*r: [-1.5, -0.5, 1.1]; clipped: [-1.2, -0.8, 1.1]; max: [-1.2, -0.5, 1.1]
     assert out["loss"].item() == pytest.approx((-1.2 - 0.5 + 1.1) / 3)
     assert out["clipfrac"].item() == pytest.approx(1 / 3)
-    assert out["approxkl"].item() == pytest.approx(0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3)
+    assert out["approxkl"].item() == pytest.approx(
+        0.5 * (math.log(1.5) ** 2 + math.log(0.5) ** 2 + math.log(1.1) ** 2) / 3
+    )
 
 
 def test_value_loss_clipping_on_a_constructed_batch():
-    out = value_loss(torch.tensor([[0.5, 0.1, 7.0]]), torch.zeros(1, 3), torch.ones(1, 3),
-                     torch.tensor([[T, T, F_]]), cliprange_value=0.2)
+    out = value_loss(
+        torch.tensor([[0.5, 0.1, 7.0]]),
+        torch.zeros(1, 3),
+        torch.ones(1, 3),
+        torch.tensor([[T, T, F_]]),
+        cliprange_value=0.2,
+    )
     # unclipped errors [0.25, 0.81]; clipped prediction [0.2, 0.1] -> errors [0.64, 0.81]
     assert out["loss"].item() == pytest.approx(0.5 * (0.64 + 0.81) / 2)
     assert out["clipfrac"].item() == pytest.approx(0.5)

@@ -72,8 +72,14 @@ def ppo_config(*overrides: str):
 
 def test_rule_reward_replaces_the_reward_model_score(tiny):
     _, root = tiny
-    trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.non_eos_penalty=null", "ppo.temperature=0.1",
-                                    "ppo.response_length=8"), root / "data", root / "sft", None)
+    trainer = PPOTrainer(
+        ppo_config(
+            f"ppo.reward={NON_REPEATING}", "ppo.non_eos_penalty=null", "ppo.temperature=0.1", "ppo.response_length=8"
+        ),
+        root / "data",
+        root / "sft",
+        None,
+    )
     assert trainer.reward_model is None  # no reward model loaded, none needed
     traj = trainer.generate_trajectory(trainer.queries[:6])
     eos, pad = trainer.eos_id, trainer.pad_id
@@ -91,8 +97,12 @@ def test_rule_reward_replaces_the_reward_model_score(tiny):
 
 def test_eos_trick_applies_to_a_rule_reward(tiny):
     _, root = tiny
-    trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.temperature=0.1", "ppo.response_length=8"),
-                         root / "data", root / "sft", None)
+    trainer = PPOTrainer(
+        ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.temperature=0.1", "ppo.response_length=8"),
+        root / "data",
+        root / "sft",
+        None,
+    )
     traj = trainer.generate_trajectory(trainer.queries[:4])
     assert not traj.has_eos.any()  # the random model does not sample EOS
     assert (traj.scores == trainer.cfg.non_eos_penalty).all()
@@ -101,8 +111,12 @@ def test_eos_trick_applies_to_a_rule_reward(tiny):
 
 def test_value_model_without_a_reward_model_is_the_sft_backbone_with_a_zero_head(tiny):
     _, root = tiny
-    trainer = PPOTrainer(ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.non_eos_penalty=null", "ppo.response_length=8"),
-                         root / "data", root / "sft", None)
+    trainer = PPOTrainer(
+        ppo_config(f"ppo.reward={NON_REPEATING}", "ppo.non_eos_penalty=null", "ppo.response_length=8"),
+        root / "data",
+        root / "sft",
+        None,
+    )
     backbone = trainer.value_model.backbone.state_dict()
     sft = trainer.ref_policy.model.state_dict()
     assert backbone.keys() == sft.keys()
@@ -133,8 +147,12 @@ def test_value_model_starts_from_the_reward_model_when_one_is_given(tiny):
 
 def test_evaluation_reports_the_reward_the_policy_trains_on(tiny):
     _, root = tiny
-    cfg = ppo_config("ppo.reward=python:rlhf_core.rule_rewards:word_count_12", "ppo.non_eos_penalty=null",
-                     "ppo.eval_max_samples=4", "ppo.response_length=12")
+    cfg = ppo_config(
+        "ppo.reward=python:rlhf_core.rule_rewards:word_count_12",
+        "ppo.non_eos_penalty=null",
+        "ppo.eval_max_samples=4",
+        "ppo.response_length=12",
+    )
     metrics, samples = PPOTrainer(cfg, root / "data", root / "sft", None).evaluate()
     assert len(samples) == 4
     for sample in samples:
@@ -167,15 +185,19 @@ def test_ppo_raises_a_rule_reward(tiny, tmp_path, one_thread):
     """The mean score of the last updates exceeds the first update's by RISE_MARGIN."""
     _, root = tiny
     cfg = ppo_config(*LEARNING)
-    final = run_ppo(cfg, root / "data", root / "sft", None, tmp_path / "ppo",
-                    tracker=JsonlTracker(tmp_path / "m.jsonl"))
+    final = run_ppo(
+        cfg, root / "data", root / "sft", None, tmp_path / "ppo", tracker=JsonlTracker(tmp_path / "m.jsonl")
+    )
     records = [m for _, m in read_metrics(tmp_path / "m.jsonl")]
     assert len(records) == 10
     scores = [m["objective/scores"] for m in records]
     rise = sum(scores[-LAST_K:]) / LAST_K - scores[0]
     assert rise > RISE_MARGIN, f"objective/scores per update: {[round(s, 3) for s in scores]}"
     assert "eval/score_policy" in final and 0.0 <= final["eval/score_policy"] <= 1.0  # the same rule, evaluated
-    params = [json.loads(line)["params"] for line in (tmp_path / "m.jsonl").read_text().splitlines()
-              if json.loads(line)["kind"] == "params"]
+    params = [
+        json.loads(line)["params"]
+        for line in (tmp_path / "m.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "params"
+    ]
     resolved = params[0]["ppo.reward_resolved"]
     assert resolved.startswith(NON_REPEATING + " (") and resolved.endswith("rule_rewards.py)")

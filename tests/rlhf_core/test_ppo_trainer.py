@@ -30,17 +30,41 @@ from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import TrainingError
 from tests.stages import link_stages
 
-REPORTED = ["objective/scores", "objective/rlhf_reward", "objective/kl", "objective/entropy",
-            "objective/non_score_reward", "policy/approxkl", "policy/clipfrac", "policy/entropy", "loss/policy",
-            "loss/value", "val/clipfrac", "val/ratio", "val/ratio_var", "returns/mean", "advantages/max",
-            "response/length_mean", "response/no_eos_fraction", "response/length_score_corr", "lr", "episodes",
-            "time/generate", "time/score", "time/train", "time/generate_tokens_per_s", "memory/peak_mb"]
+REPORTED = [
+    "objective/scores",
+    "objective/rlhf_reward",
+    "objective/kl",
+    "objective/entropy",
+    "objective/non_score_reward",
+    "policy/approxkl",
+    "policy/clipfrac",
+    "policy/entropy",
+    "loss/policy",
+    "loss/value",
+    "val/clipfrac",
+    "val/ratio",
+    "val/ratio_var",
+    "returns/mean",
+    "advantages/max",
+    "response/length_mean",
+    "response/no_eos_fraction",
+    "response/length_score_corr",
+    "lr",
+    "episodes",
+    "time/generate",
+    "time/score",
+    "time/train",
+    "time/generate_tokens_per_s",
+    "memory/peak_mb",
+]
 
 
 @pytest.fixture(scope="module")
 def smoke(smoke_stages, tmp_path_factory):
     """Data, a base model standing in for SFT, and a reward model made from it."""
-    return load_config("smoke"), link_stages(smoke_stages, tmp_path_factory.mktemp("ppo"), data="data", sft="base", rm="rm")
+    return load_config("smoke"), link_stages(
+        smoke_stages, tmp_path_factory.mktemp("ppo"), data="data", sft="base", rm="rm"
+    )
 
 
 def test_value_model_starts_as_the_reward_model(smoke):
@@ -118,18 +142,27 @@ def test_responses_are_scored_at_their_last_real_token(smoke):
     rm = ScalarModel.from_pretrained(root / "rm").eval()
     queries = torch.tensor(load_prepared(root / "data")[0]["validation"]["query_token"][:4])
     a, b, c, d, e, f = tok(" a short summary of the post here", add_special_tokens=False)["input_ids"][:6]
-    responses = torch.tensor([
-        [a, b, eos, pad, pad, pad],  # EOS at 2
-        [a, b, c, d, e, f],  # no EOS: read at 5
-        [eos, pad, pad, pad, pad, pad],  # EOS at 0
-        [a, pad, eos, pad, pad, pad],  # PAD before the EOS: read at 0, not an EOS
-    ])
+    responses = torch.tensor(
+        [
+            [a, b, eos, pad, pad, pad],  # EOS at 2
+            [a, b, c, d, e, f],  # no EOS: read at 5
+            [eos, pad, pad, pad, pad, pad],  # EOS at 0
+            [a, pad, eos, pad, pad, pad],  # PAD before the EOS: read at 0, not an EOS
+        ]
+    )
     last = [2, 5, 0, 0]
     scored = score_responses(rm, queries, responses, pad, eos, -3.0, batch_size=3)
     with torch.no_grad():
-        expected = torch.stack([
-            rm(input_ids=torch.cat([trim_left_padding(queries[i : i + 1], pad), responses[i : i + 1, : last[i] + 1]], 1))[0, -1]
-            for i in range(4)])
+        expected = torch.stack(
+            [
+                rm(
+                    input_ids=torch.cat(
+                        [trim_left_padding(queries[i : i + 1], pad), responses[i : i + 1, : last[i] + 1]], 1
+                    )
+                )[0, -1]
+                for i in range(4)
+            ]
+        )
     torch.testing.assert_close(scored.raw_scores, expected, rtol=1e-5, atol=1e-5)
     assert scored.has_eos.tolist() == [True, False, True, False]
     assert scored.scores[[0, 2]].equal(scored.raw_scores[[0, 2]])
@@ -140,12 +173,14 @@ def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
     """Responses with an EOS part way (Details 23-25): the mask, the KL penalty and the score
     stop at the EOS, and a response without EOS scores the penalty at its last token."""
     pad, eos, penalty, kl_coef = 0, 9, -4.0, 0.1
-    responses = torch.tensor([
-        [5, 6, eos, 7, 8, eos],  # EOS at 2, then more sampled tokens
-        [5, 6, 7, 8, 4, 3],  # no EOS
-        [eos, 5, 6, 7, 8, 4],  # EOS at 0
-        [5, 6, 7, 8, 4, eos],  # EOS at the last position
-    ])
+    responses = torch.tensor(
+        [
+            [5, 6, eos, 7, 8, eos],  # EOS at 2, then more sampled tokens
+            [5, 6, 7, 8, 4, 3],  # no EOS
+            [eos, 5, 6, 7, 8, 4],  # EOS at 0
+            [5, 6, 7, 8, 4, eos],  # EOS at the last position
+        ]
+    )
     eos_at = [2, 5, 0, 5]  # the last real token of each
     raw_scores = torch.tensor([1.5, 2.5, -0.5, 3.0])
     torch.manual_seed(0)
@@ -173,8 +208,9 @@ def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
     torch.testing.assert_close(rewards.rewards, kl_penalty + score_at)
     assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()
     # the values after the last token take no part: GAE's returns equal those of masked values
-    masked = make_trajectory(query_responses, responses, logprobs, ref_logprobs, torch.where(mask, values, 0.0),
-                             scored, 3, eos, pad)
+    masked = make_trajectory(
+        query_responses, responses, logprobs, ref_logprobs, torch.where(mask, values, 0.0), scored, 3, eos, pad
+    )
     assert whitened_advantages(masked, rewards, cfg)[1].equal(returns)
 
     # score_position after_eos: one position later (the last one when there is no room)
@@ -191,8 +227,9 @@ def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     cfg, root = smoke
     ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 16, "eval_every": 1, "eval_max_samples": 4})
-    metrics = run_ppo(ppo_cfg, root / "data", root / "sft", root / "rm", tmp_path / "ppo",
-                      tracker=JsonlTracker(tmp_path / "m.jsonl"))
+    metrics = run_ppo(
+        ppo_cfg, root / "data", root / "sft", root / "rm", tmp_path / "ppo", tracker=JsonlTracker(tmp_path / "m.jsonl")
+    )
     records = read_metrics(tmp_path / "m.jsonl")
     assert [s for s, _ in records] == [1, 2]
     for _, m in records:
@@ -208,7 +245,7 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     sft = load_file(str(root / "sft" / "model.safetensors"))
     assert any(not torch.equal(policy[k], sft[k]) for k in sft)
     assert ScalarModel.from_pretrained(tmp_path / "ppo" / "value_model").head.weight.shape[0] == 1
-    samples = [json.loads(l) for l in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"post", "reference", "policy", "score_policy", "raw_score_policy"} <= set(samples[0])
     assert metrics["eval/score_policy"] == pytest.approx(sum(s["score_policy"] for s in samples) / 4)
 
@@ -220,8 +257,13 @@ def test_non_finite_scores_stop_with_the_update_named(smoke, tmp_path):
         broken.head.bias.fill_(float("nan"))
     broken.save_pretrained(tmp_path / "broken_rm")
     with pytest.raises(TrainingError, match="non-finite .* at update 1"):
-        run_ppo(cfg.ppo.model_copy(update={"non_eos_penalty": float("nan")}), root / "data", root / "sft",
-                tmp_path / "broken_rm", tmp_path / "ppo")
+        run_ppo(
+            cfg.ppo.model_copy(update={"non_eos_penalty": float("nan")}),
+            root / "data",
+            root / "sft",
+            tmp_path / "broken_rm",
+            tmp_path / "ppo",
+        )
     assert (tmp_path / "ppo" / "checkpoints" / "step-000000" / "state.pt").is_file()
     assert not (tmp_path / "ppo" / "model").exists()
 
@@ -234,13 +276,26 @@ _BITWISE_ENV = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     """Kill `rlhf ppo` with SIGKILL after a checkpoint; the resumed run's final policy is identical."""
-    overrides = ["ppo.total_episodes=24", "ppo.batch_size=4", "ppo.micro_batch_size=2", "ppo.checkpoint_every=2",
-                 "ppo.eval_every=100", "ppo.eval_max_samples=2", "sft.max_steps=1", "sft.eval_max_samples=1",
-                 "reward.max_steps=1", "reward.eval_max_samples=2"]
+    overrides = [
+        "ppo.total_episodes=24",
+        "ppo.batch_size=4",
+        "ppo.micro_batch_size=2",
+        "ppo.checkpoint_every=2",
+        "ppo.eval_every=100",
+        "ppo.eval_max_samples=2",
+        "sft.max_steps=1",
+        "sft.eval_max_samples=1",
+        "reward.max_steps=1",
+        "reward.eval_max_samples=2",
+    ]
     exe = str(Path(sys.executable).with_name("rlhf"))
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    proc = subprocess.Popen([exe, "ppo", "--preset", "smoke", *overrides, "--out", str(killed)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_BITWISE_ENV)
+    proc = subprocess.Popen(
+        [exe, "ppo", "--preset", "smoke", *overrides, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_BITWISE_ENV,
+    )
     checkpoint = killed / "ppo" / "checkpoints" / "step-000002" / "state.pt"
     deadline = time.time() + 600
     while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
@@ -250,8 +305,13 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert not (killed / "ppo" / "model").exists()
     logs = {}
     for out in (killed, clean):
-        result = subprocess.run([exe, "ppo", "--preset", "smoke", *overrides, "--out", str(out)],
-                                capture_output=True, text=True, env=_BITWISE_ENV, timeout=900)
+        result = subprocess.run(
+            [exe, "ppo", "--preset", "smoke", *overrides, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env=_BITWISE_ENV,
+            timeout=900,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         logs[out] = result.stderr
     assert "resumed from" in logs[killed] and "stage reward_eval: finished earlier" in logs[killed]

@@ -28,8 +28,12 @@ def _metrics_files(root):
     ppo = JsonlTracker(root / "ppo" / "metrics.jsonl")
     for step in range(1, 4):
         ppo.log_metrics({"objective/scores": 0.1 * step, "objective/kl": 0.5 * step, "loss/value": 1.0}, step=step)
-    return {"sft": root / "sft" / "metrics.jsonl", "reward": root / "reward" / "metrics.jsonl",
-            "ppo": root / "ppo" / "metrics.jsonl", "missing": root / "nope" / "metrics.jsonl"}
+    return {
+        "sft": root / "sft" / "metrics.jsonl",
+        "reward": root / "reward" / "metrics.jsonl",
+        "ppo": root / "ppo" / "metrics.jsonl",
+        "missing": root / "nope" / "metrics.jsonl",
+    }
 
 
 def test_plot_training_curves_writes_a_png_with_a_panel_per_existing_key(tmp_path, monkeypatch):
@@ -46,14 +50,20 @@ def test_plot_training_curves_writes_a_png_with_a_panel_per_existing_key(tmp_pat
 
     monkeypatch.setattr(report_module, "savefig_atomic", capture)
     plot_training_curves(files, tmp_path / "unused.png")
-    assert seen["titles"] == ["sft: train/loss", "reward: train/loss", "reward: train/accuracy",
-                              "ppo: objective/scores", "ppo: objective/kl"]
+    assert seen["titles"] == [
+        "sft: train/loss",
+        "reward: train/loss",
+        "reward: train/accuracy",
+        "ppo: objective/scores",
+        "ppo: objective/kl",
+    ]
     assert seen["rows"] == (3, 2)  # the missing file has no row; two columns for the widest stage
     plot_training_curves(files, tmp_path / "unused.png", keys={"ppo": ["loss/value", "absent"]})
     assert seen["titles"][-1] == "ppo: loss/value" and len(seen["titles"]) == 4
     # a stage with more keys than columns wraps: sft 1 row, reward 1, ppo (3 keys) 2 rows of 2
-    plot_training_curves(files, tmp_path / "unused.png", max_columns=2,
-                         keys={"ppo": ["objective/scores", "objective/kl", "loss/value"]})
+    plot_training_curves(
+        files, tmp_path / "unused.png", max_columns=2, keys={"ppo": ["objective/scores", "objective/kl", "loss/value"]}
+    )
     assert seen["rows"] == (4, 2) and len(seen["titles"]) == 6
 
 
@@ -68,16 +78,27 @@ def test_format_win_rate_and_cells():
     assert format_win_rate(win_rate([True] * 25 + [False] * 15)) == "62.5% [47.0, 75.8] (n=40)"
     assert format_win_rate(win_rate([None])) == "n/a (n=0)"
     assert [format_value(v) for v in (0.23456, float("nan"), None, 3, 12345.6, True)] == [
-        "0.235", "n/a", "–", "3", "12,346", "yes"]
+        "0.235",
+        "n/a",
+        "–",
+        "3",
+        "12,346",
+        "yes",
+    ]
 
 
 @pytest.fixture
 def written(tmp_path):
     out = tmp_path / "report"
     out.mkdir()
-    plot_length_control({"SFT": ([-0.3, 0.0, 0.2, 0.5], [False, True, False, True]),
-                         "PPO": ([0.1, 0.3, 0.6, 0.9], [True, True, False, True])},
-                        out / "length_control.png", bins=3)
+    plot_length_control(
+        {
+            "SFT": ([-0.3, 0.0, 0.2, 0.5], [False, True, False, True]),
+            "PPO": ([0.1, 0.3, 0.6, 0.9], [True, True, False, True]),
+        },
+        out / "length_control.png",
+        bins=3,
+    )
     plot_training_curves(_metrics_files(tmp_path), out / "training_curves.png")
     long_post = "I <b>really</b> love my cat & dog. " + "More words here. " * 40
     html_path, md_path = write_report(
@@ -85,16 +106,30 @@ def written(tmp_path):
         title="TL;DR <RLHF> run",
         headline=[
             {"policy": "base", "ROUGE-L": 0.1234, "win rate": win_rate([True] * 2 + [False] * 38)},
-            {"policy": "PPO", "ROUGE-L": 0.2468, "win rate": win_rate([True] * 25 + [False] * 15),
-             "title copy": "12.5%"},
+            {
+                "policy": "PPO",
+                "ROUGE-L": 0.2468,
+                "win rate": win_rate([True] * 25 + [False] * 15),
+                "title copy": "12.5%",
+            },
         ],
         tables={"Reward model": [{"split": "validation", "accuracy": 0.6789}]},
         plots={"Length control": out / "length_control.png", "Training": out / "training_curves.png"},
         captions={"Training": "Loss | accuracy per step."},
-        samples=[{"post": long_post, "reference": "Cat > dog?", "reference_score": 0.5,
-                  "sft": "I love pets.", "sft_score": 1.25, "sft_raw_score": 1.25, "ppo": "Cat & dog | love",
-                  "ppo_score": -0.75, "ppo_raw_score": 2.5},
-                 {"post": "short post", "reference": "r", "sft": "s", "ppo": "p"}],
+        samples=[
+            {
+                "post": long_post,
+                "reference": "Cat > dog?",
+                "reference_score": 0.5,
+                "sft": "I love pets.",
+                "sft_score": 1.25,
+                "sft_raw_score": 1.25,
+                "ppo": "Cat & dog | love",
+                "ppo_score": -0.75,
+                "ppo_raw_score": 2.5,
+            },
+            {"post": "short post", "reference": "r", "sft": "s", "ppo": "p"},
+        ],
         html_blocks={"Token shift": token_shift_html(["Hello", " <world>"], [1, 5])},
         notes=["Judged by a small offline judge (SmolLM2-135M): not comparable with GPT-3.5 <or> Claude."],
         intro="Run 42.",
@@ -105,8 +140,12 @@ def written(tmp_path):
 def test_report_files_exist_atomically(written):
     out, html_path, md_path = written
     assert (html_path, md_path) == (out / "report.html", out / "report.md")
-    assert sorted(p.name for p in out.iterdir()) == ["length_control.png", "report.html", "report.md",
-                                                     "training_curves.png"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "length_control.png",
+        "report.html",
+        "report.md",
+        "training_curves.png",
+    ]
 
 
 def test_report_html_is_self_contained(written):
@@ -136,8 +175,10 @@ def test_report_html_content_is_escaped_and_readable(written):
     assert "Loss | accuracy per step." in text  # the caller's caption
     assert "Figure 8" in text  # the default caption of length_control.png
     assert '<span class="tok-shifted" title="rank 5"> &lt;world&gt;</span>' in text  # trusted fragment, raw
-    order = [text.index(h) for h in ("<h2>Headline", "<h2>Notes", "<h2>Reward model", "<h2>Plots",
-                                     "<h2>Samples", "<h2>Token shift")]
+    order = [
+        text.index(h)
+        for h in ("<h2>Headline", "<h2>Notes", "<h2>Reward model", "<h2>Plots", "<h2>Samples", "<h2>Token shift")
+    ]
     assert order == sorted(order)
 
 

@@ -142,8 +142,9 @@ def test_pair_scores_run_the_query_once_and_equal_get_reward(smoke):
     chosen, rejected = torch.tensor(rows["query_chosen_token"]), torch.tensor(rows["query_rejected_token"])
     rejected[3] = chosen[3]  # identical responses: only the EOS is left for the second pass
     widths = []
-    hook = rm.backbone.register_forward_hook(lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape),
-                                             with_kwargs=True)
+    hook = rm.backbone.register_forward_hook(
+        lambda module, args, kwargs, out: widths.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     c, r = pair_scores(rm, chosen, rejected, pad)
     hook.remove()
     query_length = int(first_true_indices(chosen[0] != rejected[0]))
@@ -168,8 +169,9 @@ def test_preference_loss():
 def test_accuracy_by_group():
     chosen = torch.tensor([1.0, 2.0, 0.0, 5.0, -1.0])
     rejected = torch.tensor([0.0, 3.0, 1.0, 4.0, -2.0])  # correct: T F F T T
-    out = accuracy_by_group(chosen, rejected, {"batch": ["b1", "b1", "b2", "b2", "b2"], "confidence": [9, 9, 1, 1, 9]},
-                            "eval")
+    out = accuracy_by_group(
+        chosen, rejected, {"batch": ["b1", "b1", "b2", "b2", "b2"], "confidence": [9, 9, 1, 1, 9]}, "eval"
+    )
     assert out["eval/accuracy"] == pytest.approx(0.6)
     assert out["eval/accuracy/batch/b1"] == pytest.approx(0.5)
     assert out["eval/accuracy/batch/b2"] == pytest.approx(2 / 3)
@@ -207,7 +209,9 @@ def test_training_normalisation_and_evaluation(smoke, tmp_path):
         before, after = (get_reward(model, seqs, pad)[1] for model in (trained, after_model))
     assert norm["normalization/mean_before"] == pytest.approx(before.double().mean().item(), abs=1e-5)
     assert abs(after.double().mean().item()) < 1e-3 and abs(norm["normalization/mean_after"]) < 1e-3
-    assert after_model.head.bias.item() == pytest.approx(trained.head.bias.item() - norm["normalization/mean_before"], abs=1e-5)
+    assert after_model.head.bias.item() == pytest.approx(
+        trained.head.bias.item() - norm["normalization/mean_before"], abs=1e-5
+    )
     assert after_model.config.normalization_mean == pytest.approx(norm["normalization/mean_before"])
 
     metrics = evaluate_reward_model(rm_cfg, root / "data", tmp_path / "norm" / "model", tmp_path / "eval")
@@ -224,8 +228,9 @@ def test_training_normalisation_and_evaluation(smoke, tmp_path):
         _, r, _ = get_reward(after_model, torch.tensor(rows["query_rejected_token"]), pad)
     assert metrics["eval/accuracy"] == pytest.approx((c > r).float().mean().item())
     assert metrics["eval/reward/chosen/mean"] == pytest.approx(c.mean().item(), abs=1e-4)
-    assert metrics["eval/accuracy_ci_low"] < metrics["eval/accuracy"] < metrics["eval/accuracy_ci_high"] or \
-        metrics["eval/accuracy"] in (0.0, 1.0)
+    assert metrics["eval/accuracy_ci_low"] < metrics["eval/accuracy"] < metrics["eval/accuracy_ci_high"] or metrics[
+        "eval/accuracy"
+    ] in (0.0, 1.0)
     assert (tmp_path / "eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
     table = json.loads((tmp_path / "eval" / "calibration.json").read_text())
     assert sum(r["count"] for r in table["validation"]) == expected
@@ -239,8 +244,9 @@ def test_normalisation_off_writes_the_model_unchanged(smoke, tmp_path, caplog):
     with caplog.at_level("INFO", logger="rlhf_core.reward"):
         off = normalize_reward_model(rm_cfg, root / "data", tmp_path / "rm", tmp_path / "off")
     assert "normalisation off" in caplog.text
-    on = normalize_reward_model(rm_cfg.model_copy(update={"normalize": True}), root / "data", tmp_path / "rm",
-                                tmp_path / "on")
+    on = normalize_reward_model(
+        rm_cfg.model_copy(update={"normalize": True}), root / "data", tmp_path / "rm", tmp_path / "on"
+    )
     mean = on["normalization/mean_before"]
     assert abs(mean) > 1e-3  # a random head: the references' mean score is not 0
     assert off["normalization/mean_before"] == pytest.approx(mean, abs=1e-6)
@@ -293,4 +299,6 @@ def test_reward_training_resumes_to_the_same_weights(smoke, tmp_path):
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "other", tracker=CrashAfter(3))
     with pytest.raises(TrainingError, match="different configuration"):
-        run_reward_training(rm_cfg.model_copy(update={"learning_rate": 0.5}), root / "data", root / "base", tmp_path / "other")
+        run_reward_training(
+            rm_cfg.model_copy(update={"learning_rate": 0.5}), root / "data", root / "base", tmp_path / "other"
+        )

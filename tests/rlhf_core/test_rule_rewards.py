@@ -29,8 +29,9 @@ def test_word_count_reward_never_scores_below_the_non_eos_penalty():
 
 
 def test_no_first_person_counts_pronouns_and_contractions():
-    scores = rr.no_first_person(["q"] * 4, ["I think my cat hates me", "The cat hates the dog", "We're done.", ""],
-                                [[1]] * 4, [[1]] * 4)
+    scores = rr.no_first_person(
+        ["q"] * 4, ["I think my cat hates me", "The cat hates the dog", "We're done.", ""], [[1]] * 4, [[1]] * 4
+    )
     assert scores == pytest.approx([-3 / 6, 0.0, -1 / 2, -1.0])
 
 
@@ -61,8 +62,15 @@ def test_rule_scores_check_the_function_output(smol_tokenizer):
     spec = "python:rlhf_core.rule_rewards:non_repeating_tokens"
     scores = rr.rule_scores(rr.non_repeating_tokens, spec, tok, queries, responses, tok.pad_token_id, tok.eos_token_id)
     assert scores.dtype == torch.float32 and scores.tolist() == [0.0, 1.0]
-    as_tensor = rr.rule_scores(lambda *a: torch.tensor([1, 2], dtype=torch.float64), spec, tok, queries, responses,
-                               tok.pad_token_id, tok.eos_token_id)
+    as_tensor = rr.rule_scores(
+        lambda *a: torch.tensor([1, 2], dtype=torch.float64),
+        spec,
+        tok,
+        queries,
+        responses,
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
     assert as_tensor.dtype == torch.float32 and as_tensor.tolist() == [1.0, 2.0]
     with pytest.raises(rr.RewardSpecError, match=r"ppo.reward 'python:.*non_repeating_tokens'.* 2 floats"):
         rr.rule_scores(lambda *a: [1.0], spec, tok, queries, responses, tok.pad_token_id, tok.eos_token_id)
@@ -70,9 +78,14 @@ def test_rule_scores_check_the_function_output(smol_tokenizer):
         rr.rule_scores(lambda *a: ["good", "bad"], spec, tok, queries, responses, tok.pad_token_id, tok.eos_token_id)
 
 
-@pytest.mark.parametrize("spec", ["python:rlhf_core.rule_rewards:word_count_12",
-                                  "python:rlhf_core.rule_rewards:no_first_person",
-                                  "python:rlhf_core.rule_rewards:non_repeating_tokens"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "python:rlhf_core.rule_rewards:word_count_12",
+        "python:rlhf_core.rule_rewards:no_first_person",
+        "python:rlhf_core.rule_rewards:non_repeating_tokens",
+    ],
+)
 def test_shipped_rewards_load_from_their_spec(spec):
     cfg = load_config("smoke", [f"ppo.reward={spec}"])
     fn = rr.load_reward_function(cfg.ppo.reward)
@@ -88,18 +101,30 @@ def test_model_spec_loads_no_function(tmp_path):
     assert rr.describe_reward("model", tmp_path) == f"model:{tmp_path.resolve()}"
 
 
-@pytest.mark.parametrize("spec", ["modle", "python::f", "python:rlhf_core.rule_rewards", "python:a b:f",
-                                  "python:rlhf_core.rule_rewards:word_count_12:x", "rlhf_core.rule_rewards:f"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "modle",
+        "python::f",
+        "python:rlhf_core.rule_rewards",
+        "python:a b:f",
+        "python:rlhf_core.rule_rewards:word_count_12:x",
+        "rlhf_core.rule_rewards:f",
+    ],
+)
 def test_malformed_specs_fail_at_config_time(spec):
     with pytest.raises(ConfigError, match=r"ppo\.reward: .*'model' or 'python:MODULE:FUNCTION'"):
         load_config("smoke", [f"ppo.reward={spec}"])
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("python:no_such_module_here:f", "cannot import module 'no_such_module_here'"),
-    ("python:rlhf_core.rule_rewards:no_such_function", "has no attribute 'no_such_function'"),
-    ("python:rlhf_core.rule_rewards:FIRST_PERSON", "is a frozenset, not a function"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("python:no_such_module_here:f", "cannot import module 'no_such_module_here'"),
+        ("python:rlhf_core.rule_rewards:no_such_function", "has no attribute 'no_such_function'"),
+        ("python:rlhf_core.rule_rewards:FIRST_PERSON", "is a frozenset, not a function"),
+    ],
+)
 def test_unusable_specs_fail_on_loading_naming_the_spec(spec, message):
     with pytest.raises(rr.RewardSpecError, match=f"ppo.reward '{spec}': .*{message}"):
         rr.load_reward_function(spec)

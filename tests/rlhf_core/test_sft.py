@@ -19,8 +19,9 @@ from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import native_bf16
 
 PAD, EOS = 0, 9
-TINY = RandomInitConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2)
+TINY = RandomInitConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def test_loss_mask_keeps_eos_and_drops_pad():
@@ -37,7 +38,9 @@ def test_masked_token_loss_is_cross_entropy_on_targets_only():
     ids = torch.tensor([[1, 2, EOS, PAD, PAD], [1, 2, 3, 4, EOS]])
     mask = make_loss_mask(ids, PAD)
     total, n = masked_token_loss(logits, ids, mask)
-    manual = [F.cross_entropy(logits[b, t - 1][None], ids[b, t][None]) for b in range(2) for t in range(1, 5) if mask[b, t]]
+    manual = [
+        F.cross_entropy(logits[b, t - 1][None], ids[b, t][None]) for b in range(2) for t in range(1, 5) if mask[b, t]
+    ]
     assert n == len(manual) == 6
     torch.testing.assert_close(total, torch.stack(manual).sum())
     # what the model predicts at padding does not matter
@@ -49,8 +52,10 @@ def test_masked_token_loss_is_cross_entropy_on_targets_only():
 def test_sft_loss_sum_matches_full_logits(smol_tokenizer):
     tok = smol_tokenizer
     model = build_random_model(tok, TINY)
-    rows = [tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: some post\n\nTL;DR:")["input_ids"] + [tok.eos_token_id],
-            tok("SUBREDDIT: r/b\n\nTITLE: t\n\nPOST: x\n\nTL;DR: y")["input_ids"] + [tok.eos_token_id]]
+    rows = [
+        tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: some post\n\nTL;DR:")["input_ids"] + [tok.eos_token_id],
+        tok("SUBREDDIT: r/b\n\nTITLE: t\n\nPOST: x\n\nTL;DR: y")["input_ids"] + [tok.eos_token_id],
+    ]
     width = max(map(len, rows)) + 3
     ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
     mask = make_loss_mask(ids, tok.pad_token_id)
@@ -137,12 +142,14 @@ def test_gradient_accumulation_equals_one_big_batch(smoke_inputs, tmp_path):
 def test_sft_stage_learns_and_reports(smoke_inputs, tmp_path):
     cfg, root = smoke_inputs
     sft_cfg = cfg.sft.model_copy(update={"max_steps": 6, "batch_size": 4, "micro_batch_size": 4, "eval_max_samples": 4})
-    metrics = run_sft(sft_cfg, root / "data", root / "base", tmp_path / "sft", tracker=JsonlTracker(tmp_path / "m.jsonl"))
+    metrics = run_sft(
+        sft_cfg, root / "data", root / "base", tmp_path / "sft", tracker=JsonlTracker(tmp_path / "m.jsonl")
+    )
     losses = [m["train/loss"] for _, m in read_metrics(tmp_path / "m.jsonl") if "train/loss" in m]
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert 0.0 <= metrics["eval/rougeL"] <= 1.0 and 0.0 <= metrics["eval/rougeL_base"] <= 1.0
     assert metrics["eval/samples"] == 4
-    samples = [json.loads(l) for l in (tmp_path / "sft" / "samples.jsonl").read_text().splitlines()]
+    samples = [json.loads(line) for line in (tmp_path / "sft" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and set(samples[0]) >= {"post", "reference", "base", "sft"}
     max_new = json.loads((root / "data" / "stats.json").read_text())["padded_lengths"]["sft_response"]
     for policy, suffix in (("sft", ""), ("base", "_base")):  # EOS rate and length of the greedy summaries
@@ -156,8 +163,11 @@ def test_sft_stage_learns_and_reports(smoke_inputs, tmp_path):
     assert json.loads((tmp_path / "sft" / "metrics.json").read_text()) == metrics
     assert (tmp_path / "sft" / "model" / "tokenizer_config.json").is_file()
     # bf16: auto, resolved for this machine and logged with the settings
-    params = [json.loads(l)["params"] for l in (tmp_path / "m.jsonl").read_text().splitlines()
-              if json.loads(l)["kind"] == "params"]
+    params = [
+        json.loads(line)["params"]
+        for line in (tmp_path / "m.jsonl").read_text().splitlines()
+        if json.loads(line)["kind"] == "params"
+    ]
     assert params and params[0]["sft.bf16"] == "auto"
     assert params[0]["sft.precision"] == ("bf16-autocast" if native_bf16(torch.device("cpu")) else "float32")
 
@@ -166,7 +176,9 @@ def test_response_only_loss_option(smoke_inputs, tmp_path):
     cfg, root = smoke_inputs
     common = {"max_steps": 1, "eval_max_samples": 1}
     a = run_sft(cfg.sft.model_copy(update=common), root / "data", root / "base", tmp_path / "seq")
-    b = run_sft(cfg.sft.model_copy(update={**common, "loss_on": "response"}), root / "data", root / "base", tmp_path / "resp")
+    b = run_sft(
+        cfg.sft.model_copy(update={**common, "loss_on": "response"}), root / "data", root / "base", tmp_path / "resp"
+    )
     assert a["train/loss"] != b["train/loss"]
 
 
@@ -178,12 +190,21 @@ _BITWISE_ENV = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     """Kill `rlhf sft` with SIGKILL after a mid-stage checkpoint; the resumed run ends with identical weights."""
-    overrides = ["sft.max_steps=6", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.checkpoint_every=2",
-                 "sft.eval_max_samples=1"]
+    overrides = [
+        "sft.max_steps=6",
+        "sft.batch_size=4",
+        "sft.micro_batch_size=2",
+        "sft.checkpoint_every=2",
+        "sft.eval_max_samples=1",
+    ]
     exe = str(Path(sys.executable).with_name("rlhf"))
     killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
-    proc = subprocess.Popen([exe, "sft", "--preset", "smoke", *overrides, "--out", str(killed_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_BITWISE_ENV)
+    proc = subprocess.Popen(
+        [exe, "sft", "--preset", "smoke", *overrides, "--out", str(killed_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=_BITWISE_ENV,
+    )
     checkpoint = killed_dir / "sft" / "checkpoints" / "step-000002" / "state.pt"
     deadline = time.time() + 300
     while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
@@ -193,8 +214,13 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert checkpoint.exists() and not (killed_dir / "sft" / "model").exists()
     logs = {}
     for out in (killed_dir, clean_dir):
-        result = subprocess.run([exe, "sft", "--preset", "smoke", *overrides, "--out", str(out)],
-                                capture_output=True, text=True, env=_BITWISE_ENV, timeout=600)
+        result = subprocess.run(
+            [exe, "sft", "--preset", "smoke", *overrides, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env=_BITWISE_ENV,
+            timeout=600,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
         logs[out] = result.stderr
     assert "resumed from" in logs[killed_dir] and "resumed from" not in logs[clean_dir]
@@ -203,5 +229,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert resumed.keys() == clean.keys()
     for k in clean:
         assert torch.equal(resumed[k], clean[k]), k
-    losses_killed = [m["train/loss"] for s, m in read_metrics(killed_dir / "sft" / "metrics.jsonl") if "train/loss" in m]
+    losses_killed = [
+        m["train/loss"] for s, m in read_metrics(killed_dir / "sft" / "metrics.jsonl") if "train/loss" in m
+    ]
     assert len(losses_killed) >= 6  # steps after the checkpoint were run again after the kill

@@ -36,6 +36,7 @@ def _step(model, ids):
 def test_selective_recomputation_keeps_gradients_and_recomputes_no_matmul(base_dir, build):
     """``"selective"`` gives the plain forward's loss and gradients, saves far fewer tensors
     outside the checkpointed layers, and, unlike full checkpointing, runs no matmul twice."""
+
     def make(mode):
         torch.manual_seed(0)
         model = load_causal_lm(base_dir) if build == "causal_lm" else reward_model_from_causal_lm(base_dir, seed=0)
@@ -71,12 +72,15 @@ def test_selective_recomputation_is_off_in_eval_mode_and_a_bad_mode_is_named(bas
         enable_activation_checkpointing(load_causal_lm(base_dir), "partial")
 
 
-@pytest.mark.parametrize("features, native", [
-    (frozenset({"avx2", "avx512_f", "avx512_bw", "avx512_vnni"}), False),  # AVX-512 without bf16: emulated
-    (frozenset({"avx2", "avx512_f", "avx512_bf16"}), True),
-    (frozenset({"avx2", "amx_tile", "amx_bf16"}), True),
-    (frozenset(), False),
-])
+@pytest.mark.parametrize(
+    "features, native",
+    [
+        (frozenset({"avx2", "avx512_f", "avx512_bw", "avx512_vnni"}), False),  # AVX-512 without bf16: emulated
+        (frozenset({"avx2", "avx512_f", "avx512_bf16"}), True),
+        (frozenset({"avx2", "amx_tile", "amx_bf16"}), True),
+        (frozenset(), False),
+    ],
+)
 def test_bf16_auto_follows_the_cpu_features(monkeypatch, features, native):
     """`bf16: auto` is bf16 autocast exactly where the CPU computes bf16 natively."""
     monkeypatch.setattr(training, "cpu_features", lambda: features)

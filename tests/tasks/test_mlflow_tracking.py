@@ -13,8 +13,14 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     experiment = client.create_experiment(f"tracker-{tmp_path.name}")
     run = client.create_run(experiment)
     tracker = MLflowTracker(run.info.run_id, client=client, flush_seconds=3600, flush_size=5)
-    tracker.log_params({"ppo.kl_coef": 0.05, "data.sft_splits": {"train": 1}, "eval.anthropic_api_key": "sk-secret",
-                        "model.pad_token": "[PAD]"})
+    tracker.log_params(
+        {
+            "ppo.kl_coef": 0.05,
+            "data.sft_splits": {"train": 1},
+            "eval.anthropic_api_key": "sk-secret",
+            "model.pad_token": "[PAD]",
+        }
+    )
     for step in range(1, 4):
         tracker.log_metrics({"train/loss": 1.0 / step, "lr": 3e-6, "bad": math.nan}, step=step)
     tracker.log_table("samples", [{"post": "p", "sft": "s"}, {"post": "q", "sft": "t"}])
@@ -30,7 +36,8 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     assert [(m.step, round(m.value, 4)) for m in history] == [(1, 1.0), (2, 0.5), (3, 0.3333)]
     assert "bad" not in data.metrics
     names = {a.path for a in client.list_artifacts(run.info.run_id)} | {
-        a.path for a in client.list_artifacts(run.info.run_id, "tables")}
+        a.path for a in client.list_artifacts(run.info.run_id, "tables")
+    }
     assert {"calibration.png", "tables/samples.json"} <= names
     table = json.loads(open(client.download_artifacts(run.info.run_id, "tables/samples.json", str(tmp_path))).read())
     assert table == {"columns": ["post", "sft"], "data": [["p", "s"], ["q", "t"]]}
