@@ -12,44 +12,15 @@ from prefect.runtime import flow_run
 from rlhf_core.config import flatten, load_config
 from rlhf_core.evaluation import REPORT_FILES
 from rlhf_core.pipeline import STAGES
-from tasks.mlflow_tracking import MLflowTracker, experiment_id, tracking_client
+from tasks.mlflow_tracking import (
+    REGISTERED_MODELS,
+    MLflowTracker,
+    experiment_id,
+    register_model_version,
+    tracking_client,
+)
 from tasks.stages import StageRecord, run_stage, work_root
 from tasks.storage import ArtifactStore
-
-#: Model registry names and the alias given to the newest version.
-POLICY_MODEL = "rlhf-tldr-policy"
-REWARD_MODEL = "rlhf-tldr-reward-model"
-ALIAS = "latest-pipeline"
-
-
-def register(client, name: str, record: StageRecord, alias: str = ALIAS) -> str:
-    """Register ``record``'s ``model`` directory as a version of ``name`` and point ``alias`` at it.
-
-    A model already registered with the same artifact digest (a cached stage) keeps its version.
-    """
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name)
-    except MlflowException:
-        pass  # already registered
-    for existing in client.search_model_versions(f"name='{name}'"):
-        if existing.tags.get("rlhf.digest") == record.digest:  # a cached stage: same model, same version
-            client.set_registered_model_alias(name, alias, existing.version)
-            return existing.version
-    source = f"{record.uri}/model"
-    if "://" not in record.uri:
-        # MLflow accepts a local source only inside the run's own artifacts: copy the model there.
-        client.log_artifacts(record.mlflow_run_id, source, "model")
-        source = f"{client.get_run(record.mlflow_run_id).info.artifact_uri}/model"
-    version = client.create_model_version(
-        name,
-        source=source,
-        run_id=record.mlflow_run_id,
-        tags={"rlhf.digest": record.digest, "rlhf.artifact_uri": record.uri},
-    )
-    client.set_registered_model_alias(name, alias, version.version)
-    return version.version
 
 
 @flow(name="rlhf")
@@ -101,8 +72,10 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
                 if (report_dir / name).is_file():
                     client.log_artifact(parent_id, str(report_dir / name), "report")
         versions = {
-            model: register(client, model, records[stage])
-            for model, stage in ((POLICY_MODEL, "ppo"), (REWARD_MODEL, "reward_norm"))
+            model: register_model_version(
+                client, model, records[stage].mlflow_run_id, records[stage].digest, records[stage].uri
+            )
+            for stage, model in REGISTERED_MODELS.items()
             if stage in records
         }
         tracker.close()

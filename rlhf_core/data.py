@@ -415,6 +415,202 @@ def _tokenize_split(
     return _map(ds, add_response, desc), dropped, dropped_where
 
 
+@dataclass
+class TokenizedSplits:
+    """Every configured split, tokenised but not yet padded (the first step of :func:`prepare_data`).
+
+    ``datasets[kind][name]`` for kind ``sft`` or ``preference``; ``tasks["kind/name"]`` is
+    ``tldr`` or ``cnndm``; ``dropped["kind/name"]`` counts dropped rows by reason and
+    ``dropped_examples`` names up to 20 of them per split (file and row).
+    """
+
+    datasets: dict[str, dict[str, datasets.Dataset]]
+    tasks: dict[str, str]
+    dropped: dict[str, Counter]
+    dropped_examples: list[dict]
+
+
+#: Token-length columns of each kind whose response cap (Detail 4) applies.
+_RESPONSE_LENGTH_COLUMNS = {
+    "sft": ("reference_response_token_len",),
+    "preference": ("chosen_token_len", "rejected_token_len"),
+}
+#: Columns that only the padding step reads; they are not saved.
+_UNPADDED_COLUMNS = (
+    "query_token_unpadded",
+    "reference_response_token_unpadded",
+    "chosen_token_unpadded",
+    "rejected_token_unpadded",
+)
+
+
+def tokenize_splits(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) -> TokenizedSplits:
+    """Load, validate, format, truncate (Details 1-2) and tokenise every split of ``data_cfg``.
+
+    Raises:
+        DataError: a bad row with ``on_bad_row: error`` (naming file and row), or an empty split.
+    """
+    formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
+    out = TokenizedSplits({"sft": {}, "preference": {}}, {}, {}, [])
+    for kind, splits in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits)):
+        for name, spec in splits.items():
+            key = f"{kind}/{name}"
+            fmt = formats[spec.task]
+            loaded = load_split(data_cfg, kind, spec, fmt)
+            ds, tok_dropped, tok_where = _tokenize_split(
+                loaded.rows, kind, tokenizer, fmt, data_cfg.on_bad_row, f"tokenising {key}"
+            )
+            out.dropped[key] = loaded.dropped + tok_dropped
+            where = loaded.dropped_where + tok_where
+            out.dropped_examples += [{"split": key, "where": w, "reason": r} for w, r in where[:20]]
+            out.datasets[kind][name] = ds
+            out.tasks[key] = spec.task
+    return out
+
+
+def apply_response_caps(splits: TokenizedSplits, data_cfg: DataConfig) -> None:
+    """Drop, in place, the rows whose response exceeds its configured cap (Detail 4), counted as
+    ``response_too_long``.
+
+    Raises:
+        DataError: a cap leaves a split empty.
+    """
+    caps = {"sft": data_cfg.max_sft_response_length, "preference": data_cfg.max_rm_response_length}
+    for kind, cap in caps.items():
+        if cap is None:
+            continue
+        for name, ds in splits.datasets[kind].items():
+            columns = [list(ds[c]) for c in _RESPONSE_LENGTH_COLUMNS[kind]]
+            keep = [i for i in range(len(ds)) if all(col[i] <= cap for col in columns)]
+            if len(keep) < len(ds):
+                splits.dropped[f"{kind}/{name}"]["response_too_long"] += len(ds) - len(keep)
+                splits.datasets[kind][name] = ds.select(keep)
+            if len(splits.datasets[kind][name]) == 0:
+                raise DataError(f"{kind}/{name}: every row is longer than the response cap {cap}")
+
+
+def padded_lengths(splits: TokenizedSplits, data_cfg: DataConfig) -> dict[str, Any]:
+    """The padded lengths of Detail 4: the configured query lengths, and for responses and
+    query+response sequences the maxima over all splits of a set and task (a configured response
+    cap replaces the response maximum).
+
+    Returns:
+        ``{"query": {task: n}, "sft_response": n, "sft_query_response": n,
+        "rm_response": {task: n}, "rm_query_response": {task: n}}``, in tokens.
+    """
+
+    def longest(kind: str, task: str, columns: tuple[str, ...], extra: str | None = None) -> int:
+        best = 0
+        for name, ds in splits.datasets[kind].items():
+            if splits.tasks[f"{kind}/{name}"] != task:
+                continue
+            for col in columns:
+                lengths = list(ds[col])
+                if extra is not None:
+                    lengths = [a + b for a, b in zip(lengths, ds[extra])]
+                best = max(best, max(lengths))
+        return best
+
+    formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
+    sft_cols, rm_cols = _RESPONSE_LENGTH_COLUMNS["sft"], _RESPONSE_LENGTH_COLUMNS["preference"]
+    padded: dict[str, Any] = {"query": {t: f.max_query_length for t, f in formats.items()}}
+    padded["sft_response"] = data_cfg.max_sft_response_length or longest("sft", "tldr", sft_cols)
+    padded["sft_query_response"] = longest("sft", "tldr", sft_cols, "query_token_len")
+    padded["rm_response"], padded["rm_query_response"] = {}, {}
+    for task in sorted({t for k, t in splits.tasks.items() if k.startswith("preference/")}):
+        padded["rm_response"][task] = data_cfg.max_rm_response_length or longest("preference", task, rm_cols)
+        padded["rm_query_response"][task] = longest("preference", task, rm_cols, "query_token_len")
+    return padded
+
+
+def pad_split(
+    ds: datasets.Dataset, kind: str, task: str, padded: dict[str, Any], pad_id: int, desc: str = "padding"
+) -> datasets.Dataset:
+    """Add the padded token columns (Details 3, 4): queries left-padded, responses and
+    query+response sequences right-padded with ``pad_id``; the unpadded columns are removed."""
+    if kind == "sft":
+
+        def pad(x):
+            q, r = x["query_token_unpadded"], x["reference_response_token_unpadded"]
+            return {
+                "query_token": left_pad(q, padded["query"]["tldr"], pad_id),
+                "reference_response_token": right_pad(r, padded["sft_response"], pad_id),
+                "query_reference_response_token": right_pad(q + r, padded["sft_query_response"], pad_id),
+            }
+    else:
+
+        def pad(x):
+            q, c, r = x["query_token_unpadded"], x["chosen_token_unpadded"], x["rejected_token_unpadded"]
+            resp_len, qr_len = padded["rm_response"][task], padded["rm_query_response"][task]
+            return {
+                "query_token": left_pad(q, padded["query"][task], pad_id),
+                "chosen_token": right_pad(c, resp_len, pad_id),
+                "rejected_token": right_pad(r, resp_len, pad_id),
+                "query_chosen_token": right_pad(q + c, qr_len, pad_id),
+                "query_rejected_token": right_pad(q + r, qr_len, pad_id),
+            }
+
+    ds = _map(ds, pad, desc)
+    return ds.remove_columns([c for c in _UNPADDED_COLUMNS if c in ds.column_names])
+
+
+def split_statistics(ds: datasets.Dataset, kind: str, task: str) -> dict[str, Any]:
+    """Rows, token-length summaries, truncation counts (and comparison batches) of one split."""
+    lengths = {"query": _length_summary(ds["query_token_len"])}
+    response_columns = ("reference_response",) if kind == "sft" else ("chosen", "rejected")
+    for col in response_columns:
+        lengths[col] = _length_summary(ds[f"{col}_token_len"])
+    split_stats: dict[str, Any] = {
+        "rows": len(ds),
+        "task": task,
+        "lengths": lengths,
+        "truncation": {
+            "paragraph": sum(1 for n in ds["paragraphs_removed"] if n > 0),
+            "paragraphs_removed": sum(ds["paragraphs_removed"]),
+            "token": sum(ds["token_cut"]),
+        },
+    }
+    if kind == "preference":
+        split_stats["batches"] = dict(Counter(ds["batch"]))
+    return split_stats
+
+
+def _tokenizer_summary(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    return {
+        "name_or_path": tokenizer.name_or_path,
+        "size": len(tokenizer),
+        "pad_token": tokenizer.pad_token,
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token": tokenizer.eos_token,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+
+
+def _write_prepared(
+    out_dir: str | os.PathLike,
+    final: dict[str, datasets.DatasetDict],
+    tokenizer: PreTrainedTokenizerBase,
+    stats: dict[str, Any],
+    overwrite: bool,
+) -> None:
+    from .plots import plot_token_lengths
+
+    def token_lengths(kind: str, name: str) -> dict[str, list[int]]:
+        cols = ["query", "reference_response"] if kind == "sft" else ["query", "chosen", "rejected"]
+        return {col: list(final[kind][name][f"{col}_token_len"]) for col in cols}
+
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        for kind, dd in final.items():
+            dd.save_to_disk(str(tmp / kind))
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        plot_token_lengths(
+            {key: token_lengths(*key.split("/")) for key in stats["splits"]},
+            tmp / "token_lengths.png",
+        )
+        write_json_atomic(tmp / "stats.json", stats)
+
+
 def prepare_data(
     cfg: PipelineConfig,
     out_dir: str | os.PathLike,
@@ -435,11 +631,11 @@ def prepare_data(
         The ``stats.json`` content.
 
     Raises:
-        DataError: bad input (naming file and row) or an empty split.
+        DataError: bad input (naming file and row), an empty split, or a tokenizer whose PAD
+            is missing or equal to EOS (Detail 3).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
     """
     from .models import load_tokenizer
-    from .plots import plot_token_lengths
 
     data_cfg = cfg.data
     if tokenizer is None:
@@ -447,159 +643,33 @@ def prepare_data(
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     if pad_id is None or pad_id == eos_id:
         raise DataError(f"tokenizer PAD id {pad_id} must exist and differ from EOS id {eos_id} (Detail 3)")
-    formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
 
-    dropped: dict[str, Counter] = {}
-    dropped_examples: list[dict] = []
-    tokenized: dict[str, dict[str, datasets.Dataset]] = {"sft": {}, "preference": {}}
-    tasks: dict[str, str] = {}
-    for kind, splits in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits)):
-        for name, spec in splits.items():
-            key = f"{kind}/{name}"
-            fmt = formats[spec.task]
-            loaded = load_split(data_cfg, kind, spec, fmt)
-            ds, tok_dropped, tok_where = _tokenize_split(
-                loaded.rows, kind, tokenizer, fmt, data_cfg.on_bad_row, f"tokenising {key}"
-            )
-            dropped[key] = loaded.dropped + tok_dropped
-            where = loaded.dropped_where + tok_where
-            dropped_examples += [{"split": key, "where": w, "reason": r} for w, r in where[:20]]
-            tokenized[kind][name] = ds
-            tasks[key] = spec.task
-
-    # Response-length caps (Detail 4): rows over a configured cap are dropped and counted.
-    for kind, column_names, cap in (
-        ("sft", ("reference_response_token_len",), data_cfg.max_sft_response_length),
-        ("preference", ("chosen_token_len", "rejected_token_len"), data_cfg.max_rm_response_length),
-    ):
-        if cap is None:
-            continue
-        for name, ds in tokenized[kind].items():
-            columns = [list(ds[c]) for c in column_names]
-            keep = [i for i in range(len(ds)) if all(col[i] <= cap for col in columns)]
-            if len(keep) < len(ds):
-                dropped[f"{kind}/{name}"]["response_too_long"] += len(ds) - len(keep)
-                tokenized[kind][name] = ds.select(keep)
-            if len(tokenized[kind][name]) == 0:
-                raise DataError(f"{kind}/{name}: every row is longer than the response cap {cap}")
-
-    # Derived padded lengths (Detail 4): the maxima over all splits of a set and task.
-    def longest(kind: str, task: str, columns: tuple[str, ...], extra: str | None = None) -> int:
-        best = 0
-        for name, ds in tokenized[kind].items():
-            if tasks[f"{kind}/{name}"] != task:
-                continue
-            for col in columns:
-                lengths = list(ds[col])
-                if extra is not None:
-                    lengths = [a + b for a, b in zip(lengths, ds[extra])]
-                best = max(best, max(lengths))
-        return best
-
-    padded: dict[str, Any] = {"query": {t: f.max_query_length for t, f in formats.items()}}
-    padded["sft_response"] = data_cfg.max_sft_response_length or longest(
-        "sft", "tldr", ("reference_response_token_len",)
-    )
-    padded["sft_query_response"] = longest("sft", "tldr", ("reference_response_token_len",), "query_token_len")
-    padded["rm_response"], padded["rm_query_response"] = {}, {}
-    for task in sorted({t for k, t in tasks.items() if k.startswith("preference/")}):
-        cols = ("chosen_token_len", "rejected_token_len")
-        padded["rm_response"][task] = data_cfg.max_rm_response_length or longest("preference", task, cols)
-        padded["rm_query_response"][task] = longest("preference", task, cols, "query_token_len")
-
-    def pad_sft(x):
-        q, r = x["query_token_unpadded"], x["reference_response_token_unpadded"]
-        return {
-            "query_token": left_pad(q, padded["query"]["tldr"], pad_id),
-            "reference_response_token": right_pad(r, padded["sft_response"], pad_id),
-            "query_reference_response_token": right_pad(q + r, padded["sft_query_response"], pad_id),
-        }
-
-    def make_pad_preference(task: str):
-        def pad_preference(x):
-            q, c, r = x["query_token_unpadded"], x["chosen_token_unpadded"], x["rejected_token_unpadded"]
-            resp_len, qr_len = padded["rm_response"][task], padded["rm_query_response"][task]
-            return {
-                "query_token": left_pad(q, padded["query"][task], pad_id),
-                "chosen_token": right_pad(c, resp_len, pad_id),
-                "rejected_token": right_pad(r, resp_len, pad_id),
-                "query_chosen_token": right_pad(q + c, qr_len, pad_id),
-                "query_rejected_token": right_pad(q + r, qr_len, pad_id),
-            }
-
-        return pad_preference
-
-    stats: dict[str, Any] = {
-        "source": data_cfg.resolved_source(),
-        "local_dir": data_cfg.resolved_local_dir() if data_cfg.resolved_source() == "local" else None,
-        "tokenizer": {
-            "name_or_path": tokenizer.name_or_path,
-            "size": len(tokenizer),
-            "pad_token": tokenizer.pad_token,
-            "pad_token_id": pad_id,
-            "eos_token": tokenizer.eos_token,
-            "eos_token_id": eos_id,
-            "bos_token_id": tokenizer.bos_token_id,
-        },
-        "padded_lengths": padded,
-        "splits": {},
-        "dropped": {k: dict(v) for k, v in dropped.items() if v},
-        "dropped_total": sum(sum(v.values()) for v in dropped.values()),
-        "dropped_examples": dropped_examples,
-    }
+    splits = tokenize_splits(data_cfg, tokenizer)  # Details 1-2: validate, format, truncate, tokenise
+    apply_response_caps(splits, data_cfg)  # Detail 4: rows over a response cap are dropped
+    padded = padded_lengths(splits, data_cfg)  # Detail 4: padded lengths derived from the data
     final: dict[str, datasets.DatasetDict] = {}
-    unpadded_cols = [
-        "query_token_unpadded",
-        "reference_response_token_unpadded",
-        "chosen_token_unpadded",
-        "rejected_token_unpadded",
-    ]
-    for kind in ("sft", "preference"):
+    split_stats: dict[str, dict] = {}
+    for kind, named in splits.datasets.items():
         out = {}
-        for name, ds in tokenized[kind].items():
+        for name, ds in named.items():
             key = f"{kind}/{name}"
-            task = tasks[key]
-            ds = _map(ds, pad_sft if kind == "sft" else make_pad_preference(task), f"padding {key}")
-            lengths = {"query": _length_summary(ds["query_token_len"])}
-            if kind == "sft":
-                lengths["reference_response"] = _length_summary(ds["reference_response_token_len"])
-            else:
-                lengths["chosen"] = _length_summary(ds["chosen_token_len"])
-                lengths["rejected"] = _length_summary(ds["rejected_token_len"])
-            split_stats = {
-                "rows": len(ds),
-                "task": task,
-                "lengths": lengths,
-                "truncation": {
-                    "paragraph": sum(1 for n in ds["paragraphs_removed"] if n > 0),
-                    "paragraphs_removed": sum(ds["paragraphs_removed"]),
-                    "token": sum(ds["token_cut"]),
-                },
-            }
-            if kind == "preference":
-                split_stats["batches"] = dict(Counter(ds["batch"]))
-            stats["splits"][key] = split_stats
-            out[name] = ds.remove_columns([c for c in unpadded_cols if c in ds.column_names])
+            split_stats[key] = split_statistics(ds, kind, splits.tasks[key])
+            out[name] = pad_split(ds, kind, splits.tasks[key], padded, pad_id, f"padding {key}")  # Details 3-4
         final[kind] = datasets.DatasetDict(out)
 
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
-        for kind, dd in final.items():
-            dd.save_to_disk(str(tmp / kind))
-        tokenizer.save_pretrained(tmp / "tokenizer")
-        plot_token_lengths(
-            {
-                key: {
-                    col: list(final[key.split("/")[0]][key.split("/")[1]][f"{col}_token_len"])
-                    for col in (
-                        ["query", "reference_response"] if key.startswith("sft/") else ["query", "chosen", "rejected"]
-                    )
-                }
-                for key in stats["splits"]
-            },
-            tmp / "token_lengths.png",
-        )
-        write_json_atomic(tmp / "stats.json", stats)
-    log.info("data written to %s: %s", out_dir, {k: v["rows"] for k, v in stats["splits"].items()})
+    source = data_cfg.resolved_source()
+    stats: dict[str, Any] = {
+        "source": source,
+        "local_dir": data_cfg.resolved_local_dir() if source == "local" else None,
+        "tokenizer": _tokenizer_summary(tokenizer),
+        "padded_lengths": padded,
+        "splits": split_stats,
+        "dropped": {k: dict(v) for k, v in splits.dropped.items() if v},
+        "dropped_total": sum(sum(v.values()) for v in splits.dropped.values()),
+        "dropped_examples": splits.dropped_examples,
+    }
+    _write_prepared(out_dir, final, tokenizer, stats, overwrite)
+    log.info("data written to %s: %s", out_dir, {k: v["rows"] for k, v in split_stats.items()})
     return stats
 
 

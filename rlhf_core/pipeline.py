@@ -76,7 +76,7 @@ def _reward_norm(cfg, inputs, out, tracker):
 
 
 def _reward_eval(cfg, inputs, out, tracker):
-    from .reward import evaluate_reward_model
+    from .reward_eval import evaluate_reward_model
 
     data, reward_norm = inputs
     return evaluate_reward_model(cfg.reward, data, reward_norm / "model", out, tracker)

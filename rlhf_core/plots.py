@@ -50,7 +50,7 @@ def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.P
     """Reward-model calibration (Huang et al. 2024, Detail 18, Figure 5).
 
     Args:
-        tables: ``{split: rows}`` with rows from :func:`rlhf_core.reward.calibration_table`
+        tables: ``{split: rows}`` with rows from :func:`rlhf_core.reward_eval.calibration_table`
             (``center``, ``accuracy``, ``count``).
         path: the PNG to write.
 

@@ -37,7 +37,6 @@ import logging
 import math
 import os
 import resource
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_scheduler
 
 from .config import PPOConfig
@@ -60,7 +58,7 @@ from .distributed import (
     world,
 )
 from .generation import generate, last_token_indices, summarize, trim_left_padding, truncate_after_eos
-from .io import json_digest, write_json_atomic
+from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
 from .ppo import (
     INVALID_LOGPROB,
@@ -86,13 +84,12 @@ from .reward import (
 from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
 from .training import (
-    CheckpointManager,
-    TrainingError,
+    StepProgress,
     autocast,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
-    precision_name,
+    trainer_checkpoints,
 )
 
 log = logging.getLogger(__name__)
@@ -723,6 +720,18 @@ def _throughput(traj: Trajectory, t_train: float, ppo_epochs: int, device: torch
     }
 
 
+def _progress_summary(metrics: dict[str, float]) -> dict[str, str]:
+    """The few figures of an update shown on the progress bar and in log lines."""
+    seconds = metrics["time/generate"] + metrics["time/score"] + metrics["time/train"]
+    return {
+        "score": f"{metrics['objective/scores']:.3f}",
+        "kl": f"{metrics['objective/kl']:.3f}",
+        "no-eos": f"{metrics['response/no_eos_fraction']:.2f}",
+        "len": f"{metrics['response/length_mean']:.1f}",
+        "s": f"{seconds:.0f}",
+    }
+
+
 def run_ppo(
     cfg: PPOConfig,
     data_dir: str | os.PathLike,
@@ -757,15 +766,16 @@ def run_ppo(
     w = trainer.world
     if not w.is_main:
         tracker = NullTracker()
-    digest = json_digest(
-        [
-            cfg.model_dump(mode="json"),
-            trainer.stats,
-            str(Path(sft_model_dir).resolve()),
-            str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None,
-        ]
-    )
-    checkpoints = CheckpointManager(out_dir / "checkpoints", digest)
+    inputs = [
+        trainer.stats,
+        str(Path(sft_model_dir).resolve()),
+        str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None,
+    ]
+    extra_params = {
+        "ppo.response_length_used": trainer.response_length,
+        "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
+    }
+    checkpoints = trainer_checkpoints("ppo", cfg, trainer.device, out_dir, inputs, tracker, extra_params)
     resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
     start = resumed["step"] if resumed else 0
     rank_rng = (resumed or {}).get("extra", {}).get("rank_rng") or []
@@ -776,17 +786,16 @@ def run_ppo(
         states = all_gather_object(torch.get_rng_state())
         checkpoints.save(step, trainer.models, trainer.optimizer, trainer.scheduler, extra={"rank_rng": states})
 
-    tracker.log_params(
-        {f"ppo.{k}": v for k, v in cfg.model_dump().items()}
-        | {
-            "ppo.response_length_used": trainer.response_length,
-            "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
-            "ppo.precision": precision_name(cfg.bf16, trainer.device),
-        }
+    progress = StepProgress(
+        "ppo",
+        trainer.num_updates,
+        start,
+        tracker,
+        save=save_checkpoint,
+        checkpoint_every=cfg.checkpoint_every,
+        checkpoint_root=checkpoints.root,
+        unit="update",
     )
-    interactive = sys.stderr.isatty() and w.is_main
-    bar = tqdm(total=trainer.num_updates, initial=start, desc="ppo", disable=not interactive, dynamic_ncols=True)
-    log_every = max(1, trainer.num_updates // 20)
     last: dict[str, float] = {}
     samples: list[dict] = []
     begin = time.perf_counter()
@@ -806,11 +815,7 @@ def run_ppo(
             _raise_if_non_finite(scores=traj.scores, rewards=rewards.rewards, advantages=advantages, values=traj.values)
             stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update)
         except _NonFinite as exc:
-            save_checkpoint(update)
-            raise TrainingError(
-                f"ppo: {exc} at update {update + 1}; parameters from before the failing step "
-                f"saved in {checkpoints.root}"
-            ) from None
+            raise progress.stop(str(exc), update) from None
         t_train = time.perf_counter() - t0
         lr = trainer.scheduler.get_last_lr()[0]
         trainer.scheduler.step()
@@ -826,24 +831,9 @@ def run_ppo(
             eval_metrics, samples = trainer.evaluate()
             metrics |= eval_metrics
             tracker.log_table("ppo_samples", samples[:16])
-        tracker.log_metrics(metrics, step=update + 1)
         last = metrics
-        bar.update(1)
-        bar.set_postfix(score=f"{metrics['objective/scores']:.3f}", kl=f"{metrics['objective/kl']:.3f}")
-        if not interactive and w.is_main and ((update + 1) % log_every == 0 or update + 1 == trainer.num_updates):
-            log.info(
-                "ppo update %d/%d: score %.3f kl %.3f no-eos %.2f len %.1f (%.0f s)",
-                update + 1,
-                trainer.num_updates,
-                metrics["objective/scores"],
-                metrics["objective/kl"],
-                metrics["response/no_eos_fraction"],
-                metrics["response/length_mean"],
-                metrics["time/generate"] + metrics["time/score"] + t_train,
-            )
-        if (update + 1) % cfg.checkpoint_every == 0 and update + 1 < trainer.num_updates:
-            save_checkpoint(update + 1)
-    bar.close()
+        progress.report(update + 1, metrics, _progress_summary(metrics))
+    progress.close()
     if not samples:  # resumed after the last update: evaluate once more
         eval_metrics, samples = trainer.evaluate()
         last |= eval_metrics

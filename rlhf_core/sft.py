@@ -22,19 +22,17 @@ from transformers import PreTrainedModel
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import rouge_l
-from .distributed import all_reduce_sum, gather_to_main, world
+from .distributed import all_reduce_sum, world
 from .generation import summarize
-from .io import json_digest, write_json_atomic
+from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
 from .tracking import NullTracker, Tracker
 from .training import (
-    CheckpointManager,
     accumulation_steps,
     autocast,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
-    precision_name,
     train_loop,
 )
 
@@ -256,23 +254,20 @@ def run_sft(
         total, tokens = all_reduce_sum([total, (input_ids != pad_id).sum().item()])
         return {"loss": total / n_targets, "tokens": tokens}
 
-    digest = json_digest([cfg.model_dump(mode="json"), stats, str(Path(base_model_dir).resolve())])
-    tracker.log_params(
-        {f"sft.{k}": v for k, v in cfg.model_dump().items()} | {"sft.precision": precision_name(cfg.bf16, device)}
-    )
-    train_metrics = train_loop(
+    model, train_metrics = train_loop(
+        desc="sft",
         model=model,
         n_rows=len(train),
         optim=cfg,
         step_fn=step_fn,
-        checkpoints=CheckpointManager(out_dir / "checkpoints", digest),
+        device=device,
+        out_dir=out_dir,
+        inputs=[stats, str(Path(base_model_dir).resolve())],
+        rebuild=lambda: load_causal_lm(base_model_dir).to(device),
         tracker=tracker,
-        desc="sft",
     )
-    model = gather_to_main(model, lambda: load_causal_lm(base_model_dir).to(device))  # the full weights, sharded or not
     if not w.is_main:
         return {}  # rank 0 saves and evaluates
-    model.eval()
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
     eval_metrics, samples = evaluate_sft(model, base_model_dir, sft_data[cfg.eval_split], stats, tokenizer, cfg, device)
     with open(out_dir / "samples.jsonl", "w") as fh:

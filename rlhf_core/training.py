@@ -26,9 +26,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from .config import EpochTrainerConfig
+from .config import EpochTrainerConfig, TrainerConfig
 from .distributed import (
     all_reduce_gradients,
+    gather_to_main,
     load_model_state,
     load_optimizer_state,
     model_state,
@@ -37,7 +38,7 @@ from .distributed import (
     shard_model,
     world,
 )
-from .io import atomic_directory
+from .io import atomic_directory, json_digest
 from .tracking import NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -300,18 +301,110 @@ class CheckpointManager:
         return {"step": state["step"], "extra": state["extra"]}
 
 
+def trainer_checkpoints(
+    section: str,
+    cfg: TrainerConfig,
+    device: torch.device,
+    out_dir: str | os.PathLike,
+    inputs: list,
+    tracker: Tracker,
+    extra_params: dict[str, Any] | None = None,
+) -> CheckpointManager:
+    """Log a trainer's settings and return its checkpoints, the same way for every trainer.
+
+    The settings go to ``tracker`` as ``{section}.{key}`` params with the resolved precision
+    (``{section}.precision``) and ``extra_params``; the checkpoints live in
+    ``out_dir/checkpoints``, keyed by the settings and ``inputs`` (JSON-serialisable: the data
+    statistics, the input model folders), so a checkpoint written with other settings or
+    inputs is never resumed (:meth:`CheckpointManager.load_latest` raises instead).
+    """
+    tracker.log_params(
+        {f"{section}.{k}": v for k, v in cfg.model_dump().items()}
+        | {f"{section}.precision": precision_name(cfg.bf16, device)}
+        | (extra_params or {})
+    )
+    return CheckpointManager(Path(out_dir) / "checkpoints", json_digest([cfg.model_dump(mode="json"), *inputs]))
+
+
+class StepProgress:
+    """Progress, checkpoints and failure of a trainer's steps, the same for every trainer.
+
+    A ``tqdm`` bar in a terminal, about 20 log lines a run otherwise, on rank 0 only; each
+    step's metrics go to the tracker; a mid-stage checkpoint every ``checkpoint_every`` steps
+    (never after the last: the stage saves its final state itself); on a non-finite value,
+    the last good state is saved before the error is raised.
+
+    Args:
+        desc: the stage's name, on the bar, in log lines and in errors (``"sft"``, ``"ppo"``).
+        total: steps of the whole run; ``start``: steps already done (a resumed run).
+        tracker: where metrics go; ranks other than 0 report nothing.
+        save: ``save(done)`` writes the checkpoint taken after ``done`` steps; collective
+            under ``torchrun`` (every rank calls it, rank 0 writes).
+        checkpoint_every: steps between mid-stage checkpoints.
+        checkpoint_root: the checkpoint folder, named in errors.
+        unit: what a step is called in log lines and errors (``"step"``, ``"update"``).
+    """
+
+    def __init__(
+        self,
+        desc: str,
+        total: int,
+        start: int,
+        tracker: Tracker | None,
+        save: Callable[[int], object],
+        checkpoint_every: int,
+        checkpoint_root: Path,
+        unit: str = "step",
+    ):
+        self.desc, self.total, self.unit = desc, total, unit
+        self.save, self.checkpoint_every, self.checkpoint_root = save, checkpoint_every, checkpoint_root
+        self.is_main = world().is_main
+        self.tracker = (tracker or NullTracker()) if self.is_main else NullTracker()
+        self.interactive = sys.stderr.isatty() and self.is_main
+        self.bar = tqdm(total=total, initial=start, desc=desc, disable=not self.interactive, dynamic_ncols=True)
+        self.log_every = max(1, total // 20)
+
+    def report(self, done: int, metrics: dict[str, float], summary: dict[str, str]) -> None:
+        """Report the step that brought the count to ``done``: ``metrics`` to the tracker,
+        ``summary`` (short name -> formatted value) to the bar or, every ``total // 20``
+        steps and at the end, to the log; then checkpoint if one is due."""
+        self.tracker.log_metrics(metrics, step=done)
+        self.bar.update(1)
+        self.bar.set_postfix(summary)
+        if not self.interactive and self.is_main and (done % self.log_every == 0 or done == self.total):
+            text = ", ".join(f"{k} {v}" for k, v in summary.items())
+            log.info("%s %s %d/%d: %s", self.desc, self.unit, done, self.total, text)
+        if done % self.checkpoint_every == 0 and done < self.total:
+            self.save(done)
+
+    def stop(self, problem: str, done: int) -> TrainingError:
+        """Save the state after ``done`` good steps (collective) and return the
+        :class:`TrainingError` naming ``problem`` and the failing step, for the caller to raise."""
+        self.save(done)
+        self.close()
+        return TrainingError(
+            f"{self.desc}: {problem} at {self.unit} {done + 1}; last good state saved in {self.checkpoint_root}"
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def train_loop(
     *,
+    desc: str,
     model: torch.nn.Module,
     n_rows: int,
     optim: EpochTrainerConfig,
     step_fn: Callable[[list[int]], dict[str, float]],
-    checkpoints: CheckpointManager,
+    device: torch.device,
+    out_dir: str | os.PathLike,
+    inputs: list,
+    rebuild: Callable[[], torch.nn.Module],
     tracker: Tracker | None = None,
-    desc: str = "train",
     metric_prefix: str = "train/",
-) -> dict[str, float]:
-    """Run (or resume) the optimiser steps of one stage.
+) -> tuple[torch.nn.Module | None, dict[str, float]]:
+    """Run (or resume) the optimiser steps of the stage ``desc`` (``"sft"``, ``"reward"``).
 
     ``step_fn(indices)`` must run forward and backward over the rows ``indices`` of one
     global batch and return scalar metrics, including ``loss`` and ``tokens`` (non-pad
@@ -323,15 +416,22 @@ def train_loop(
     ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
     checkpoints every ``optim.checkpoint_every`` steps.
 
+    The settings are logged and the checkpoints kept under ``out_dir/checkpoints``, keyed by
+    the settings and ``inputs`` (:func:`trainer_checkpoints`). After the last step a sharded
+    model is gathered to rank 0 into ``rebuild()`` (:func:`rlhf_core.distributed.gather_to_main`).
+
     Returns:
-        The metrics of the last step, plus ``steps`` and ``seconds``.
+        ``(model, metrics)``: the trained model in eval mode (``None`` on ranks other than 0
+        when it was sharded; those ranks save nothing) and the metrics of the last step, plus
+        ``steps`` and ``seconds``.
 
     Raises:
         TrainingError: a non-finite loss (after a checkpoint of the last good state was
             written) or an incompatible checkpoint.
     """
     w = world()
-    tracker = (tracker or NullTracker()) if w.is_main else NullTracker()
+    tracker = tracker or NullTracker()
+    checkpoints = trainer_checkpoints(desc, optim, device, out_dir, inputs, tracker)
     order = batch_order(n_rows, optim.batch_size, optim.num_epochs, optim.seed)
     shard_model(model, optim.strategy)  # in place, before the optimiser sees the parameters
     total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
@@ -341,9 +441,15 @@ def train_loop(
     resumed = checkpoints.load_latest(model, optimizer, scheduler)
     start = resumed["step"] if resumed else 0
     model.train()
-    interactive = sys.stderr.isatty() and w.is_main
-    bar = tqdm(total=total, initial=start, desc=desc, disable=not interactive, dynamic_ncols=True)
-    log_every = max(1, total // 20)
+    progress = StepProgress(
+        desc,
+        total,
+        start,
+        tracker,
+        save=lambda done: checkpoints.save(done, model, optimizer, scheduler),
+        checkpoint_every=optim.checkpoint_every,
+        checkpoint_root=checkpoints.root,
+    )
     begin = time.perf_counter()
     last: dict[str, float] = {}
     for step in range(start, total):
@@ -352,11 +458,7 @@ def train_loop(
         metrics = step_fn(shard(order[step], w))
         if not math.isfinite(metrics["loss"]):
             # every rank has the same global loss, so all save together; parameters are the last good ones
-            checkpoints.save(step, model, optimizer, scheduler)
-            raise TrainingError(
-                f"{desc}: non-finite loss {metrics['loss']} at step {step + 1}; "
-                f"last good state saved in {checkpoints.root}"
-            )
+            raise progress.stop(f"non-finite loss {metrics['loss']}", step)
         all_reduce_gradients(model)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
@@ -364,21 +466,14 @@ def train_loop(
         seconds = time.perf_counter() - t0
         last = {f"{metric_prefix}{k}": v for k, v in metrics.items() if k != "tokens"}
         last.update({"lr": lr, "tokens_per_s": metrics.get("tokens", 0.0) / max(seconds, 1e-9), "step": step + 1})
-        tracker.log_metrics(last, step=step + 1)
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
-        if not interactive and w.is_main and ((step + 1) % log_every == 0 or step + 1 == total):
-            log.info(
-                "%s step %d/%d loss %.4f lr %.3g %.0f tok/s",
-                desc,
-                step + 1,
-                total,
-                metrics["loss"],
-                lr,
-                last["tokens_per_s"],
-            )
-        if (step + 1) % optim.checkpoint_every == 0 and step + 1 < total:
-            checkpoints.save(step + 1, model, optimizer, scheduler)
-    bar.close()
+        progress.report(
+            step + 1,
+            last,
+            {"loss": f"{metrics['loss']:.4f}", "lr": f"{lr:.3g}", "tok/s": f"{last['tokens_per_s']:.0f}"},
+        )
+    progress.close()
     last.update({"steps": total, "seconds": time.perf_counter() - begin})
-    return last
+    model = gather_to_main(model, rebuild)  # the full weights, sharded or not
+    if model is not None:
+        model.eval()
+    return model, last

@@ -143,3 +143,47 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
 
     tracker.log_params(flatten(stage_config(cfg, stage)))
     return run.info.run_id, client
+
+
+#: The stages whose ``model`` folder is registered, and the registered model's name.
+REGISTERED_MODELS = {"ppo": "rlhf-tldr-policy", "reward_norm": "rlhf-tldr-reward-model"}
+#: The alias given to the newest registered version.
+ALIAS = "latest-pipeline"
+
+
+def register_model_version(
+    client: MlflowClient, name: str, run_id: str, digest: str, artifact_uri: str, alias: str = ALIAS
+) -> str:
+    """Register the ``model`` folder of a stage's artifact as a version of ``name`` and point ``alias`` at it.
+
+    Args:
+        client: the tracking client.
+        name: the registered model's name.
+        run_id: the stage's MLflow run, the version's source run.
+        digest: the stage artifact's content digest, stored as the version's tag ``rlhf.digest``;
+            a version with the same digest (a cached stage) is reused, not duplicated.
+        artifact_uri: the stage's artifact (a local folder or a ``scheme://`` URI); a local
+            model is copied into the run's artifacts, since MLflow accepts only those as a local source.
+
+    Returns:
+        The version number, as a string.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name)
+    except MlflowException:
+        pass  # already registered
+    for existing in client.search_model_versions(f"name='{name}'"):
+        if existing.tags.get("rlhf.digest") == digest:  # a cached stage: same model, same version
+            client.set_registered_model_alias(name, alias, existing.version)
+            return existing.version
+    source = f"{artifact_uri}/model"
+    if "://" not in artifact_uri:
+        client.log_artifacts(run_id, source, "model")
+        source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    version = client.create_model_version(
+        name, source=source, run_id=run_id, tags={"rlhf.digest": digest, "rlhf.artifact_uri": artifact_uri}
+    )
+    client.set_registered_model_alias(name, alias, version.version)
+    return version.version

@@ -122,6 +122,9 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inp
         stage_inputs, extra = [inputs / "data", inputs / "base"], ["sft.max_steps=3", "sft.eval_max_samples=1"]
     else:
         stage_inputs, extra = [inputs / "data", inputs / "sft"], ["reward.max_steps=3"]
+    # float32 on every machine: the equality below is of float32 sums in another order; bf16
+    # autocast (what `auto` picks on a CPU with native bf16) rounds each product to 8 bits
+    extra.append(f"{stage}.bf16=false")
     one = launch(stage, stage_inputs, tmp_path / "one", 1, f"{stage}.micro_batch_size=4", *extra)
     two = launch(
         stage,
