@@ -23,6 +23,8 @@ export TOKENIZERS_PARALLELISM := false
 PRESET ?= cpu-demo
 RUN_DIR ?= runs/$(PRESET)
 PYTEST_ARGS ?=
+# Test processes side by side (pytest-xdist); each gets one math thread (tests/conftest.py).
+TEST_WORKERS ?= 2
 
 STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
@@ -62,7 +64,7 @@ stack-status:
 	STACK_DIR=$(STACK_DIR) infra/stack.sh status
 
 test: lint
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Style is checked, not argued: ruff's linter and formatter, configured in pyproject.toml.
 lint: $(STAMP)
@@ -74,7 +76,7 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m 'not slow' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m 'not slow' $(PYTEST_ARGS)
 
 # Training speed against TRL (benchmarks/vs_trl.py): TRL lives in its own venv, never in $(VENV).
 # torch is pinned first so that pip takes the CPU wheel from local disk instead of CUDA wheels.

@@ -18,6 +18,12 @@ os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("RLHF_TLDR_DIR", str((REPO.parent / "shared" / "data" / "tldr").resolve()))
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Test processes running side by side (`make test`: pytest -n) each get one math thread:
+    # OpenMP threads spin while they wait, so two processes with a thread per core each
+    # would slow each other many times over. Subprocesses (torchrun ranks, flow runs) inherit it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 from rlhf_core.config import ModelConfig, load_config  # noqa: E402
 from rlhf_core.models import load_tokenizer  # noqa: E402

@@ -19,6 +19,9 @@ from mlflow.tracking import MlflowClient
 from tasks.storage import ArtifactStore
 from tests.servers import free_port
 
+# Both variants share one server stack: one test process runs them.
+pytestmark = pytest.mark.xdist_group("server-stack")
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 OVERRIDES = [
@@ -41,9 +44,11 @@ OVERRIDES = [
 STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server_stack(tmp_path_factory):
-    """One stack (Prefect server, MLflow server, worker, deployment) for both artifact roots."""
+    """One stack (Prefect server, MLflow server, worker, deployment) for both artifact roots;
+    session-scoped, so that a test process which runs other tests between the two variants
+    does not stop and start it again."""
     root = tmp_path_factory.mktemp("stack")
     env = {
         **os.environ,
