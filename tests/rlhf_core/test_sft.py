@@ -127,6 +127,25 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def test_non_finite_loss_stops_with_the_step_named_and_the_last_good_state_saved(smoke_inputs, tmp_path):
+    """train_loop (SFT and the reward model): a NaN loss raises TrainingError naming the stage
+    and step, after a checkpoint of the parameters before it; no model is written."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.training import TrainingError
+
+    cfg, root = smoke_inputs
+    broken = AutoModelForCausalLM.from_pretrained(root / "base")
+    with torch.no_grad():
+        broken.model.norm.weight.fill_(float("nan"))
+    broken.save_pretrained(tmp_path / "broken")
+    with pytest.raises(TrainingError, match=r"sft: non-finite loss nan at step 1; last good state saved in "):
+        run_sft(cfg.sft.model_copy(update={"max_steps": 2}), root / "data", tmp_path / "broken", tmp_path / "sft")
+    state = torch.load(tmp_path / "sft" / "checkpoints" / "step-000000" / "state.pt", weights_only=False)
+    assert state["step"] == 0
+    assert not (tmp_path / "sft" / "model").exists()
+
+
 def test_gradient_accumulation_equals_one_big_batch(smoke_inputs, tmp_path):
     cfg, root = smoke_inputs
     # float32 on every machine: accumulation sums the same float32 products in another order
