@@ -300,6 +300,11 @@ def truncate_query(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: QueryForm
     ``fmt.max_query_length``, the post loses its last paragraph: everything from its
     last newline on. Only when no newline remains are the post's trailing tokens cut.
 
+    The fewest paragraphs to drop is found by bisection over the post's newlines, so a post
+    of ``n`` paragraphs costs ``O(log n)`` tokenisations instead of up to ``n`` (dropping a
+    paragraph never lengthens the tokenised query). The result equals dropping paragraphs one
+    at a time, as the paper's code does (checked on the real rows in the tests).
+
     Returns:
         ``(query, query_token, counts)``: the query text; its token ids, unpadded, at most
         ``max_query_length`` long; ``{"paragraphs_removed": int, "token_cut": bool}``.
@@ -307,28 +312,42 @@ def truncate_query(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: QueryForm
     Raises:
         BadRow: ``query_too_long`` when the query exceeds the limit even with an empty post.
     """
-    fields = dict(row)
-    limit = fmt.max_query_length
-    key = fmt.truncate_field
-    query = format_query(fields, fmt)
-    ids = tokenizer(query, add_special_tokens=True)["input_ids"]
-    paragraphs, token_cut = 0, False
-    while len(ids) > limit:
-        text = fields.get(key) or ""
-        cut = text.rfind("\n")
-        if cut >= 0:
-            fields[key] = text[:cut]
-            paragraphs += 1
+    limit, key = fmt.max_query_length, fmt.truncate_field
+    text = row.get(key) or ""
+
+    def encode(post: str) -> tuple[str, list[int]]:
+        query = format_query({**row, key: post}, fmt)
+        return query, tokenizer(query, add_special_tokens=True)["input_ids"]
+
+    query, ids = encode(text)
+    if len(ids) <= limit:
+        return query, ids, {"paragraphs_removed": 0, "token_cut": False}
+    # Dropping the last k paragraphs leaves text[:newlines[-k]]: bisect for the smallest k that fits.
+    newlines = [i for i, char in enumerate(text) if char == "\n"]
+    low, high, fitted = 1, len(newlines), None
+    while low <= high:
+        k = (low + high) // 2
+        candidate = encode(text[: newlines[-k]])
+        if len(candidate[1]) <= limit:
+            fitted, high = (k, *candidate), k - 1
         else:
-            if not text:
-                raise BadRow("query_too_long", f"{len(ids)} tokens > {limit} even with an empty {key}")
-            text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            keep = min(len(text_ids) - (len(ids) - limit), len(text_ids) - 1)
-            fields[key] = tokenizer.decode(text_ids[: max(keep, 0)])
-            token_cut = True
-        query = format_query(fields, fmt)
-        ids = tokenizer(query, add_special_tokens=True)["input_ids"]
-    return query, ids, {"paragraphs_removed": paragraphs, "token_cut": token_cut}
+            low = k + 1
+    if fitted is not None:
+        k, query, ids = fitted
+        return query, ids, {"paragraphs_removed": k, "token_cut": False}
+    # Every paragraph dropped and still too long: cut the first paragraph's trailing tokens.
+    text = text[: newlines[0]] if newlines else text
+    query, ids = encode(text)
+    token_cut = False
+    while len(ids) > limit:
+        if not text:
+            raise BadRow("query_too_long", f"{len(ids)} tokens > {limit} even with an empty {key}")
+        text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        keep = min(len(text_ids) - (len(ids) - limit), len(text_ids) - 1)
+        text = tokenizer.decode(text_ids[: max(keep, 0)])
+        token_cut = True
+        query, ids = encode(text)
+    return query, ids, {"paragraphs_removed": len(newlines), "token_cut": token_cut}
 
 
 def tokenize_response(text: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -108,6 +108,95 @@ def test_query_that_cannot_fit_is_a_bad_row(tokenizer, sft_rows):
         truncate_query(sft_rows[0], tokenizer, QueryFormat(max_query_length=5))
 
 
+def _truncate_one_paragraph_at_a_time(row: dict, tokenizer, fmt: QueryFormat) -> tuple[str, list[int], dict]:
+    """The reference for :func:`truncate_query`: the paper code's loop (and this project's until
+    it bisected), which drops one paragraph and tokenises the whole query again, up to once per
+    newline of the post."""
+    fields, limit, key = dict(row), fmt.max_query_length, fmt.truncate_field
+    query = format_query(fields, fmt)
+    ids = tokenizer(query, add_special_tokens=True)["input_ids"]
+    paragraphs, token_cut = 0, False
+    while len(ids) > limit:
+        text = fields.get(key) or ""
+        cut = text.rfind("\n")
+        if cut >= 0:
+            fields[key] = text[:cut]
+            paragraphs += 1
+        else:
+            if not text:
+                raise BadRow("query_too_long", "")
+            text_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            keep = min(len(text_ids) - (len(ids) - limit), len(text_ids) - 1)
+            fields[key] = tokenizer.decode(text_ids[: max(keep, 0)])
+            token_cut = True
+        query = format_query(fields, fmt)
+        ids = tokenizer(query, add_special_tokens=True)["input_ids"]
+    return query, ids, {"paragraphs_removed": paragraphs, "token_cut": token_cut}
+
+
+def _distinct_posts(tldr_dir) -> dict[str, list[dict]]:
+    """Every distinct post of the real files, by task: TL;DR (SFT and comparison files) and CNN/DM."""
+    out: dict[str, dict[tuple, dict]] = {"tldr": {}, "cnndm": {}}
+    files = {
+        "tldr": ["sft_train.jsonl", "sft_validation.jsonl", "sft_test.jsonl", "preference_validation.jsonl"],
+        "cnndm": ["preference_validation_cnndm.jsonl"],
+    }
+    for task, names in files.items():
+        for name in names:
+            for row in read_jsonl(tldr_dir / name):
+                out[task].setdefault((row.get("subreddit"), row.get("title"), row.get("post")), row)
+    return {task: list(rows.values()) for task, rows in out.items()}
+
+
+@pytest.mark.slow
+def test_bisected_truncation_equals_dropping_one_paragraph_at_a_time_on_every_real_post(tokenizer, tldr_dir):
+    """Every distinct post of the real files, at the query limits of the presets (TL;DR 256 and
+    512, CNN/DM 512 and 1919): the same query, token ids and counts as the one-at-a-time loop."""
+    cnndm_template = load_config("cpu-demo").data.cnndm_format.template
+    formats = [QueryFormat(max_query_length=n) for n in (256, 512)]
+    formats += [QueryFormat(template=cnndm_template, max_query_length=n) for n in (512, 1919)]
+    posts = _distinct_posts(tldr_dir)
+    assert len(posts["tldr"]) > 2000 and len(posts["cnndm"]) > 40
+    truncated = 0
+    for fmt in formats:
+        for row in posts["cnndm" if fmt.template == cnndm_template else "tldr"]:
+            try:
+                expected = _truncate_one_paragraph_at_a_time(row, tokenizer, fmt)
+            except BadRow:
+                with pytest.raises(BadRow):
+                    truncate_query(row, tokenizer, fmt)
+                continue
+            assert truncate_query(row, tokenizer, fmt) == expected, (row.get("id"), fmt.max_query_length)
+            truncated += expected[2]["paragraphs_removed"] > 0
+    assert truncated > 1000  # most of the comparisons exercise the bisection, not the early return
+
+
+def test_bisected_truncation_of_a_post_of_hundreds_of_short_paragraphs(smol_tokenizer, sft_rows):
+    """A pathological post (hundreds of line breaks) gets the reference's answer with about
+    log2(n) tokenisations instead of up to n."""
+    row = dict(sft_rows[0], post="\n".join(f"line {i} of a very long post" for i in range(600)))
+    calls = []
+    tokenizer = _CountingTokenizer(smol_tokenizer, calls)
+    got = truncate_query(row, tokenizer, QueryFormat(max_query_length=512))
+    assert got == _truncate_one_paragraph_at_a_time(row, smol_tokenizer, QueryFormat(max_query_length=512))
+    assert got[2]["paragraphs_removed"] > 450
+    assert len(calls) <= 1 + 10  # the whole query, then bisection over 599 newlines
+
+
+class _CountingTokenizer:
+    """A tokenizer that records each call, and otherwise is ``tokenizer``."""
+
+    def __init__(self, tokenizer, calls: list):
+        self._tokenizer, self._calls = tokenizer, calls
+
+    def __call__(self, *args, **kwargs):
+        self._calls.append(args[0][:20])
+        return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
 # ------------------------------------------------------------------ Detail 3
 
 
