@@ -153,14 +153,21 @@ def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
     return values
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """SHA-256 (16 hex) of the ``rlhf_core`` sources, so that a code change invalidates finished stages."""
+def sources_digest(root: Path) -> str:
+    """SHA-256 (16 hex) of the Python sources under ``root``, subpackages included, each with
+    its path relative to ``root``."""
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode())
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """:func:`sources_digest` of the ``rlhf_core`` package (``judging/`` included), read once per
+    process, so that a code change invalidates finished stages."""
+    return sources_digest(Path(__file__).parent)
 
 
 def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:

@@ -162,6 +162,23 @@ def test_stage_keys_follow_the_code_version(monkeypatch):
         pipeline.stage_keys(cfg, "rm")
 
 
+def test_the_code_version_covers_subpackages(tmp_path):
+    """A change in ``rlhf_core/judging/`` (a subpackage) changes the code version, as one in a
+    top-level module does."""
+    import shutil
+
+    from rlhf_core import pipeline
+
+    root = tmp_path / "rlhf_core"
+    shutil.copytree(Path(pipeline.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
+    assert pipeline.code_version() == pipeline.sources_digest(Path(pipeline.__file__).parent)
+    before = pipeline.sources_digest(root)
+    (root / "judging" / "prompt.py").write_text((root / "judging" / "prompt.py").read_text() + "\n# changed\n")
+    after_judging = pipeline.sources_digest(root)
+    (root / "ppo.py").write_text((root / "ppo.py").read_text() + "\n# changed\n")
+    assert len({before, after_judging, pipeline.sources_digest(root)}) == 3
+
+
 def test_the_reward_command_answers_to_its_old_name_rm(tmp_path, monkeypatch):
     from rlhf_core import cli
 

@@ -98,19 +98,15 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
             return error_reply(429, "rate_limit_error")
         return text_reply(f"Comparison: A reads better.\nPreferred: {'A' if reference_is_a else 'B'}")
 
+    def evaluate(out):
+        reward_dirs = {k: root / k for k in ("reward", "reward_norm", "reward_eval")}
+        args = (root / "data", root / "base", root / "sft", reward_dirs, root / "ppo", out)
+        return run_evaluation(cfg, *args, judgement_cache=tmp_path / "cache.jsonl")
+
     with MessagesAPI(handler=judge, api_key="sk-test-secret") as api:
         monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-secret")
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)
-        metrics = run_evaluation(
-            cfg,
-            root / "data",
-            root / "base",
-            root / "sft",
-            {k: root / k for k in ("reward", "reward_norm", "reward_eval")},
-            root / "ppo",
-            tmp_path / "out",
-            judgement_cache=tmp_path / "cache.jsonl",
-        )
+        metrics = evaluate(tmp_path / "out")
         assert len(calls) == 13  # 12 comparisons, one of them retried after the 429
         for policy in ("base", "sft", "ppo"):
             assert metrics[f"eval/{policy}/win_rate"] == 0.0 and metrics[f"eval/{policy}/win_rate_n_valid"] == 4
@@ -134,16 +130,7 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         assert "claude-test-judge" in report and "sk-test-secret" not in report
         assert "0.0% [0.0, 49.0] (n=4)" in report  # Wilson interval of 0/4
         # a second run is answered from the judgement cache: no request at all
-        run_evaluation(
-            cfg,
-            root / "data",
-            root / "base",
-            root / "sft",
-            {k: root / k for k in ("reward", "reward_norm", "reward_eval")},
-            root / "ppo",
-            tmp_path / "out2",
-            judgement_cache=tmp_path / "cache.jsonl",
-        )
+        evaluate(tmp_path / "out2")
         assert len(calls) == 13
     for path in (tmp_path / "out").iterdir():
         if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
