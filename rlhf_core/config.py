@@ -88,7 +88,8 @@ class DataConfig(_Strict):
     directory is known, else ``hub``. ``max_*_response_length`` of ``None`` derive the
     padded lengths from the data (Detail 4); a number caps them and drops longer rows,
     counted in ``stats.json``. ``on_bad_row`` is ``error`` (stop, naming file and row)
-    or ``skip`` (drop and count).
+    or ``skip`` (drop and count). ``revision`` pins the hub datasets to a branch, tag or
+    commit (``datasets.load_dataset(revision=...)``).
     """
 
     source: Literal["auto", "hub", "local"] = "auto"
@@ -96,6 +97,7 @@ class DataConfig(_Strict):
     sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
     preference_dataset: str = "openai/summarize_from_feedback"
     preference_config: str | None = "comparisons"
+    revision: str | None = None
     sft_splits: dict[str, SplitSpec] = Field(default_factory=_default_sft_splits)
     preference_splits: dict[str, SplitSpec] = Field(default_factory=_default_preference_splits)
     tldr_format: QueryFormat = Field(default_factory=QueryFormat)

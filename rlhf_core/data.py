@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import DataConfig, PipelineConfig, QueryFormat, SplitSpec
-from .io import atomic_directory, write_json_atomic
+from .io import atomic_directory, content_digest, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,46 @@ def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> li
     return files
 
 
-def iter_hub_split(dataset: str, config: str | None, split: str) -> Iterator[tuple[str, dict]]:
-    """Yield ``(where, row)`` from ``datasets.load_dataset(dataset, config, split=split)``.
+def iter_hub_split(
+    dataset: str, config: str | None, split: str, revision: str | None = None
+) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, row)`` from ``datasets.load_dataset(dataset, config, split=split, revision=revision)``.
 
     ``dataset`` may be a hub id or a local dataset directory in the hub layout.
     """
-    ds = datasets.load_dataset(dataset, config, split=split)
+    ds = datasets.load_dataset(dataset, config, split=split, revision=revision)
     for i, row in enumerate(ds):
         yield f"{dataset}[{split}] row {i}", row
+
+
+def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
+    """What the data stage reads beside its settings, for its cache key
+    (:func:`rlhf_core.pipeline.stage_key`): for a local source, a digest of the contents of
+    every JSONL file its splits read (:func:`local_split_files`), named relative to the
+    directory, so the same files elsewhere give the same key and one edited row another; for
+    the hub, each dataset's id and ``data.revision``, or a digest of its files when the id is
+    a local directory in the hub layout.
+
+    Raises:
+        DataError: the local directory is unset or missing, or a split has no file.
+    """
+    source = data_cfg.resolved_source()
+    if source == "local":
+        local_dir = data_cfg.resolved_local_dir()
+        if not local_dir:
+            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
+        files = {
+            path
+            for kind, specs in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits))
+            for spec in specs.values()
+            for path in local_split_files(local_dir, kind, spec.source)
+        }
+        return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}
+    hub: dict[str, Any] = {"source": "hub", "revision": data_cfg.revision}
+    for name in (data_cfg.sft_dataset, data_cfg.preference_dataset):
+        path = Path(name).expanduser()
+        hub[name] = content_digest([path]) if path.is_dir() else None
+    return hub
 
 
 def flatten_comparison(row: dict) -> dict:
@@ -252,7 +284,7 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
     else:
         name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
         config = None if kind == "sft" else data_cfg.preference_config
-        raw = iter_hub_split(name, config, spec.source)
+        raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
 
     result = SplitLoad()
     for where, rec in raw:

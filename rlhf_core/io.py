@@ -35,6 +35,38 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+#: ``file_sha256`` results by (path, size, mtime in ns, inode): an unchanged file is hashed once
+#: per process; any change to its size, time or inode makes it hashed again.
+_SHA256_MEMO: dict[tuple[str, int, int, int], str] = {}
+
+
+def content_digest(paths: Iterable[str | os.PathLike], root: str | os.PathLike | None = None) -> str:
+    """SHA-256 (16 hex) of the contents of ``paths`` (files, or directories read recursively),
+    each file named by its path relative to ``root`` (default: its own name or, inside a
+    directory, its path relative to that directory). Where the files live does not count,
+    so a moved copy has the same digest; a changed byte, file name or file set changes it.
+
+    Part of the cache keys of stages that read files that are not settings (the TL;DR data,
+    a local or packaged model): :func:`rlhf_core.pipeline.stage_key`.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+    """
+    entries: dict[str, str] = {}
+    for given in map(Path, paths):
+        if not given.exists():
+            raise FileNotFoundError(f"{given}: no such file or directory")
+        base = Path(root) if root is not None else (given if given.is_dir() else given.parent)
+        files = sorted(p for p in given.rglob("*") if p.is_file()) if given.is_dir() else [given]
+        for path in files:
+            st = path.stat()
+            memo_key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+            if memo_key not in _SHA256_MEMO:
+                _SHA256_MEMO[memo_key] = file_sha256(path)
+            entries[path.relative_to(base).as_posix()] = _SHA256_MEMO[memo_key]
+    return json_digest(entries)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Open a temporary sibling of ``path`` for writing (``mode`` ``"w"`` or ``"wb"``); on a clean

@@ -29,7 +29,7 @@ from transformers import (
 
 from .config import ModelConfig, RandomInitConfig
 from .generation import first_true_indices
-from .io import atomic_directory, file_sha256, write_json_atomic
+from .io import atomic_directory, content_digest, file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,21 @@ def resolve_source(spec: str) -> Source:
             raise ModelSourceError(f"model source {spec!r} is a file but not a .gguf file")
         return Source("gguf", str(path.parent.resolve()), path.name)
     return Source("local", str(path.resolve()))
+
+
+def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str | None]:
+    """What a stage reading model source ``spec`` is keyed on, beside the setting itself: a
+    digest of the files' contents for a local directory or a GGUF file (``pkg:`` included, so
+    a package upgrade that changes them re-runs the stage), the id and ``revision`` for a
+    hub id (pin ``model.revision`` to a commit to key on exact contents).
+
+    Raises:
+        ModelSourceError: the source cannot be resolved (:func:`resolve_source`).
+    """
+    source = resolve_source(spec)
+    if source.kind == "hub":
+        return {"hub": spec, "revision": revision}
+    return {"content": content_digest([source.gguf_path if source.kind == "gguf" else Path(source.location)])}
 
 
 def cache_root() -> Path:

@@ -26,8 +26,10 @@ class Stage:
     takes them. ``keys`` are the config values it depends on itself: a whole section
     (``"sft"``) or one field (``"reward.eval_max_samples"``); ``ignore`` names fields of
     those sections it does not read (so changing an evaluation setting does not re-train).
-    Upstream settings reach a stage through its inputs. ``run(cfg, input_dirs, out_dir,
-    tracker)`` writes the stage's output into ``out_dir`` and returns its metrics or record.
+    Upstream settings reach a stage through its inputs. ``reads(cfg)`` fingerprints what else
+    it reads that is not a setting (data files, a model's files, a reward function's source),
+    so that a change there re-runs it too. ``run(cfg, input_dirs, out_dir, tracker)`` writes
+    the stage's output into ``out_dir`` and returns its metrics or record.
     """
 
     name: str
@@ -35,11 +37,38 @@ class Stage:
     keys: tuple[str, ...]
     run: Callable[[PipelineConfig, list[Path], Path, Tracker], dict[str, Any]]
     ignore: tuple[str, ...] = ()
+    reads: Callable[[PipelineConfig], dict[str, Any]] | None = None
 
     @property
     def sections(self) -> tuple[str, ...]:
         """The config sections the stage reads from (whole or in part)."""
         return tuple(dict.fromkeys(k.split(".", 1)[0] for k in self.keys))
+
+
+def _data_reads(cfg: PipelineConfig) -> dict[str, Any]:
+    from .data import data_fingerprint
+    from .models import source_fingerprint
+
+    return {
+        "data": data_fingerprint(cfg.data),
+        "tokenizer": source_fingerprint(cfg.model.tokenizer_source, cfg.model.revision),
+    }
+
+
+def _base_model_reads(cfg: PipelineConfig) -> dict[str, Any]:
+    from .models import source_fingerprint
+
+    m = cfg.model
+    return {
+        "tokenizer": source_fingerprint(m.tokenizer_source, m.revision),
+        "base": None if m.random_init is not None else source_fingerprint(m.base, m.revision),  # type: ignore[arg-type]
+    }
+
+
+def _ppo_reads(cfg: PipelineConfig) -> dict[str, Any]:
+    from .rule_rewards import reward_code_digest  # a reward function may live outside rlhf_core
+
+    return {"reward_code": reward_code_digest(cfg.ppo.reward)}
 
 
 def _data(cfg, inputs, out, tracker):
@@ -118,13 +147,13 @@ def _evaluation(cfg, inputs, out, tracker):
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("data", (), ("data", "model"), _data),
-        Stage("base_model", (), ("model",), _base_model),
+        Stage("data", (), ("data", "model"), _data, reads=_data_reads),
+        Stage("base_model", (), ("model",), _base_model, reads=_base_model_reads),
         Stage("sft", ("data", "base_model"), ("sft",), _sft),
         Stage("reward", ("data", "sft"), ("reward",), _reward, ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS),
         Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm),
         Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval),
-        Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo),
+        Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo, reads=_ppo_reads),
         Stage(
             "evaluation",
             ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
@@ -174,18 +203,17 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
     """The cache key of stage ``name`` (24 hex): the one key scheme of ``rlhf run`` and of the
     Prefect tasks (``tasks.stages.stage_cache_key``).
 
-    It covers the settings the stage reads itself (:func:`stage_config`), ``upstream`` (one
-    string per input stage, in ``Stage.inputs`` order, that changes whenever that stage's
-    output may: its key, or its artifact's content digest), the code version
-    (:func:`code_version`), for PPO with a rule reward (``ppo.reward: python:MODULE:FUNCTION``)
-    the source of that module, which may live outside ``rlhf_core``, and ``context`` (for
-    example where the artifacts are stored).
+    It covers the settings the stage reads itself (:func:`stage_config`), what else it reads
+    (``Stage.reads``: the data files' contents, the model source's files, a rule reward's
+    source), ``upstream`` (one string per input stage, in ``Stage.inputs`` order, that changes
+    whenever that stage's output may: its key, or its artifact's content digest), the code
+    version (:func:`code_version`) and ``context`` (for example where the artifacts are stored).
 
     Raises:
         KeyError: ``name`` is not a stage.
+        DataError, ModelSourceError: what the stage reads cannot be found.
     """
-    from .rule_rewards import reward_code_digest  # imports torch: only when a key is made
-
+    stage = STAGES[name]
     payload: dict[str, Any] = {
         "stage": name,
         "config": stage_config(cfg, name),
@@ -193,9 +221,8 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
         "code": code_version(),
         **context,
     }
-    reward_code = reward_code_digest(cfg.ppo.reward) if name == "ppo" else None
-    if reward_code is not None:
-        payload["reward_code"] = reward_code
+    if stage.reads is not None:
+        payload["reads"] = stage.reads(cfg)
     return json_digest(payload, length=24)
 
 

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,76 @@ def test_run_reuses_finished_stages(tmp_path, capsys):
     assert third["data"]["reused"] is False and third["base_model"]["reused"] is True
     assert json.loads((out / "data" / "stats.json").read_text())["splits"]["sft/train"]["rows"] == 8
     assert yaml.safe_load((out / "config.yaml").read_text())["data"]["sft_splits"]["train"]["max_rows"] == 8
+
+
+def _writable_copy(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    for path in dest.iterdir():
+        path.chmod(0o644)
+    return dest
+
+
+def _edit_first_row(path: Path, field: str, value: str) -> None:
+    lines = path.read_text().splitlines(keepends=True)
+    row = json.loads(lines[0])
+    row[field] = value
+    lines[0] = json.dumps(row) + "\n"
+    path.write_text("".join(lines))
+
+
+def test_an_edited_data_row_reruns_data_and_what_follows(tmp_path, tldr_dir, monkeypatch, capsys):
+    """The data stage's key covers the data files' contents, not only the data settings:
+    ``RLHF_TLDR_DIR`` pointed at edited data re-runs ``data`` and SFT, not the base model."""
+    data = _writable_copy(tldr_dir, tmp_path / "tldr")
+    monkeypatch.setenv("RLHF_TLDR_DIR", str(data))
+    out = tmp_path / "run"
+    argv = ["stages", "--preset", "smoke", "--until", "sft", "sft.max_steps=1", "--out", str(out)]
+    assert main(argv) == 0
+    assert not any(v["reused"] for v in json.loads(capsys.readouterr().out).values())
+    assert main(argv) == 0
+    assert all(v["reused"] for v in json.loads(capsys.readouterr().out).values())
+    # the smoke preset trains SFT on the first 32 rows of sft_validation.jsonl
+    _edit_first_row(data / "sft_validation.jsonl", "summary", "an edited reference summary")
+    assert main(argv) == 0
+    third = json.loads(capsys.readouterr().out)
+    assert {s: v["reused"] for s, v in third.items()} == {"data": False, "base_model": True, "sft": False}
+    import datasets
+
+    train = datasets.load_from_disk(str(out / "data" / "sft" / "train"))
+    assert train[0]["summary"] == "an edited reference summary"
+
+
+def test_data_keys_follow_the_files_contents_not_their_place(tmp_path, tldr_dir, monkeypatch):
+    from rlhf_core.pipeline import stage_keys
+
+    cfg = load_config("smoke")
+    monkeypatch.setenv("RLHF_TLDR_DIR", str(tldr_dir))
+    original = stage_keys(cfg)
+    monkeypatch.setenv("RLHF_TLDR_DIR", str(_writable_copy(tldr_dir, tmp_path / "elsewhere")))
+    assert stage_keys(cfg) == original  # the same bytes in another folder: every stage stays cached
+    # a file no split reads does not count; one byte in a file a split reads does
+    (tmp_path / "elsewhere" / "README.md").write_text("changed")
+    assert stage_keys(cfg) == original
+    _edit_first_row(tmp_path / "elsewhere" / "preference_validation_cnndm.jsonl", "batch", "batch0_cnndm ")
+    edited = stage_keys(cfg)
+    assert {s for s in original if original[s] != edited[s]} == set(original) - {"base_model"}
+
+
+def test_model_source_keys_follow_the_model_files(tmp_path, monkeypatch):
+    """A local model directory is keyed on its files' contents: a changed weight re-runs
+    ``base_model`` (and, through its tokenizer, ``data``)."""
+    from rlhf_core.models import import_base_model
+    from rlhf_core.pipeline import stage_keys
+
+    cfg = load_config("smoke")
+    import_base_model(cfg.model, tmp_path / "base")
+    local = load_config("smoke", [f"model.base={tmp_path / 'base'}", "model.random_init=null", "model.tokenizer=null"])
+    before = stage_keys(local, "base_model")
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 2
+    (tmp_path / "base" / "config.json").write_text(json.dumps(config))
+    after = stage_keys(local, "base_model")
+    assert before["base_model"] != after["base_model"] and before["data"] != after["data"]
 
 
 SHORT = ["sft.max_steps=2", "reward.max_steps=2", "ppo.total_episodes=8", "ppo.batch_size=4", "ppo.eval_every=1"]
