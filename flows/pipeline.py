@@ -52,13 +52,10 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
             stage = STAGES[name]
             upstream = [raw[dep] for dep in stage.inputs]
             record = run_stage(name, c, upstream, parent_id)
-            if not store.is_intact(record["key"], record["digest"]):
+            damage = store.damage(record["key"], record["digest"])
+            if damage is not None:
                 # A cache entry whose artifact was deleted or damaged since: run the stage again.
-                logger.warning(
-                    "stage %s: the artifact of its cache entry (%s) is missing or incomplete; running it again",
-                    name,
-                    record["uri"],
-                )
+                logger.warning("stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage)
                 record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
             raw[name] = record
         records = {name: StageRecord.model_validate(r) for name, r in raw.items()}

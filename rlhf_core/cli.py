@@ -38,7 +38,9 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
 
     A stage finished earlier with the same key (its settings, its inputs' keys and the code
     version: :func:`rlhf_core.pipeline.stage_key`) is reused; one interrupted with the same
-    key resumes from its checkpoints; one made with another key is removed and run again. With
+    key resumes from its checkpoints; one made with another key, or whose files no longer match
+    the sizes and SHA-256 its ``stage.json`` recorded when it finished (a warning names the
+    file), is removed and run again. With
     ``RLHF_NPROC_PER_NODE`` above 1, SFT, the reward model and PPO run as a ``torchrun`` job of
     that many processes (:func:`rlhf_core.launch.launch_torchrun`).
 
@@ -47,7 +49,7 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     """
     import shutil
 
-    from .io import write_json_atomic
+    from .io import manifest_mismatch, tree_manifest, write_json_atomic
     from .launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
     from .tracking import JsonlTracker, NullTracker
 
@@ -60,10 +62,16 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
         out = root / name
         marker = _stage_marker(out)
         if marker.get("key") == key and marker.get("status") == "done" and not overwrite:
-            log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
-            summary[name] = {"reused": True}
-            continue
-        if out.exists() and (marker.get("key") != key or overwrite):
+            damage = manifest_mismatch(out, marker["manifest"]) if "manifest" in marker else "stage.json has no manifest"
+            if damage is None:
+                log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
+                summary[name] = {"reused": True}
+                continue
+            log.warning("stage %s: its finished output in %s is damaged (%s); running it again", name, out, damage)
+            overwrite_this = True
+        else:
+            overwrite_this = overwrite
+        if out.exists() and (marker.get("key") != key or overwrite_this):
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
         write_json_atomic(out / "stage.json", {"key": key, "status": "running"})
@@ -75,7 +83,11 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
         else:
             result = stage.run(cfg, inputs, out, JsonlTracker(out / "metrics.jsonl"))
         seconds = time.perf_counter() - start
-        write_json_atomic(out / "stage.json", {"key": key, "status": "done", "seconds": round(seconds, 3)})
+        # what a later run checks before reusing the output: every file's size and SHA-256
+        manifest = tree_manifest(out, exclude=("checkpoints", "stage.json"))
+        write_json_atomic(
+            out / "stage.json", {"key": key, "status": "done", "seconds": round(seconds, 3), "manifest": manifest}
+        )
         summary[name] = {"reused": False, "seconds": round(seconds, 1)}
         if isinstance(result, dict) and name not in ("data", "base_model"):
             summary[name]["metrics"] = {k: v for k, v in result.items() if isinstance(v, (int, float))}

@@ -67,6 +67,37 @@ def content_digest(paths: Iterable[str | os.PathLike], root: str | os.PathLike |
     return json_digest(entries)
 
 
+def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``{"files": {relpath: {"size", "sha256"}}, "digest": SHA-256 of the sorted entries}`` for
+    every file under ``root``, top-level entries named in ``exclude`` left out: what a stage's
+    output is checked against before it is reused (:func:`manifest_mismatch`)."""
+    base = Path(root)
+    files = {}
+    for path in sorted(p for p in base.rglob("*") if p.is_file()):
+        rel = path.relative_to(base).as_posix()
+        if rel.split("/", 1)[0] in exclude:
+            continue
+        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"files": files, "digest": digest}
+
+
+def manifest_mismatch(root: str | os.PathLike, manifest: dict[str, Any]) -> str | None:
+    """``None`` when every file ``manifest`` lists (:func:`tree_manifest`) is under ``root`` with
+    its size and SHA-256; else the first difference, naming the file (``"model/model.safetensors:
+    SHA-256 differs from the manifest"``). Every file is read: a same-size change is found."""
+    base = Path(root)
+    for rel, meta in manifest["files"].items():
+        path = base / rel
+        if not path.is_file():
+            return f"{rel}: missing"
+        if path.stat().st_size != meta["size"]:
+            return f"{rel}: {path.stat().st_size} bytes, the manifest says {meta['size']}"
+        if file_sha256(path) != meta["sha256"]:
+            return f"{rel}: SHA-256 differs from the manifest (same size: changed in place)"
+    return None
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
     """Open a temporary sibling of ``path`` for writing (``mode`` ``"w"`` or ``"wb"``); on a clean

@@ -23,7 +23,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.io import file_sha256
+from rlhf_core.io import file_sha256, tree_manifest
 
 MANIFEST = "MANIFEST.json"
 
@@ -33,19 +33,10 @@ class ArtifactError(RuntimeError):
 
 
 def build_manifest(local_dir: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict:
-    """``{"files": {relpath: {"size", "sha256"}}, "digest": sha256 of the sorted entries}`` for a tree.
-
-    Top-level entries named in ``exclude`` are left out.
-    """
-    root = Path(local_dir)
-    files = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        if rel == MANIFEST or rel.split("/", 1)[0] in exclude:
-            continue
-        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
-    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-    return {"files": files, "digest": digest}
+    """``{"files": {relpath: {"size", "sha256"}}, "digest": sha256 of the sorted entries}`` for a
+    tree (:func:`rlhf_core.io.tree_manifest`), its ``MANIFEST.json`` and the top-level entries
+    named in ``exclude`` left out."""
+    return tree_manifest(local_dir, exclude=(*exclude, MANIFEST))
 
 
 class ArtifactStore:
@@ -81,18 +72,35 @@ class ArtifactStore:
         """True when the artifact is complete (its manifest is present)."""
         return self.manifest(key) is not None
 
-    def is_intact(self, key: str, digest: str) -> bool:
-        """True when artifact ``key`` is complete, has manifest digest ``digest``, and every file
-        its manifest lists is present with the listed size (file contents are not re-hashed)."""
+    def damage(self, key: str, digest: str) -> str | None:
+        """``None`` when artifact ``key`` is complete, has manifest digest ``digest`` and every
+        file its manifest lists has the listed size and SHA-256 (each file is read: on S3,
+        streamed); else what is wrong, naming the file.
+        """
         manifest = self.manifest(key)
-        if manifest is None or manifest["digest"] != digest:
-            return False
+        if manifest is None:
+            return f"{self.uri(key)} is missing or incomplete (no {MANIFEST})"
+        if manifest["digest"] != digest:
+            return f"{self.uri(key)} holds another artifact (manifest digest {manifest['digest'][:12]})"
         prefix = self._path(key).rstrip("/") + "/"
         sizes = {
             path.split(prefix, 1)[-1]: info.get("size")
             for path, info in self.fs.find(self._path(key), detail=True).items()
         }
-        return all(sizes.get(rel) == meta["size"] for rel, meta in manifest["files"].items())
+        for rel, meta in manifest["files"].items():
+            if sizes.get(rel) != meta["size"]:
+                return f"{self.uri(key)}/{rel}: missing or not {meta['size']} bytes as its manifest says"
+            h = hashlib.sha256()
+            with self.fs.open(f"{prefix}{rel}", "rb") as fh:
+                for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                    h.update(block)
+            if h.hexdigest() != meta["sha256"]:
+                return f"{self.uri(key)}/{rel}: SHA-256 differs from its manifest (changed in place)"
+        return None
+
+    def is_intact(self, key: str, digest: str) -> bool:
+        """True when :meth:`damage` finds nothing wrong with artifact ``key``."""
+        return self.damage(key, digest) is None
 
     def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
         """Store a local directory as artifact ``key``, replacing an incomplete one.

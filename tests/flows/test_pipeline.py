@@ -109,7 +109,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     third, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2")
     s = states(log)
     assert s.pop("reward_eval") == s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
-    assert "missing or incomplete; running it again" in log
+    assert "is missing or incomplete (no MANIFEST.json); running it again" in log
     for stage in ("data", "sft", "reward", "reward_norm"):
         assert third["stages"][stage] == second["stages"][stage]
     assert third["stages"]["reward_eval"]["key"] != second["stages"]["reward_eval"]["key"]
@@ -118,11 +118,22 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
         third["stages"]["ppo"]["key"], third["stages"]["ppo"]["digest"]
     )
 
-    # Only a judge setting changed: the evaluation stage alone runs again.
+    # Only a judge setting changed: the evaluation stage alone runs again, and PPO, whose
+    # stored weights had 64 KiB overwritten in place (same size), is rebuilt, not used.
+    weights = Path(third["stages"]["ppo"]["uri"]) / "model" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as fh:
+        fh.seek(size // 2)
+        fh.write(bytes(65_536))
+    assert weights.stat().st_size == size
     fourth, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5")
     s = states(log)
-    assert s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
-    assert fourth["stages"]["ppo"] == third["stages"]["ppo"]
+    assert s.pop("evaluation") == "Completed" and s.pop("ppo") == "Completed" and set(s.values()) == {"Cached"}
+    assert "model/model.safetensors: SHA-256 differs from its manifest (changed in place); running it again" in log
+    assert fourth["stages"]["ppo"]["key"] == third["stages"]["ppo"]["key"]
+    assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(
+        fourth["stages"]["ppo"]["key"], fourth["stages"]["ppo"]["digest"]
+    )
 
     # Two training processes (the GPU pools set RLHF_NPROC_PER_NODE from their `gpus` job
     # variable): the task launches SFT under torchrun, 2 gloo ranks with half the micro-batch,

@@ -267,3 +267,23 @@ def test_the_reward_command_answers_to_its_old_name_rm(tmp_path, monkeypatch):
     for typed in ("reward", "rm"):
         assert cli.main([typed, "--preset", "smoke", "--out", str(tmp_path)], commands=commands) == 0
     assert seen == [("reward", "reward"), ("reward", "reward")]
+
+
+def test_a_finished_stage_changed_in_place_runs_again(tmp_path, capsys, caplog):
+    """``stage.json`` records every output file's SHA-256: a same-size change in the base
+    model's weights is found on the next run, which names the file and rebuilds the stage."""
+    out = tmp_path / "run"
+    argv = ["stages", "--preset", "smoke", "--until", "base_model", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    weights = out / "base_model" / "model.safetensors"
+    original = weights.read_bytes()
+    damaged = bytearray(original)
+    damaged[len(damaged) // 2 : len(damaged) // 2 + 4096] = bytes(4096)
+    weights.write_bytes(bytes(damaged))
+    with caplog.at_level("WARNING", logger="rlhf_core"):
+        assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {stage: v["reused"] for stage, v in summary.items()} == {"data": True, "base_model": False}
+    assert "model.safetensors: SHA-256 differs from the manifest" in caplog.text
+    assert weights.read_bytes() == original  # rebuilt: the random init is seeded

@@ -87,3 +87,18 @@ def test_is_intact_notices_deleted_files_and_other_digests(store, tmp_path):
     assert not store.is_intact("sft/other", record["digest"])
     store.fs.rm(f"{store._path('sft/k2')}/sub/stats.json")  # a file deleted after the manifest was written
     assert store.exists("sft/k2") and not store.is_intact("sft/k2", record["digest"])
+
+
+def test_a_same_size_change_in_place_is_damage_naming_the_file(store, tmp_path):
+    """64 KiB overwritten inside a stored file keeps its size: only its SHA-256 tells."""
+    record = store.put_dir(make_tree(tmp_path / "src"), "ppo/k3")
+    path = f"{store._path('ppo/k3')}/model.safetensors"
+    with store.fs.open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    data[100_000 : 100_000 + 65_536] = bytes(65_536)
+    with store.fs.open(path, "wb") as fh:
+        fh.write(bytes(data))
+    assert store.fs.info(path)["size"] == 256_000
+    damage = store.damage("ppo/k3", record["digest"])
+    assert damage is not None and "model.safetensors: SHA-256 differs" in damage
+    assert not store.is_intact("ppo/k3", record["digest"])
