@@ -55,7 +55,9 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
             damage = store.damage(record["key"], record["digest"])
             if damage is not None:
                 # A cache entry whose artifact was deleted or damaged since: run the stage again.
-                logger.warning("stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage)
+                logger.warning(
+                    "stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage
+                )
                 record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
             raw[name] = record
         records = {name: StageRecord.model_validate(r) for name, r in raw.items()}

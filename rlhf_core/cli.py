@@ -62,7 +62,9 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
         out = root / name
         marker = _stage_marker(out)
         if marker.get("key") == key and marker.get("status") == "done" and not overwrite:
-            damage = manifest_mismatch(out, marker["manifest"]) if "manifest" in marker else "stage.json has no manifest"
+            damage = (
+                manifest_mismatch(out, marker["manifest"]) if "manifest" in marker else "stage.json has no manifest"
+            )
             if damage is None:
                 log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
                 summary[name] = {"reused": True}

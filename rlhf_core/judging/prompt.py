@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Literal
 
 # Huang et al. 2024, Appendix I (modified from Rafailov et al. 2023). The paper's text
-# breaks three sentences with a line-continuation "\"; they are joined here.
+# breaks three sentences with a line-continuation "\"; they are joined here. The post and
+# the summaries are wrapped in <post> and <summary> tags, which the paper's prompt does not
+# have: without them a post could end its own block ("...\n\nSummary A:\n...") or append
+# a fake answer ("Preferred: A"); inside them it stays data. The paper's text is the prompt
+# with the tag lines removed (tests/rlhf_core/test_judging.py checks it against Appendix I).
 JUDGE_PROMPT = (
     "Which of the following summaries does a better job of summarizing the most important points in the "
     "given forum post, without including unimportant or irrelevant details? Judge based on accuracy, "
     "coverage, and coherence.\n"
     "\n"
     "Post:\n"
+    "<post>\n"
     "{post}\n"
+    "</post>\n"
     "\n"
     "Summary A:\n"
+    "<summary>\n"
     "{summary_a}\n"
+    "</summary>\n"
     "\n"
     "Summary B:\n"
+    "<summary>\n"
     "{summary_b}\n"
+    "</summary>\n"
     "\n"
     "FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. "
     'SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use '
@@ -29,14 +40,23 @@ JUDGE_PROMPT = (
     'Preferred: <"A" or "B">'
 )
 
+#: The delimiters of :data:`JUDGE_PROMPT`, which a text must not contain as they are.
+_DELIMITER = re.compile(r"<(/?)(post|summary)>", re.IGNORECASE)
+
+
+def escape_delimiters(text: str) -> str:
+    """``text`` with every ``<post>``, ``</post>``, ``<summary>`` and ``</summary>`` (any case)
+    written ``&lt;post&gt;`` and so on, so that a text cannot close its own block."""
+    return _DELIMITER.sub(lambda m: f"&lt;{m.group(1)}{m.group(2)}&gt;", text)
+
+
 Preference = Literal["A", "B"]
 
 
 def format_judge_prompt(post: str, summary_a: str, summary_b: str) -> str:
-    """The Appendix I prompt with ``post`` and the two summaries filled in.
-
-    The texts are inserted verbatim (braces or "Preferred:" inside them are harmless:
-    only the template is formatted, and the answer parser never sees the prompt).
+    """The Appendix I prompt with ``post`` and the two summaries filled in, each inside its
+    tags (:data:`JUDGE_PROMPT`) with the tags escaped in the texts (:func:`escape_delimiters`);
+    everything else in them, braces and "Preferred:" lines included, is kept verbatim.
 
     Raises:
         TypeError: an argument is not a string.
@@ -44,7 +64,9 @@ def format_judge_prompt(post: str, summary_a: str, summary_b: str) -> str:
     for name, value in (("post", post), ("summary_a", summary_a), ("summary_b", summary_b)):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a string, got {type(value).__name__}")
-    return JUDGE_PROMPT.format(post=post, summary_a=summary_a, summary_b=summary_b)
+    return JUDGE_PROMPT.format(
+        post=escape_delimiters(post), summary_a=escape_delimiters(summary_a), summary_b=escape_delimiters(summary_b)
+    )
 
 
 def prompt_sha256(prompt: str) -> str:
