@@ -20,6 +20,7 @@ followed by the response tokens, right-padded with PAD. PAD is never EOS.
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -65,32 +66,38 @@ class BadRow(Exception):
 # ---------------------------------------------------------------- raw rows in
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[str, dict | BadRow]]:
+def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[str, dict | BadRow]]:
     """Yield ``(where, record)`` for each non-blank line of a JSONL file.
 
     ``where`` is ``"FILE:LINE"``; ``record`` is the parsed object, or a :class:`BadRow`
-    when the line is not a JSON object.
-
-    Raises:
-        DataError: the file cannot be read as UTF-8 text.
+    when the line is not UTF-8 (each line is decoded on its own, so one bad byte costs one
+    row and is named by its line) or not a JSON object. A UTF-8 byte-order mark at the start
+    of the file is removed and counted in ``repaired["utf8_bom_stripped"]``.
     """
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield where, BadRow("invalid_json", f"{exc.msg} at column {exc.colno}; is the file JSONL?")
-                    continue
-                if not isinstance(obj, dict):
-                    yield where, BadRow("not_an_object", f"a JSON {type(obj).__name__}, not an object")
-                    continue
-                yield where, obj
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not a UTF-8 text file ({exc})") from None
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+                log.warning("%s: a UTF-8 byte-order mark at the start of the file was removed", path)
+                if repaired is not None:
+                    repaired["utf8_bom_stripped"] += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, BadRow("not_utf8", f"byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line")
+                continue
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, BadRow("invalid_json", f"{exc.msg} at column {exc.colno}; is the file JSONL?")
+                continue
+            if not isinstance(obj, dict):
+                yield where, BadRow("not_an_object", f"a JSON {type(obj).__name__}, not an object")
+                continue
+            yield where, obj
 
 
 def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> list[Path]:
@@ -224,7 +231,8 @@ def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
 
     Raises:
         BadRow: with a reason such as ``missing_field:summary``, ``null_field:post``,
-            ``non_string_field:title`` or ``empty_field:post``.
+            ``non_string_field:title``, ``empty_field:post`` or ``invalid_unicode:post``
+            (a lone surrogate, which no tokenizer or file can hold).
     """
     if kind == "preference":
         rec = flatten_comparison(rec)
@@ -250,6 +258,14 @@ def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
         if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, int)):
             raise BadRow("non_integer_field:confidence", f"got {confidence!r}")
         out["confidence"] = confidence
+    for name, value in out.items():
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # "\ud800" in JSON: a lone surrogate, no character
+                raise BadRow(
+                    f"invalid_unicode:{name}", f"lone surrogate U+{ord(value[exc.start]):04X} at character {exc.start}"
+                ) from None
     return out
 
 
@@ -260,33 +276,38 @@ class SplitLoad:
     rows: list[dict] = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
     dropped_where: list[tuple[str, str]] = field(default_factory=list)
+    repaired: Counter = field(default_factory=Counter)
 
 
 def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryFormat) -> SplitLoad:
     """Load, filter and validate the rows of one output split (hub or local, one code path).
 
     Batch filters (``spec.batches``/``spec.exclude_batches``) apply before validation, so
-    bad rows of batches that are not used do not count. ``spec.max_rows`` keeps the first
-    N valid rows.
+    bad rows of batches that are not used do not count. A second SFT row with an id seen
+    before (``duplicate_id``) or a second identical comparison (``duplicate_row``) is a bad
+    row, naming the first copy. ``spec.max_rows`` keeps the first N valid rows.
 
     Raises:
         DataError: a bad row when ``data_cfg.on_bad_row == "error"`` (naming the file or
             dataset and the row), a missing file, or a split left with no rows.
     """
+    result = SplitLoad()
     source = data_cfg.resolved_source()
     if source == "local":
         local_dir = data_cfg.resolved_local_dir()
         if not local_dir:
             raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
         raw: Iterable[tuple[str, dict | BadRow]] = (
-            item for path in local_split_files(local_dir, kind, spec.source) for item in iter_jsonl(path)
+            item
+            for path in local_split_files(local_dir, kind, spec.source)
+            for item in iter_jsonl(path, result.repaired)
         )
     else:
         name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
         config = None if kind == "sft" else data_cfg.preference_config
         raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
 
-    result = SplitLoad()
+    seen: dict[str, str] = {}  # duplicate key -> where its first copy is
     for where, rec in raw:
         try:
             if isinstance(rec, BadRow):
@@ -298,6 +319,14 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
                 if (spec.batches is not None and batch not in spec.batches) or batch in spec.exclude_batches:
                     continue
             row = normalise_row(rec, kind, fmt)
+            # an SFT post is its id (when it has one); a comparison is its whole row, since one
+            # post is compared many times and one pair labelled by several workers
+            dup = row["id"] if kind == "sft" else json.dumps(rec, sort_keys=True, default=str)
+            if dup and dup in seen:
+                reason = "duplicate_id" if kind == "sft" else "duplicate_row"
+                raise BadRow(reason, f"the same {'id' if kind == 'sft' else 'row'} as {seen[dup]}")
+            if dup:
+                seen[dup] = where
         except BadRow as bad:
             if data_cfg.on_bad_row == "error":
                 raise DataError(
@@ -472,13 +501,15 @@ class TokenizedSplits:
 
     ``datasets[kind][name]`` for kind ``sft`` or ``preference``; ``tasks["kind/name"]`` is
     ``tldr`` or ``cnndm``; ``dropped["kind/name"]`` counts dropped rows by reason and
-    ``dropped_examples`` names up to 20 of them per split (file and row).
+    ``dropped_examples`` names up to 20 of them per split (file and row); ``repaired`` counts
+    what was mended and kept (a UTF-8 byte-order mark).
     """
 
     datasets: dict[str, dict[str, datasets.Dataset]]
     tasks: dict[str, str]
     dropped: dict[str, Counter]
     dropped_examples: list[dict]
+    repaired: dict[str, Counter] = field(default_factory=dict)
 
 
 #: Token-length columns of each kind whose response cap (Detail 4) applies.
@@ -512,6 +543,7 @@ def tokenize_splits(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) ->
                 loaded.rows, kind, tokenizer, fmt, data_cfg.on_bad_row, f"tokenising {key}"
             )
             out.dropped[key] = loaded.dropped + tok_dropped
+            out.repaired[key] = loaded.repaired
             where = loaded.dropped_where + tok_where
             out.dropped_examples += [{"split": key, "where": w, "reason": r} for w, r in where[:20]]
             out.datasets[kind][name] = ds
@@ -718,6 +750,7 @@ def prepare_data(
         "dropped": {k: dict(v) for k, v in splits.dropped.items() if v},
         "dropped_total": sum(sum(v.values()) for v in splits.dropped.values()),
         "dropped_examples": splits.dropped_examples,
+        "repaired": {k: dict(v) for k, v in splits.repaired.items() if v},
     }
     _write_prepared(out_dir, final, tokenizer, stats, overwrite)
     log.info("data written to %s: %s", out_dir, {k: v["rows"] for k, v in split_stats.items()})

@@ -1,5 +1,6 @@
 """Bad input, and the hub code path exercised with local dataset directories in the hub layout."""
 
+import codecs
 import json
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def test_file_that_is_not_jsonl(tmp_path, local_dir, llama_tokenizer):
     with pytest.raises(DataError, match=r"sft_train\.jsonl:1.*not_an_object"):
         prepare_data(cfg_for(local_dir), tmp_path / "out", tokenizer=llama_tokenizer)
     (local_dir / "sft_train.jsonl").write_bytes(b"\xff\xfe\x00binary")
-    with pytest.raises(DataError, match=r"sft_train\.jsonl: not a UTF-8"):
+    with pytest.raises(DataError, match=r"sft_train\.jsonl:1: bad sft row \(not_utf8: byte 0xff at byte 1"):
         prepare_data(cfg_for(local_dir), tmp_path / "out", tokenizer=llama_tokenizer)
 
 
@@ -254,3 +255,65 @@ def test_hub_loader_matches_the_local_loader(tmp_path, tldr_dir, sft_rows, prefe
             assert list(h_pref[split][col]) == list(l_pref[split][col]), (split, col)
     assert set(h_pref["validation_cnndm"]["batch"]) <= {"batch0_cnndm", "cnndm0"}
     assert "source_row" in h_pref["train"].column_names and "hub_cmp[train] row 0" in h_pref["train"][0]["source_row"]
+
+
+def _sft_file(rows: list[dict], surrogate: int | None = None, latin1: int | None = None, bom: bool = False) -> bytes:
+    """JSONL bytes of ``rows``: row ``surrogate`` with a JSON-escaped lone surrogate at the start
+    of its post, row ``latin1`` with a Latin-1 (not UTF-8) byte in its summary."""
+    lines = [json.dumps(r).encode() for r in rows]
+    if surrogate is not None:
+        lines[surrogate] = lines[surrogate].replace(b'"post": "', b'"post": "\\ud800', 1)
+    if latin1 is not None:
+        lines[latin1] = lines[latin1].replace(b'"summary": "', b'"summary": "caf\xe9 ', 1)
+    return (codecs.BOM_UTF8 if bom else b"") + b"\n".join(lines) + b"\n"
+
+
+@pytest.mark.parametrize(
+    "defect, message",
+    [
+        (
+            {"surrogate": 2},
+            r"sft_train\.jsonl:3: bad sft row \(invalid_unicode:post: lone surrogate U\+D800 at character 0\)",
+        ),
+        ({"latin1": 2}, r"sft_train\.jsonl:3: bad sft row \(not_utf8: byte 0xe9 at byte \d+ of the line\)"),
+        ({"duplicate": 2}, r"sft_train\.jsonl:3: bad sft row \(duplicate_id: the same id as \S*sft_train\.jsonl:1\)"),
+    ],
+)
+def test_each_kind_of_bad_row_is_named_by_file_and_line(
+    tmp_path, local_dir, sft_rows, llama_tokenizer, defect, message
+):
+    rows = [dict(r) for r in sft_rows[:6]]
+    if defect.pop("duplicate", None) is not None:
+        rows[0]["id"] = rows[2]["id"] = "t3_same"
+    (local_dir / "sft_train.jsonl").write_bytes(_sft_file(rows, **defect))
+    with pytest.raises(DataError, match=message):
+        prepare_data(cfg_for(local_dir), tmp_path / "out", tokenizer=llama_tokenizer)
+
+
+def test_a_repeated_comparison_is_named_with_its_first_copy(tmp_path, local_dir, preference_rows, llama_tokenizer):
+    prefs = [dict(r) for r in preference_rows[:6]]
+    write_jsonl(local_dir / "preference_train.jsonl", [*prefs, prefs[2]])
+    with pytest.raises(
+        DataError,
+        match=r"preference_train\.jsonl:7: bad preference row \(duplicate_row: the same row as \S*preference_train\.jsonl:3\)",
+    ):
+        prepare_data(cfg_for(local_dir), tmp_path / "out", tokenizer=llama_tokenizer)
+
+
+def test_skip_mode_skips_every_per_row_defect_and_keeps_the_row_behind_a_bom(
+    tmp_path, local_dir, sft_rows, preference_rows, llama_tokenizer
+):
+    rows = [dict(r) for r in sft_rows[:8]]
+    rows[1]["id"] = rows[5]["id"] = "t3_same"
+    (local_dir / "sft_train.jsonl").write_bytes(_sft_file(rows, surrogate=2, latin1=3, bom=True))
+    prefs = [dict(r) for r in preference_rows[:6]]
+    write_jsonl(local_dir / "preference_train.jsonl", [*prefs, prefs[2]])
+    stats = prepare_data(cfg_for(local_dir, "data.on_bad_row=skip"), tmp_path / "out", tokenizer=llama_tokenizer)
+    assert stats["dropped"] == {
+        "sft/train": {"invalid_unicode:post": 1, "not_utf8": 1, "duplicate_id": 1},
+        "preference/train": {"duplicate_row": 1},
+    }
+    assert stats["repaired"] == {"sft/train": {"utf8_bom_stripped": 1}}
+    assert stats["splits"]["sft/train"]["rows"] == 5 and stats["splits"]["preference/train"]["rows"] == 6
+    sft, _, _ = load_prepared(tmp_path / "out")
+    assert sft["train"][0]["post"] == rows[0]["post"]  # the first row, behind the mark, is kept
