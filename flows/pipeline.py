@@ -11,6 +11,7 @@ from prefect.runtime import flow_run
 
 from rlhf_core.config import flatten, load_config
 from rlhf_core.evaluation import REPORT_FILES
+from rlhf_core.io import exclusive_lock
 from rlhf_core.pipeline import STAGES
 from tasks.mlflow_tracking import (
     REGISTERED_MODELS,
@@ -70,13 +71,16 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
             for name in REPORT_FILES:
                 if (report_dir / name).is_file():
                     client.log_artifact(parent_id, str(report_dir / name), "report")
-        versions = {
-            model: register_model_version(
-                client, model, records[stage].mlflow_run_id, records[stage].digest, records[stage].uri
-            )
-            for stage, model in REGISTERED_MODELS.items()
-            if stage in records
-        }
+        # one registering run at a time: two runs of one model would both find no version with
+        # its digest and each add one
+        with exclusive_lock(work_root() / "model-registry.lock", what="the model registry"):
+            versions = {
+                model: register_model_version(
+                    client, model, records[stage].mlflow_run_id, records[stage].digest, records[stage].uri
+                )
+                for stage, model in REGISTERED_MODELS.items()
+                if stage in records
+            }
         tracker.close()
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:

@@ -42,19 +42,28 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     the sizes and SHA-256 its ``stage.json`` recorded when it finished (a warning names the
     file), is removed and run again. With
     ``RLHF_NPROC_PER_NODE`` above 1, SFT, the reward model and PPO run as a ``torchrun`` job of
-    that many processes (:func:`rlhf_core.launch.launch_torchrun`).
+    that many processes (:func:`rlhf_core.launch.launch_torchrun`). A second ``rlhf stages`` on
+    the same directory waits for the first (a lock naming the holder), then reuses its stages.
 
     Raises:
         LaunchError: a ``torchrun`` job failed; ValueError: a bad ``RLHF_NPROC_PER_NODE``.
     """
-    import shutil
-
-    from .io import manifest_mismatch, tree_manifest, write_json_atomic
-    from .launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
-    from .tracking import JsonlTracker, NullTracker
+    from .io import exclusive_lock
+    from .launch import nproc_per_node
 
     nproc = nproc_per_node()
     root.mkdir(parents=True, exist_ok=True)
+    with exclusive_lock(root / ".rlhf-stages.lock", what=f"the run directory {root}"):  # one writer
+        return _run_stages_locked(cfg, root, until, overwrite, nproc)
+
+
+def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: bool, nproc: int) -> dict:
+    import shutil
+
+    from .io import manifest_mismatch, tree_manifest, write_json_atomic
+    from .launch import DATA_PARALLEL, launch_torchrun
+    from .tracking import JsonlTracker, NullTracker
+
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = {}
     for name, key in stage_keys(cfg, until).items():

@@ -1,16 +1,23 @@
-"""Crash-safe writes: a file or directory appears complete under its final name, or not at all."""
+"""Crash-safe writes (a file or directory appears complete under its final name, or not at
+all), content digests, and the exclusive lock that keeps two runs from writing one place."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 def json_digest(payload: Any, length: int = 16) -> str:
@@ -179,3 +186,52 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+
+
+class LockHeldError(RuntimeError):
+    """An :func:`exclusive_lock` taken with ``wait=False`` is held by another process."""
+
+
+def _lock_holder(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    try:
+        info = json.loads(os.read(fd, 4096) or b"{}")
+    except ValueError:
+        info = {}
+    if not info:
+        return "another process"
+    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("since", 0)))
+    return f"pid {info.get('pid')} on {info.get('host')} since {since}"
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str | os.PathLike, what: str, wait: bool = True) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (created, with its parents) for the ``with`` block.
+
+    The lock is ``flock(2)`` on the file, so the kernel releases it when the holder exits,
+    however it exits (no stale locks after a kill); it excludes processes on one machine, or
+    on machines sharing a file system whose ``flock`` is coherent across them. The holder's
+    PID, host and start time are written into the file; a second process logs them (naming
+    ``what``) and waits, or with ``wait=False`` raises.
+
+    Raises:
+        LockHeldError: ``wait`` is false and another process holds the lock.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _lock_holder(fd)
+            if not wait:
+                raise LockHeldError(f"{what} is in use by {holder} (lock {path})") from None
+            log.warning("waiting for %s: in use by %s (lock %s)", what, holder, path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock

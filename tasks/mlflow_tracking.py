@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+from rlhf_core.io import exclusive_lock
 
 #: MLflow's limit on a parameter value's length.
 MAX_PARAM_LENGTH = 6000
@@ -106,7 +109,15 @@ def tracking_client() -> MlflowClient:
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
     mlflow.set_tracking_uri(uri)
-    return MlflowClient(tracking_uri=uri)
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    # A client's stores create and migrate the database when first made: one process at a
+    # time, or a second one started alongside fails in the middle of the first's migration.
+    db = Path(uri[len("sqlite:///") :])
+    with exclusive_lock(db.with_name(f"{db.name}.lock"), what=f"the MLflow store {db}"):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_registered_models(max_results=1)  # the model registry's store too
+    return client
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:
@@ -122,7 +133,13 @@ def experiment_id(client: MlflowClient, name: str) -> str:
     if client.tracking_uri.startswith("sqlite:///"):
         db = Path(client.tracking_uri[len("sqlite:///") :])
         location = (db.resolve().parent / "mlartifacts").as_uri()
-    return client.create_experiment(name, artifact_location=location)
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:  # created meanwhile by a run started alongside
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
 
 
 def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tuple[str, MlflowClient]:
@@ -168,7 +185,6 @@ def register_model_version(
     Returns:
         The version number, as a string.
     """
-    from mlflow.exceptions import MlflowException
 
     try:
         client.create_registered_model(name)
@@ -177,7 +193,7 @@ def register_model_version(
     for existing in client.search_model_versions(f"name='{name}'"):
         if existing.tags.get("rlhf.digest") == digest:  # a cached stage: same model, same version
             client.set_registered_model_alias(name, alias, existing.version)
-            return existing.version
+            return str(existing.version)
     source = f"{artifact_uri}/model"
     if "://" not in artifact_uri:
         client.log_artifacts(run_id, source, "model")
@@ -186,4 +202,4 @@ def register_model_version(
         name, source=source, run_id=run_id, tags={"rlhf.digest": digest, "rlhf.artifact_uri": artifact_uri}
     )
     client.set_registered_model_alias(name, alias, version.version)
-    return version.version
+    return str(version.version)

@@ -18,11 +18,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 from rlhf_core.config import PipelineConfig
+from rlhf_core.io import exclusive_lock, write_json_atomic
 from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
 from rlhf_core.pipeline import STAGES, stage_key
 from rlhf_core.tracking import JsonlTracker, TeeTracker
@@ -97,8 +98,6 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     Returns:
         A :class:`StageRecord` as a dict.
     """
-    from .mlflow_tracking import MLflowTracker, start_stage_run
-
     logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
     if stage == "evaluation" and cfg.eval.judge == "anthropic":
@@ -106,6 +105,30 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     records = [StageRecord.model_validate(u) for u in upstream or []]
     key = f"{stage}/{stage_cache_key(stage, cfg, records)}"
     store = ArtifactStore()
+    # One writer per stage key: a second run of the same stage waits here for the first, then
+    # returns the record the first left beside the work directory, its artifact intact.
+    with exclusive_lock(work_root() / f"{key}.lock", what=f"stage {stage} ({key})"):
+        finished = work_root() / f"{key}.record.json"
+        if finished.is_file():
+            record = StageRecord.model_validate_json(finished.read_text())
+            if store.is_intact(record.key, record.digest):
+                get_run_logger().info("stage %s: finished meanwhile by another run; its artifact is used", stage)
+                return record.model_dump()
+        record = _run_stage_once(stage, cfg, records, key, store, parent_run_id)
+        write_json_atomic(finished, record.model_dump())
+    return record.model_dump()
+
+
+def _run_stage_once(
+    stage: str,
+    cfg: PipelineConfig,
+    records: list[StageRecord],
+    key: str,
+    store: ArtifactStore,
+    parent_run_id: str | None,
+) -> StageRecord:
+    from .mlflow_tracking import MLflowTracker, start_stage_run
+
     inputs = [store.local_path(r.key, work_root() / "downloads") for r in records]
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
@@ -142,4 +165,4 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return StageRecord(
         stage=stage, key=key, uri=stored["uri"], digest=stored["digest"], mlflow_run_id=run_id, metrics=metrics
-    ).model_dump()
+    )

@@ -160,3 +160,37 @@ def test_run_with_a_bad_setting_stops_before_starting_anything(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "rlhf run: error" in err and "eval.judge" in err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_on_one_fresh_directory_give_one_result(tmp_path):
+    """Two ``rlhf run`` processes started together on one new run directory: the stores are
+    created once, each stage is computed by one of them while the other waits for it, and both
+    return the same records; the reward model is registered once and the SFT metrics hold one
+    run's records, not two interleaved."""
+    argv = [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, "--until", "reward_norm"]
+    procs = [
+        subprocess.Popen(
+            [*argv, "--out", str(tmp_path)],
+            cwd=tmp_path,
+            env=flow_env(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=900)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    results = [json.loads(out[out.index("{\n") : out.rindex("}") + 1]) for out in outputs]
+    assert results[0]["stages"] == results[1]["stages"]
+    assert results[0]["registered"] == results[1]["registered"] == {"rlhf-tldr-reward-model": "1"}
+    assert any("waiting for" in out and "pid" in out for out in outputs)
+    for stage, record in results[0]["stages"].items():
+        assert [p.name for p in (tmp_path / "artifacts" / stage).iterdir()] == [record["key"].split("/")[1]]
+    metrics = [json.loads(line) for line in (Path(results[0]["stages"]["sft"]["uri"]) / "metrics.jsonl").open()]
+    steps = [m["step"] for m in metrics if m["kind"] == "metrics" and "train/loss" in m["metrics"]]
+    assert steps == [1, 2]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert len(client.search_model_versions("name='rlhf-tldr-reward-model'")) == 1

@@ -287,3 +287,34 @@ def test_a_finished_stage_changed_in_place_runs_again(tmp_path, capsys, caplog):
     assert {stage: v["reused"] for stage, v in summary.items()} == {"data": True, "base_model": False}
     assert "model.safetensors: SHA-256 differs from the manifest" in caplog.text
     assert weights.read_bytes() == original  # rebuilt: the random init is seeded
+
+
+def test_exclusive_lock_names_its_holder_and_is_freed_when_the_holder_is_killed(tmp_path):
+    import signal
+    import socket
+
+    from rlhf_core.io import LockHeldError, exclusive_lock
+
+    lock = tmp_path / "stage.lock"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from rlhf_core.io import exclusive_lock\n"
+            f"with exclusive_lock({str(lock)!r}, 'a stage'):\n"
+            "    print('held', flush=True); time.sleep(600)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockHeldError, match=rf"a stage is in use by pid {holder.pid} on {socket.gethostname()}"):
+            with exclusive_lock(lock, "a stage", wait=False):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with exclusive_lock(lock, "a stage", wait=False):  # the kernel released it with the process
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
