@@ -20,7 +20,7 @@ from tasks.mlflow_tracking import (
     register_model_version,
     tracking_client,
 )
-from tasks.stages import StageRecord, run_stage, work_root
+from tasks.stages import StageRecord, preflight, run_stage, work_root
 from tasks.storage import ArtifactStore
 
 
@@ -35,6 +35,7 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     if until is not None and until not in STAGES:
         raise ValueError(f"until={until!r} is not a stage ({', '.join(names)})")
     names = names[: names.index(until) + 1] if until else names
+    preflight(cfg)  # settings for this machine's process count, writable stores: before any stage
     c = cfg.model_dump()
     client = tracking_client()
     exp = experiment_id(client, cfg.tracking.experiment_name)

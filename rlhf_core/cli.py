@@ -48,10 +48,12 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     Raises:
         LaunchError: a ``torchrun`` job failed; ValueError: a bad ``RLHF_NPROC_PER_NODE``.
     """
+    from .config import check_world_size
     from .io import exclusive_lock
     from .launch import nproc_per_node
 
     nproc = nproc_per_node()
+    check_world_size(cfg, nproc)  # before any stage, not when the first data-parallel one starts
     root.mkdir(parents=True, exist_ok=True)
     with exclusive_lock(root / ".rlhf-stages.lock", what=f"the run directory {root}"):  # one writer
         return _run_stages_locked(cfg, root, until, overwrite, nproc)

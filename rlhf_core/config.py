@@ -12,11 +12,12 @@ from __future__ import annotations
 import copy
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -33,6 +34,17 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int field: `sft.batch_size=true` would train with 1
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = typing.get_args(annotation) or (annotation,)
+            if bool not in kinds and any(k in (int, float) for k in kinds):
+                raise ValueError(f"a number is needed, not the boolean {str(value).lower()}")
+        return value
 
 
 # --------------------------------------------------------------------------- data
@@ -341,6 +353,49 @@ class PipelineConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
+    def batch_errors(self, world_size: int = 1) -> list[str]:
+        """What in the batch settings does not divide for ``world_size`` data-parallel ranks,
+        one line per rule broken, naming the keys: SFT and the reward model need
+        ``micro_batch_size x world_size`` to divide ``batch_size`` (gradient accumulation
+        keeps the global batch); PPO needs ``batch_size`` to split into ``world_size`` ranks
+        x ``num_minibatches`` equal parts."""
+        errors = []
+        for name in ("sft", "reward"):
+            section = getattr(self, name)
+            if section.batch_size % (section.micro_batch_size * world_size):
+                errors.append(
+                    f"{name}.batch_size {section.batch_size} is not a multiple of {name}.micro_batch_size "
+                    f"{section.micro_batch_size} x {world_size} rank(s)"
+                )
+        ppo = self.ppo
+        if ppo.batch_size % world_size or (ppo.batch_size // world_size) % ppo.num_minibatches:
+            errors.append(
+                f"ppo.batch_size {ppo.batch_size} does not split into {world_size} rank(s) x "
+                f"ppo.num_minibatches {ppo.num_minibatches} equal parts"
+            )
+        return errors
+
+    @model_validator(mode="after")
+    def _batches_divide(self) -> PipelineConfig:
+        errors = self.batch_errors(1)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
+
+def check_world_size(cfg: PipelineConfig, world_size: int) -> None:
+    """Check the batch settings for ``world_size`` data-parallel ranks before any stage runs
+    (:meth:`PipelineConfig.batch_errors`; at load they are checked for one rank).
+
+    Raises:
+        ConfigError: naming each key whose value does not divide, and the rank count.
+    """
+    errors = cfg.batch_errors(world_size)
+    if errors:
+        raise ConfigError(
+            f"invalid configuration for {world_size} processes (RLHF_NPROC_PER_NODE): " + "; ".join(errors)
+        )
+
 
 # ------------------------------------------------------------------------ loading
 
@@ -393,10 +448,13 @@ def _format_validation_error(exc: ValidationError, origin: str) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
+        elif not err["loc"] or isinstance(err.get("input"), dict):  # a rule across keys: it names them
+            lines.append(f"  {msg}")
         else:
-            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+            lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
     return f"invalid configuration ({origin}):\n" + "\n".join(lines)
 
 
@@ -439,7 +497,8 @@ def load_config(
             path = Path(preset)
         if not path.is_file():
             raise ConfigError(
-                f"unknown preset {str(preset)!r}: no file {path}; available: {', '.join(available_presets(preset_dir))}"
+                f"unknown preset {str(preset)!r}: neither a preset name (a file NAME.yaml in {preset_dir}) "
+                f"nor an existing YAML file; available: {', '.join(available_presets(preset_dir))}"
             )
         try:
             loaded = yaml.safe_load(path.read_text()) or {}

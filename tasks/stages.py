@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
 from rlhf_core.pipeline import STAGES, stage_key
 from rlhf_core.tracking import JsonlTracker, TeeTracker
 
-from .storage import ArtifactStore
+from .storage import ArtifactError, ArtifactStore
 
 
 class StageRecord(BaseModel):
@@ -78,6 +80,55 @@ def provide_judge_key(secret_block: str) -> None:
             f"{secret_block!r} (eval.api_key_secret); neither exists"
         ) from None
     os.environ["ANTHROPIC_API_KEY"] = str(key)
+
+
+def preflight(cfg: PipelineConfig) -> None:
+    """What must hold before the first stage runs, checked at once: the batch settings divide
+    for this machine's process count (``RLHF_NPROC_PER_NODE``), the artifact store and the
+    work directory can be written to.
+
+    Raises:
+        ConfigError, ArtifactError, OSError: naming the key or the directory.
+    """
+    from rlhf_core.config import check_world_size
+
+    check_world_size(cfg, nproc_per_node())
+    ArtifactStore().check_writable()
+    root = work_root()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=root, prefix=".rlhf-write-test-"):
+            pass
+    except OSError as exc:
+        raise ArtifactError(
+            f"the work directory {root} (RLHF_WORK_DIR) is not writable: {type(exc).__name__}: {exc}"
+        ) from None
+
+
+#: Free space a stage needs beyond this many times its largest input artifact, in bytes: its
+#: output and its checkpoints (model, optimiser state) are each about the size of the model it reads.
+FREE_SPACE_FACTOR = 3
+FREE_SPACE_MIN = 256 << 20
+
+
+def check_free_space(stage: str, inputs: list[Path], places: list[Path]) -> None:
+    """Fail before stage ``stage`` runs when a file system it writes to (``places``: the work
+    directory, a local artifact root) has less free space than it will likely need:
+    :data:`FREE_SPACE_FACTOR` times its largest input artifact plus :data:`FREE_SPACE_MIN`.
+
+    Raises:
+        ArtifactError: naming the directory, the space free and the space needed.
+    """
+    largest = max((sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in inputs), default=0)
+    needed = FREE_SPACE_FACTOR * largest + FREE_SPACE_MIN
+    for place in places:
+        free = shutil.disk_usage(place).free
+        if free < needed:
+            raise ArtifactError(
+                f"stage {stage}: {place} has {free / 2**30:.2f} GiB free; the stage needs about "
+                f"{needed / 2**30:.2f} GiB ({FREE_SPACE_FACTOR} x its largest input, {largest / 2**30:.2f} GiB, "
+                f"+ {FREE_SPACE_MIN >> 20} MiB). Free some space or point RLHF_WORK_DIR / RLHF_ARTIFACT_ROOT elsewhere"
+            )
 
 
 def work_root() -> Path:
@@ -132,6 +183,7 @@ def _run_stage_once(
     inputs = [store.local_path(r.key, work_root() / "downloads") for r in records]
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
+    check_free_space(stage, inputs, [out] + ([Path(store.base)] if store.is_local else []))
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
     mlflow_tracker = MLflowTracker(run_id, client=client)
     # metrics.jsonl travels with the artifact (the report draws training curves from it); on a

@@ -102,6 +102,24 @@ class ArtifactStore:
         """True when :meth:`damage` finds nothing wrong with artifact ``key``."""
         return self.damage(key, digest) is None
 
+    def check_writable(self) -> None:
+        """Write and remove a small file under the root (created if missing): a read-only or
+        unreachable store fails here, before any stage has run, not after a stage's work.
+
+        Raises:
+            ArtifactError: naming the root and the cause.
+        """
+        probe = f"{self.base}/.rlhf-write-test-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.makedirs(self.base, exist_ok=True)
+            with self.fs.open(probe, "wb") as fh:
+                fh.write(b"ok")
+            self.fs.rm(probe)
+        except Exception as exc:  # OSError locally; botocore/aiohttp errors on S3
+            raise ArtifactError(
+                f"the artifact root {self.root} (RLHF_ARTIFACT_ROOT) is not writable: {type(exc).__name__}: {exc}"
+            ) from None
+
     def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
         """Store a local directory as artifact ``key``, replacing an incomplete one.
 
@@ -121,10 +139,14 @@ class ArtifactStore:
         if self.is_local:
             tmp = Path(f"{target}.partial-{uuid.uuid4().hex[:8]}")
             top_level = set(exclude) | {MANIFEST}
-            shutil.copytree(
-                local, tmp, ignore=lambda d, names: [n for n in names if Path(d) == local and n in top_level]
-            )
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            try:
+                shutil.copytree(
+                    local, tmp, ignore=lambda d, names: [n for n in names if Path(d) == local and n in top_level]
+                )
+                (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            except BaseException:  # a full disk, say: no partial copy is left behind
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
             if Path(target).exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)

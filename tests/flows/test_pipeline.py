@@ -4,6 +4,7 @@ SQLite MLflow store and a local artifact root in the run directory. Killing and 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -194,3 +195,34 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(tmp_path):
     assert steps == [1, 2]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert len(client.search_model_versions("name='rlhf-tldr-reward-model'")) == 1
+
+
+@pytest.mark.parametrize(
+    "setup, env, message",
+    [
+        (
+            lambda root: (root / "artifacts").write_text("a file"),
+            {},
+            r"artifact root \S*artifacts \(RLHF_ARTIFACT_ROOT\) is not writable",
+        ),
+        (
+            lambda root: None,
+            {"RLHF_NPROC_PER_NODE": "3"},
+            r"3 processes.*sft\.batch_size 8 is not a multiple of sft\.micro_batch_size 4 x 3",
+        ),
+    ],
+)
+def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, setup, env, message):
+    setup(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        env={**flow_env(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert re.search(r"rlhf run: error: .*" + message, result.stderr)
+    assert "Task run" not in result.stdout + result.stderr  # no stage started
+    assert not (tmp_path / "work" / "data").exists() and not (tmp_path / "mlflow.db").exists()

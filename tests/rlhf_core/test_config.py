@@ -88,6 +88,44 @@ def test_bad_override_syntax_and_unknown_preset():
         parse_override("ppo.kl_coef")
     with pytest.raises(ConfigError, match="available: .*smoke"):
         load_config("no-such-preset")
+    with pytest.raises(ConfigError, match=r"unknown preset 'nope\.yaml': neither a preset name") as err:
+        load_config("nope.yaml")  # named as given, not as nope.yaml.yaml
+    assert "nope.yaml.yaml" not in str(err.value)
+
+
+@pytest.mark.parametrize("override", ["sft.batch_size=true", "ppo.response_length=false", "ppo.non_eos_penalty=true"])
+def test_a_boolean_is_not_a_number(override):
+    """pydantic reads ``true`` as 1 for an int field; a setting must say what it means."""
+    key = override.split("=")[0].replace(".", r"\.")
+    with pytest.raises(ConfigError, match=rf"{key}: a number is needed, not the boolean"):
+        load_config("smoke", [override])
+    assert load_config("smoke", ["sft.bf16=true", "reward.normalize=false"]).sft.bf16 is True
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("reward.micro_batch_size=3", r"reward\.batch_size 8 is not a multiple of reward\.micro_batch_size 3 x 1 rank"),
+        ("sft.micro_batch_size=16", r"sft\.batch_size 8 is not a multiple of sft\.micro_batch_size 16"),
+        ("ppo.num_minibatches=3", r"ppo\.batch_size 8 does not split into 1 rank\(s\) x ppo\.num_minibatches 3"),
+    ],
+)
+def test_batch_sizes_that_do_not_divide_fail_at_load(override, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config("smoke", [override])
+
+
+def test_batch_sizes_are_checked_for_the_process_count():
+    from rlhf_core.config import check_world_size
+
+    cfg = load_config("smoke")  # batch 8, micro-batch 4
+    check_world_size(cfg, 2)
+    with pytest.raises(
+        ConfigError, match=r"4 processes.*sft\.batch_size 8 is not a multiple of sft\.micro_batch_size 4 x 4"
+    ):
+        check_world_size(cfg, 4)
+    with pytest.raises(ConfigError, match=r"ppo\.batch_size 8 does not split into 3 rank"):
+        check_world_size(cfg, 3)
 
 
 def test_preset_file_with_unknown_key_is_named(tmp_path):

@@ -102,3 +102,45 @@ def test_a_same_size_change_in_place_is_damage_naming_the_file(store, tmp_path):
     damage = store.damage("ppo/k3", record["digest"])
     assert damage is not None and "model.safetensors: SHA-256 differs" in damage
     assert not store.is_intact("ppo/k3", record["digest"])
+
+
+def test_a_failed_local_put_leaves_no_partial_directory(tmp_path, monkeypatch):
+    """A copy that fails part way (a full disk) removes what it had written."""
+    import errno
+    import shutil
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    real_copytree = shutil.copytree
+
+    def copy_then_fill_the_disk(src, dst, *args, **kwargs):
+        real_copytree(src, dst, *args, **kwargs)  # (its recursion calls this too: one raise is enough)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copytree", copy_then_fill_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        store.put_dir(make_tree(tmp_path / "src"), "sft/k")
+    assert list((tmp_path / "store" / "sft").iterdir()) == []
+
+
+def test_an_unwritable_store_is_named(tmp_path, moto_s3):
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(ArtifactError, match=r"artifact root .*a-file/store \(RLHF_ARTIFACT_ROOT\) is not writable"):
+        ArtifactStore(str(tmp_path / "a-file" / "store")).check_writable()
+    ArtifactStore(f"s3://{moto_s3['bucket']}/probe").check_writable()
+    ArtifactStore(str(tmp_path / "new" / "store")).check_writable()
+    assert list((tmp_path / "new" / "store").iterdir()) == []  # the probe is gone
+
+
+def test_a_stage_needing_more_space_than_is_free_fails_before_running(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from tasks.stages import check_free_space
+
+    src = make_tree(tmp_path / "src")  # 256,000 bytes of "model"
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 100 << 20))
+    with pytest.raises(ArtifactError, match=r"stage sft: .*work has 0\.10 GiB free; the stage needs about 0\.25 GiB"):
+        check_free_space("sft", [src], [tmp_path / "work"])
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 30))
+    check_free_space("sft", [src], [tmp_path / "work"])
