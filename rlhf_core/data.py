@@ -670,6 +670,16 @@ def _tokenizer_summary(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     }
 
 
+def _content_fingerprint(split_dir: Path) -> None:
+    """Set the ``_fingerprint`` of a split saved by ``save_to_disk`` to a digest of its data
+    files: ``datasets`` draws a random one for in-memory data, so the same rows would be
+    saved as different files and the data stage's artifact digest would differ run to run."""
+    state_path = split_dir / "state.json"
+    state = json.loads(state_path.read_text())
+    state["_fingerprint"] = content_digest(sorted(split_dir.glob("*.arrow")))
+    write_json_atomic(state_path, state)
+
+
 def _write_prepared(
     out_dir: str | os.PathLike,
     final: dict[str, datasets.DatasetDict],
@@ -686,6 +696,8 @@ def _write_prepared(
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         for kind, dd in final.items():
             dd.save_to_disk(str(tmp / kind))
+            for name in dd:
+                _content_fingerprint(tmp / kind / name)
         tokenizer.save_pretrained(tmp / "tokenizer")
         plot_token_lengths(
             {key: token_lengths(*key.split("/")) for key in stats["splits"]},
@@ -741,9 +753,10 @@ def prepare_data(
         final[kind] = datasets.DatasetDict(out)
 
     source = data_cfg.resolved_source()
+    log.info("data read from %s", data_cfg.resolved_local_dir() if source == "local" else "the hub")
     stats: dict[str, Any] = {
         "source": source,
-        "local_dir": data_cfg.resolved_local_dir() if source == "local" else None,
+        "fingerprint": data_fingerprint(data_cfg),  # what was read, by content: no absolute path
         "tokenizer": _tokenizer_summary(tokenizer),
         "padded_lengths": padded,
         "splits": split_stats,

@@ -74,10 +74,17 @@ def content_digest(paths: Iterable[str | os.PathLike], root: str | os.PathLike |
     return json_digest(entries)
 
 
+#: Top-level files that record how a stage's work went (timings included): listed in its
+#: manifest with their SHA-256 and checked like every file, but not part of its digest, which
+#: names the product alone, so that identical work gives an identical digest.
+RECORD_FILES = ("metrics.json", "metrics.jsonl")
+
+
 def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
     """``{"files": {relpath: {"size", "sha256"}}, "digest": SHA-256 of the sorted entries}`` for
     every file under ``root``, top-level entries named in ``exclude`` left out: what a stage's
-    output is checked against before it is reused (:func:`manifest_mismatch`)."""
+    output is checked against before it is reused (:func:`manifest_mismatch`). The digest
+    leaves out :data:`RECORD_FILES`."""
     base = Path(root)
     files = {}
     for path in sorted(p for p in base.rglob("*") if p.is_file()):
@@ -85,7 +92,8 @@ def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dic
         if rel.split("/", 1)[0] in exclude:
             continue
         files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
-    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    product = {rel: meta for rel, meta in files.items() if rel not in RECORD_FILES}
+    digest = hashlib.sha256(json.dumps(product, sort_keys=True).encode()).hexdigest()
     return {"files": files, "digest": digest}
 
 

@@ -326,9 +326,8 @@ def import_base_model(cfg: ModelConfig, out_dir: str | os.PathLike, overwrite: b
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        info["seconds"] = round(time.perf_counter() - start, 3)
-        write_json_atomic(tmp / "import.json", info)
-    return info
+        write_json_atomic(tmp / "import.json", info)  # what was imported; the time is returned, not stored
+    return {**info, "seconds": round(time.perf_counter() - start, 3)}
 
 
 # ---------------------------------------------------------------- padding-free forward

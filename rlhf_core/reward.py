@@ -122,6 +122,7 @@ def reward_model_from_causal_lm(path: str | os.PathLike, seed: int = 0, dtype: s
     """A new reward model: the backbone of the causal LM at ``path`` and a fresh head (Details 10, 11)."""
     backbone = AutoModel.from_pretrained(str(path), dtype=DTYPES[dtype])
     base_config = backbone.config.to_dict()
+    base_config.pop("_name_or_path", None)  # where it was loaded from: not part of the model
     config = ScalarModelConfig(
         base_config=base_config,
         hidden_size=backbone.config.hidden_size,
