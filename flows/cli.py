@@ -40,7 +40,7 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
     result = rlhf(preset=args.preset, overrides=args.overrides, until=args.until)
     print(json.dumps(result, indent=2))
-    uri = os.environ["MLFLOW_TRACKING_URI"]
+    uri = cfg.tracking.tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
     hint = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else uri
     print(f"rlhf run: artifacts in {os.environ['RLHF_ARTIFACT_ROOT']}; MLflow: {hint}", file=sys.stderr)
     return 0

@@ -37,7 +37,7 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     names = names[: names.index(until) + 1] if until else names
     preflight(cfg)  # settings for this machine's process count, writable stores: before any stage
     c = cfg.model_dump()
-    client = tracking_client()
+    client = tracking_client(cfg.tracking.tracking_uri)
     exp = experiment_id(client, cfg.tracking.experiment_name)
     parent = client.create_run(
         exp,

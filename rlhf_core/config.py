@@ -334,7 +334,8 @@ class EvalConfig(_Strict):
 
 
 class TrackingConfig(_Strict):
-    """MLflow experiment; the tracking URI comes from ``MLFLOW_TRACKING_URI`` when unset."""
+    """MLflow experiment and tracking URI; ``tracking_uri`` unset: ``MLFLOW_TRACKING_URI``, else
+    (``rlhf run``) a SQLite store in the run directory."""
 
     experiment_name: str = "rlhf-tldr"
     tracking_uri: str | None = None
@@ -444,6 +445,25 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+#: Setting names that could hold a credential, and values that look like one (an API key's
+#: prefix, or a long run of letters and digits without spaces).
+_CREDENTIAL_NAME = re.compile(r"secret|key|token|password", re.IGNORECASE)
+_CREDENTIAL_VALUE = re.compile(r"^(sk-|sk_|AKIA|ASIA|ghp_|gho_|xox[abp]-|hf_)|^(?=.*\d)(?=.*[A-Za-z])[\w\-+/=.]{32,}$")
+
+
+def _check_no_credentials(tree: dict, origin: str) -> None:
+    """Refuse a setting named like a credential whose value looks like one: settings are
+    stored as Prefect flow-run parameters and MLflow params. The value is never shown."""
+    for key, value in flatten(tree).items():
+        name = key.rsplit(".", 1)[-1]
+        if isinstance(value, str) and _CREDENTIAL_NAME.search(name) and _CREDENTIAL_VALUE.search(value):
+            raise ConfigError(
+                f"{key} ({origin}): the value looks like a credential, and settings are stored in the "
+                "Prefect database and MLflow; give the key through ANTHROPIC_API_KEY or a Prefect Secret "
+                f"block, and set {key} to the block's name"
+            )
+
+
 def _format_validation_error(exc: ValidationError, origin: str) -> str:
     lines = []
     for err in exc.errors():
@@ -453,6 +473,8 @@ def _format_validation_error(exc: ValidationError, origin: str) -> str:
             lines.append(f"  {key}: unknown key")
         elif not err["loc"] or isinstance(err.get("input"), dict):  # a rule across keys: it names them
             lines.append(f"  {msg}")
+        elif _CREDENTIAL_NAME.search(key.rsplit(".", 1)[-1]):
+            lines.append(f"  {key}: {msg}")  # the value may be a credential: never echoed
         else:
             lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
     return f"invalid configuration ({origin}):\n" + "\n".join(lines)
@@ -512,7 +534,8 @@ def load_config(
         keys, value = parse_override(text)
         _set_path(tree, keys, value)
     if overrides:
-        origin += " with overrides " + " ".join(overrides)
+        origin += " with overrides " + " ".join(o.partition("=")[0] + "=..." for o in overrides)
+    _check_no_credentials(tree, origin)
     return config_from_dict(tree, origin)
 
 

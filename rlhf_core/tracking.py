@@ -78,14 +78,27 @@ class JsonlTracker:
         self._write({"kind": "artifact", "path": str(path), "artifact_path": artifact_path})
 
 
+#: The metric a trainer logs, at step ``s``, when it resumes from its checkpoint after ``s`` steps.
+RESUME_METRIC = "resume/from_step"
+
+
 def read_metrics(path: str | os.PathLike) -> list[tuple[int | None, dict[str, float]]]:
-    """The ``(step, metrics)`` records of a :class:`JsonlTracker` file, in order."""
-    out = []
+    """The ``(step, metrics)`` records of a :class:`JsonlTracker` file, in order, as the run
+    that finished would have written them: at a resume (a :data:`RESUME_METRIC` record at step
+    ``s``) the records of steps after ``s`` from the interrupted attempt are dropped, since the
+    resumed attempt does those steps again; the marker itself is not returned."""
+    out: list[tuple[int | None, dict[str, float]]] = []
     with open(path) as fh:
         for line in fh:
             rec = json.loads(line)
-            if rec["kind"] == "metrics":
-                out.append((rec["step"], {k: float(v) for k, v in rec["metrics"].items()}))
+            if rec["kind"] != "metrics":
+                continue
+            metrics = {k: float(v) for k, v in rec["metrics"].items()}
+            if RESUME_METRIC in metrics:
+                resumed_at = metrics[RESUME_METRIC]
+                out = [(step, m) for step, m in out if step is None or step <= resumed_at]
+                continue
+            out.append((rec["step"], metrics))
     return out
 
 

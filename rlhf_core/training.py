@@ -39,7 +39,7 @@ from .distributed import (
     world,
 )
 from .io import atomic_directory, json_digest
-from .tracking import NullTracker, Tracker
+from .tracking import RESUME_METRIC, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +363,10 @@ class StepProgress:
         self.interactive = sys.stderr.isatty() and self.is_main
         self.bar = tqdm(total=total, initial=start, desc=desc, disable=not self.interactive, dynamic_ncols=True)
         self.log_every = max(1, total // 20)
+        if start > 0:
+            # steps after `start` that an interrupted attempt reported are done again: readers of
+            # the metrics (rlhf_core.tracking.read_metrics) let the new records replace them
+            self.tracker.log_metrics({RESUME_METRIC: float(start)}, step=start)
 
     def report(self, done: int, metrics: dict[str, float], summary: dict[str, str]) -> None:
         """Report the step that brought the count to ``done``: ``metrics`` to the tracker,

@@ -103,11 +103,12 @@ class MLflowTracker:
         self.flush()
 
 
-def tracking_client() -> MlflowClient:
-    """A client for ``MLFLOW_TRACKING_URI``, or for a local SQLite store ``./mlflow.db`` when unset."""
+def tracking_client(uri: str | None = None) -> MlflowClient:
+    """A client for ``uri`` (the setting ``tracking.tracking_uri``), else ``MLFLOW_TRACKING_URI``,
+    else a local SQLite store ``./mlflow.db``."""
     import mlflow
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
     mlflow.set_tracking_uri(uri)
     if not uri.startswith("sqlite:///"):
         return MlflowClient(tracking_uri=uri)
@@ -146,11 +147,17 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
     """Create the stage's MLflow run, nested under the pipeline's run, with its config sections as params."""
     from rlhf_core.config import flatten
 
-    client = tracking_client()
+    client = tracking_client(cfg.tracking.tracking_uri)
     if parent_run_id is not None:
         exp = client.get_run(parent_run_id).info.experiment_id
     else:
         exp = experiment_id(client, cfg.tracking.experiment_name)
+    # Runs of this stage key still RUNNING belong to attempts that died: the caller holds the
+    # stage's lock (tasks.stages.run_stage), so no live process is running it.
+    for stale in client.search_runs(
+        [exp], filter_string=f"tags.`rlhf.artifact_key` = '{key}' and attributes.status = 'RUNNING'"
+    ):
+        client.set_terminated(stale.info.run_id, "KILLED")
     tags = {"rlhf.stage": stage, "rlhf.artifact_key": key}
     if parent_run_id is not None:
         tags["mlflow.parentRunId"] = parent_run_id

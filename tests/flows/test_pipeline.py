@@ -242,3 +242,13 @@ def test_identical_work_in_two_directories_gives_identical_digests(tmp_path):
     for stage in STAGES:
         assert first["stages"][stage]["digest"] == second["stages"][stage]["digest"], stage
         assert first["stages"][stage]["uri"] != second["stages"][stage]["uri"]
+
+
+def test_the_tracking_uri_setting_is_where_runs_go(tmp_path):
+    elsewhere = tmp_path / "elsewhere.db"
+    result, _ = run_flow(tmp_path, f"tracking.tracking_uri=sqlite:///{elsewhere}", "--until", "data")
+    client = MlflowClient(tracking_uri=f"sqlite:///{elsewhere}")
+    parent = client.get_run(result["mlflow_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.params["tracking.tracking_uri"].endswith("elsewhere.db")
+    assert client.get_run(result["stages"]["data"]["mlflow_run_id"]).info.status == "FINISHED"
+    assert not (tmp_path / "mlflow.db").exists()  # the default store of `rlhf run` was not used

@@ -144,3 +144,18 @@ def test_flatten_gives_dotted_keys():
     flat = flatten(load_config("smoke"))
     assert flat["ppo.kl_coef"] == 0.05
     assert flat["data.sft_splits.train.max_rows"] == 32
+
+
+@pytest.mark.parametrize(
+    "value", ["sk-ant-api03-Zx9vQ2mN8kL4pR7tY1wE5uI3oA6sD0fG", "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"]
+)
+def test_a_credential_given_as_a_setting_is_refused_without_showing_it(value):
+    """Settings are stored as Prefect flow-run parameters and MLflow params: a key given as
+    ``eval.api_key_secret`` (the name of the Secret block that holds it) is refused, unshown."""
+    with pytest.raises(ConfigError, match=r"eval\.api_key_secret .*looks like a credential.*Secret block") as err:
+        load_config("smoke", [f"eval.api_key_secret={value}"])
+    assert value not in str(err.value)
+    assert load_config("smoke", ["eval.api_key_secret=my-anthropic-key"]).eval.api_key_secret == "my-anthropic-key"
+    with pytest.raises(ConfigError) as err:  # a wrong type under a credential-like name: not echoed either
+        load_config("smoke", [f"eval.api_key_secret=[{value}]"])
+    assert value not in str(err.value)

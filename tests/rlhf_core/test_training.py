@@ -109,3 +109,26 @@ def test_cpu_features_are_read_from_this_machine():
     if flags:  # torch's cpuinfo and the kernel agree on the feature that decides the precision
         assert ("avx512_bf16" in features) == ("avx512_bf16" in flags)
         assert ("avx2" in features) == ("avx2" in flags)
+
+
+def test_read_metrics_replaces_the_steps_a_resumed_run_did_again(tmp_path):
+    """An attempt logs steps 1-5 and dies; the next resumes from the checkpoint after step 3,
+    marks it, and logs steps 4-6 again: the reader gives steps 1-6 once, the new 4 and 5."""
+    from rlhf_core.tracking import RESUME_METRIC, JsonlTracker, read_metrics
+
+    tracker = JsonlTracker(tmp_path / "metrics.jsonl")
+    tracker.log_metrics({"final/x": 1.0})  # no step: kept whatever follows
+    for step in range(1, 6):
+        tracker.log_metrics({"train/loss": float(step)}, step=step)
+    tracker.log_metrics({RESUME_METRIC: 3.0}, step=3)
+    for step in range(4, 7):
+        tracker.log_metrics({"train/loss": 10.0 + step}, step=step)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        (None, {"final/x": 1.0}),
+        (1, {"train/loss": 1.0}),
+        (2, {"train/loss": 2.0}),
+        (3, {"train/loss": 3.0}),
+        (4, {"train/loss": 14.0}),
+        (5, {"train/loss": 15.0}),
+        (6, {"train/loss": 16.0}),
+    ]

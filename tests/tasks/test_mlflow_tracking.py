@@ -41,3 +41,18 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     assert {"calibration.png", "tables/samples.json"} <= names
     table = json.loads(open(client.download_artifacts(run.info.run_id, "tables/samples.json", str(tmp_path))).read())
     assert table == {"columns": ["post", "sft"], "data": [["p", "s"], ["q", "t"]]}
+
+
+def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
+    """The resumed attempt of a stage (same key) ends the run its killed predecessor left RUNNING."""
+    from rlhf_core.config import load_config
+    from tasks.mlflow_tracking import start_stage_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config("smoke", [f"tracking.tracking_uri={uri}"])
+    first, client = start_stage_run(None, "sft", cfg, "sft/abc")  # its process dies: never terminated
+    other, _ = start_stage_run(None, "sft", cfg, "sft/other-key")
+    second, _ = start_stage_run(None, "sft", cfg, "sft/abc")
+    assert client.tracking_uri == uri  # the setting, not MLFLOW_TRACKING_URI
+    assert client.get_run(first).info.status == "KILLED"
+    assert client.get_run(other).info.status == client.get_run(second).info.status == "RUNNING"
