@@ -92,7 +92,7 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
     def judge(request):
         calls.append(request)
         prompt = request.prompt
-        a = re.search(r"Summary A:\n(.*?)\n\nSummary B:", prompt, re.S).group(1)
+        a = re.search(r"Summary A:\n<summary>\n(.*?)\n</summary>\n\nSummary B:", prompt, re.S).group(1)
         reference_is_a = a.strip() in references
         if len(calls) == 1:
             return error_reply(429, "rate_limit_error")
