@@ -6,13 +6,17 @@ Prefect's ephemeral mode with ``rlhf run`` (:mod:`flows.cli`).
 
 from __future__ import annotations
 
+from typing import Any
+
+from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from rlhf_core.config import flatten, load_config
+from rlhf_core.config import PipelineConfig, flatten, load_config
 from rlhf_core.evaluation import REPORT_FILES
 from rlhf_core.io import exclusive_lock
 from rlhf_core.pipeline import STAGES
+from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_tracking import (
     REGISTERED_MODELS,
     MLflowTracker,
@@ -36,9 +40,9 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
         raise ValueError(f"until={until!r} is not a stage ({', '.join(names)})")
     names = names[: names.index(until) + 1] if until else names
     preflight(cfg)  # settings for this machine's process count, writable stores: before any stage
-    c = cfg.model_dump()
     client = tracking_client(cfg.tracking.tracking_uri)
     exp = experiment_id(client, cfg.tracking.experiment_name)
+    end_dead_attempts(work_root(), client)  # what a killed run on this work directory left RUNNING
     parent = client.create_run(
         exp,
         run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
@@ -47,6 +51,16 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     parent_id = parent.info.run_id
     tracker = MLflowTracker(parent_id, client=client)
     tracker.log_params(flatten(cfg))
+    with attempt(work_root(), parent_id, str(flow_run.get_id() or "") or None):
+        return _run_stages(cfg, names, client, parent_id, tracker, logger)
+
+
+def _run_stages(
+    cfg: PipelineConfig, names: list[str], client: MlflowClient, parent_id: str, tracker: MLflowTracker, logger: Any
+) -> dict:
+    """The stages ``names`` in order under the pipeline's MLflow run ``parent_id``, then the
+    report and the model registrations; the run ends FINISHED, or FAILED on an error."""
+    c = cfg.model_dump()
     try:
         store = ArtifactStore()
         raw: dict[str, dict] = {}

@@ -6,8 +6,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,3 +254,60 @@ def test_the_tracking_uri_setting_is_where_runs_go(tmp_path):
     assert parent.info.status == "FINISHED" and parent.data.params["tracking.tracking_uri"].endswith("elsewhere.db")
     assert client.get_run(result["stages"]["data"]["mlflow_run_id"]).info.status == "FINISHED"
     assert not (tmp_path / "mlflow.db").exists()  # the default store of `rlhf run` was not used
+
+
+@pytest.mark.slow
+def test_a_run_killed_part_way_is_ended_by_the_next(tmp_path):
+    """``kill -9`` of ``rlhf run`` (with its Prefect server) leaves its MLflow runs RUNNING and its
+    flow run Running; the next run on the directory marks them KILLED and Crashed, and finishes."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--preset",
+            "smoke",
+            *FAST,
+            "--until",
+            "sft",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=flow_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.time() + 600
+    while not (tmp_path / "work" / "sft").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    [lock] = (tmp_path / "work" / "attempts").glob("*.lock")
+    dead_run, _, dead_flow_run = lock.stem.partition("__")
+
+    result, log = run_flow(tmp_path, "--until", "sft")
+    assert "had died; marked KILLED" in log
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert client.get_run(dead_run).info.status == "KILLED"
+    assert client.get_run(result["mlflow_run_id"]).info.status == "FINISHED"
+    runs = client.search_runs([client.get_run(dead_run).info.experiment_id])
+    assert {r.info.status for r in runs} <= {"FINISHED", "KILLED"}  # the dead attempt's stage runs too
+    assert not list((tmp_path / "work" / "attempts").glob("*.lock"))
+    state = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from prefect import get_client\n"
+            "with get_client(sync_client=True) as c: print(c.read_flow_run(sys.argv[1]).state.type.value)",
+            dead_flow_run,
+        ],
+        cwd=tmp_path,
+        env=flow_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert state.stdout.strip().splitlines()[-1] == "CRASHED", state.stderr[-2000:]
