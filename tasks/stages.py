@@ -1,14 +1,15 @@
 """Prefect tasks, one per pipeline stage, each wrapping a pure ``rlhf_core`` stage function.
 
-A task's cache key digests its stage name, the settings it reads
-(:func:`rlhf_core.pipeline.stage_config`), the digests of its upstream artifacts, the version
-of the ``rlhf_core`` code and the artifact root. A task returns a small
+A task's cache key (:func:`rlhf_core.pipeline.stage_key`) digests its stage name, the
+settings it reads, what else it reads (data and model files), the digests of its upstream
+artifacts, the version of the ``rlhf_core`` code and the artifact root. A task returns a small
 :class:`StageRecord` (artifact key, URI and digest, MLflow run id, key metrics), never a
 model. Its artifact is written to the :class:`~tasks.storage.ArtifactStore` (manifest last)
 before the task returns, so Prefect's cache entry, written after the return, never points
 at a half-written artifact. The stage itself runs in a local work directory named by the
 cache key; its mid-stage checkpoints live there, so a stage that failed part way resumes
-from its last checkpoint when the pipeline runs again.
+from its last checkpoint when the pipeline runs again. A lock beside that directory lets one
+process at a time run the stage; a second run waits, then takes the first's record.
 """
 
 from __future__ import annotations
