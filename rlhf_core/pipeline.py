@@ -71,6 +71,13 @@ def _ppo_reads(cfg: PipelineConfig) -> dict[str, Any]:
     return {"reward_code": reward_code_digest(cfg.ppo.reward)}
 
 
+def _evaluation_reads(cfg: PipelineConfig) -> dict[str, Any]:
+    from .models import source_fingerprint
+
+    local_judge = cfg.eval.judge == "offline" and cfg.eval.judge_model  # default: the base model, an input
+    return {"judge": source_fingerprint(cfg.eval.judge_model) if local_judge else None}  # type: ignore[arg-type]
+
+
 def _data(cfg, inputs, out, tracker):
     from .data import prepare_data
 
@@ -159,6 +166,7 @@ STAGES: dict[str, Stage] = {
             ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
             ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
             _evaluation,
+            reads=_evaluation_reads,
         ),
     )
 }

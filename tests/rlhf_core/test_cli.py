@@ -119,20 +119,22 @@ def test_data_keys_follow_the_files_contents_not_their_place(tmp_path, tldr_dir,
 
 
 def test_model_source_keys_follow_the_model_files(tmp_path, monkeypatch):
-    """A local model directory is keyed on its files' contents: a changed weight re-runs
-    ``base_model`` (and, through its tokenizer, ``data``)."""
+    """A local model directory is keyed on its files' contents: a changed file re-runs
+    ``base_model`` (and, through its tokenizer, ``data``), or as the offline judge the evaluation."""
     from rlhf_core.models import import_base_model
     from rlhf_core.pipeline import stage_keys
 
     cfg = load_config("smoke")
     import_base_model(cfg.model, tmp_path / "base")
     local = load_config("smoke", [f"model.base={tmp_path / 'base'}", "model.random_init=null", "model.tokenizer=null"])
-    before = stage_keys(local, "base_model")
+    judged = load_config("smoke", [f"eval.judge_model={tmp_path / 'base'}"])  # an offline judge from a folder
+    before, judged_before = stage_keys(local, "base_model"), stage_keys(judged)
     config = json.loads((tmp_path / "base" / "config.json").read_text())
     config["rms_norm_eps"] = config["rms_norm_eps"] * 2
     (tmp_path / "base" / "config.json").write_text(json.dumps(config))
-    after = stage_keys(local, "base_model")
+    after, judged_after = stage_keys(local, "base_model"), stage_keys(judged)
     assert before["base_model"] != after["base_model"] and before["data"] != after["data"]
+    assert {s for s in judged_before if judged_before[s] != judged_after[s]} == {"evaluation"}
 
 
 SHORT = ["sft.max_steps=2", "reward.max_steps=2", "ppo.total_episodes=8", "ppo.batch_size=4", "ppo.eval_every=1"]
