@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.storage import ArtifactError
 
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["run"]:
+    if args[:1] == ["run"] and not {"-h", "--help"} & set(args):
         # Settings Prefect reads on import: nothing phones home, and the ephemeral server, which
         # migrates its database on a first start, gets time to start on a small, busy machine.
         # Prefect also sets up its log handlers on import, before ours.

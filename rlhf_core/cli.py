@@ -1,7 +1,7 @@
 """The ``rlhf`` command: one sub-command per pipeline stage, plus ``stages`` for all of them.
 
-Every sub-command takes ``--preset NAME`` (a file in ``configs/``) and ``key=value``
-overrides, e.g. ``rlhf data --preset smoke data.on_bad_row=skip --out runs/x/data``. These
+Every sub-command takes ``--preset NAME`` (a file in ``configs/``; default ``cpu-demo``, the
+deployment's) and ``key=value`` overrides, e.g. ``rlhf data --preset smoke data.on_bad_row=skip --out runs/x/data``. These
 sub-commands write plain directories and need neither Prefect nor MLflow; the installed
 ``rlhf`` script (``flows/cli.py``) adds ``rlhf run``, the orchestrated, tracked pipeline.
 """
@@ -20,12 +20,14 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, PipelineConfig, available_presets, load_config
-from .data import DataError
-from .models import ModelSourceError
+from .errors import DataError, ModelSourceError, TrainingError
 from .pipeline import STAGES, stage_keys
-from .training import TrainingError
 
 log = logging.getLogger("rlhf")
+
+#: The preset of a command given none: the deployment's (infra/prefect.yaml), which runs on a
+#: CPU. The paper's settings are a preset too (``pythia-1b``), never a silent default.
+DEFAULT_PRESET = "cpu-demo"
 
 
 def _stage_marker(out: Path) -> dict:
@@ -191,7 +193,12 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in (commands or COMMANDS).items():
         p = sub.add_parser(name, help=command.help, description=command.help, aliases=list(command.aliases))
-        p.add_argument("--preset", default=None, help=f"preset name ({', '.join(available_presets())}) or YAML path")
+        p.add_argument(
+            "--preset",
+            default=DEFAULT_PRESET,
+            help=f"preset name ({', '.join(available_presets())}) or YAML path; "
+            f"default {DEFAULT_PRESET}, as the deployment rlhf/full-pipeline",
+        )
         p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
         if command.out != "none":
             p.add_argument(

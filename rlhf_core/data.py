@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import DataConfig, PipelineConfig, QueryFormat, SplitSpec
+from .errors import DataError  # noqa: F401  (re-exported: DataError of this module)
 from .io import atomic_directory, content_digest, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -48,10 +49,6 @@ SFT_RESPONSE_FIELDS = ("summary",)
 PREFERENCE_FIELDS = ("chosen", "rejected", "chosen_policy", "rejected_policy", "batch", "split")
 #: Text fields that must not be empty (after stripping whitespace).
 NON_EMPTY_FIELDS = ("post", "summary", "chosen", "rejected")
-
-
-class DataError(ValueError):
-    """Data that cannot be processed; the message names the file (or dataset) and row."""
 
 
 class BadRow(Exception):

@@ -28,16 +28,13 @@ from transformers import (
 )
 
 from .config import ModelConfig, RandomInitConfig
+from .errors import ModelSourceError  # noqa: F401  (re-exported: ModelSourceError of this module)
 from .generation import first_true_indices
 from .io import atomic_directory, content_digest, file_sha256, write_json_atomic
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class ModelSourceError(ValueError):
-    """A model or tokenizer source that cannot be resolved (missing package, file or directory)."""
 
 
 @dataclass(frozen=True)

@@ -38,14 +38,11 @@ from .distributed import (
     shard_model,
     world,
 )
+from .errors import TrainingError  # noqa: F401  (re-exported: TrainingError of this module)
 from .io import atomic_directory, json_digest
 from .tracking import RESUME_METRIC, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot continue (non-finite loss, incompatible checkpoint)."""
 
 
 def pick_device() -> torch.device:

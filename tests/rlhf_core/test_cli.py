@@ -320,3 +320,25 @@ def test_exclusive_lock_names_its_holder_and_is_freed_when_the_holder_is_killed(
         holder.wait()
     with exclusive_lock(lock, "a stage", wait=False):  # the kernel released it with the process
         assert json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+def test_help_loads_no_framework_and_no_preset_means_the_deployments():
+    """``rlhf --help`` and ``rlhf run --help`` import neither torch, transformers, datasets nor
+    Prefect (they took 8 and 12 s when they did); a command without ``--preset`` uses the
+    deployment's preset, not the paper's 1B setting."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from flows.cli import main\n"
+        "for argv in (['--help'], ['run', '--help'], ['sft', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "heavy = sorted({'torch', 'transformers', 'datasets', 'prefect', 'mlflow'} & set(sys.modules))\n"
+        "print(heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+    deployment = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())
+    [preset] = {d["parameters"]["preset"] for d in deployment["deployments"] if d["name"] == "full-pipeline"}
+    exe = Path(sys.executable).with_name("rlhf")
+    shown = subprocess.run([str(exe), "config"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and yaml.safe_load(shown.stdout)["name"] == load_config(preset).name == preset
