@@ -39,11 +39,28 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     from flows.pipeline import rlhf
 
     result = rlhf(preset=args.preset, overrides=args.overrides, until=args.until)
-    print(json.dumps(result, indent=2))
     uri = cfg.tracking.tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
-    hint = f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:") else uri
-    print(f"rlhf run: artifacts in {os.environ['RLHF_ARTIFACT_ROOT']}; MLflow: {hint}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(summary(result, uri))
     return 0
+
+
+def summary(result: dict, tracking_uri: str) -> str:
+    """What a finished ``rlhf run`` prints: each stage's artifact, the registered versions, where
+    the report is, and how to open the runs in the MLflow UI."""
+    stages = result["stages"]
+    width = max(len(name) for name in stages)
+    lines = [f"rlhf run: finished; MLflow run {result['mlflow_run_id']}"]
+    lines += [f"  {name:<{width}}  {record['uri']}" for name, record in stages.items()]
+    if result["registered"]:
+        lines.append("registered: " + ", ".join(f"{m} version {v}" for m, v in result["registered"].items()))
+    if "evaluation" in stages:
+        lines.append(f"report: {stages['evaluation']['uri']}/report.html (also under report/ in the MLflow run)")
+    ui = f"mlflow ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite:") else tracking_uri
+    lines.append(f"MLflow UI: {ui}")
+    return "\n".join(lines)
 
 
 COMMANDS: dict[str, core.Command] = {
@@ -54,6 +71,7 @@ COMMANDS: dict[str, core.Command] = {
         "cached and tracked in MLflow (artifacts under --out, default runs/<preset>)",
         out="optional",
         until=True,
+        flags=(("--json", "print the run's record as JSON (every stage's record, registered versions)"),),
     ),
 }
 

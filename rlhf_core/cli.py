@@ -153,14 +153,16 @@ def _until(stage: str):
 
 @dataclass(frozen=True)
 class Command:
-    """A sub-command: its function, help line, whether it takes ``--out`` and ``--until``, and
-    other names it answers to (older names kept working)."""
+    """A sub-command: its function, help line, whether it takes ``--out`` and ``--until``, other
+    names it answers to (older names kept working), and on/off options of its own
+    (``(flag, help)`` pairs)."""
 
     run: Callable[[PipelineConfig, argparse.Namespace], int]
     help: str
     out: str = "required"  # "required", "optional" or "none"
     until: bool = False
     aliases: tuple[str, ...] = ()
+    flags: tuple[tuple[str, str], ...] = ()
 
 
 COMMANDS: dict[str, Command] = {
@@ -212,6 +214,8 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
                 p.add_argument("--overwrite", action="store_true", help="replace existing output")
         if command.until:
             p.add_argument("--until", choices=list(STAGES), default=None, help="last stage to run")
+        for flag, text in command.flags:
+            p.add_argument(flag, action="store_true", help=text)
     return parser
 
 

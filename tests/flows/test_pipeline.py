@@ -52,7 +52,19 @@ def flow_env(root: Path) -> dict:
 
 def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
     result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, *overrides, "--out", str(root)],
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--json",
+            "--preset",
+            "smoke",
+            *FAST,
+            *overrides,
+            "--out",
+            str(root),
+        ],
         cwd=root,
         env={**flow_env(root), **(env or {})},
         capture_output=True,
@@ -172,7 +184,7 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(tmp_path):
     created once, each stage is computed by one of them while the other waits for it, and both
     return the same records; the reward model is registered once and the SFT metrics hold one
     run's records, not two interleaved."""
-    argv = [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *FAST, "--until", "reward_norm"]
+    argv = [sys.executable, "-m", "flows.cli", "run", "--json", "--preset", "smoke", *FAST, "--until", "reward_norm"]
     procs = [
         subprocess.Popen(
             [*argv, "--out", str(tmp_path)],
@@ -254,6 +266,29 @@ def test_the_tracking_uri_setting_is_where_runs_go(tmp_path):
     assert parent.info.status == "FINISHED" and parent.data.params["tracking.tracking_uri"].endswith("elsewhere.db")
     assert client.get_run(result["stages"]["data"]["mlflow_run_id"]).info.status == "FINISHED"
     assert not (tmp_path / "mlflow.db").exists()  # the default store of `rlhf run` was not used
+    # without --json, a run ends with a short summary: artifacts, and how to open MLflow
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "run",
+            "--preset",
+            "smoke",
+            *FAST,
+            f"tracking.tracking_uri=sqlite:///{elsewhere}",
+        ]
+        + ["--until", "data", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        env=flow_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"  data  {result['stages']['data']['uri']}\n" in again.stdout  # cached: the same artifact
+    assert f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{elsewhere}" in again.stdout
+    assert len(again.stdout.splitlines()) == 3
 
 
 @pytest.mark.slow
