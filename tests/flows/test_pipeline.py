@@ -50,27 +50,21 @@ def flow_env(root: Path) -> dict:
     }
 
 
-def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            "--json",
-            "--preset",
-            "smoke",
-            *FAST,
-            *overrides,
-            "--out",
-            str(root),
-        ],
+def rlhf_run(root: Path, *args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``rlhf run --preset smoke ARGS --out ROOT`` in a subprocess, with the run's own stores."""
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *args, "--out", str(root)],
         cwd=root,
         env={**flow_env(root), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
+    """A short smoke run (``FAST``) that must succeed: its JSON record and its whole output."""
+    result = rlhf_run(root, "--json", *FAST, *overrides, env=env, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     out = result.stdout
     return json.loads(out[out.index("{\n") : out.rindex("}") + 1]), result.stdout + result.stderr
@@ -229,14 +223,7 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(tmp_path):
 )
 def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, setup, env, message):
     setup(tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", "--out", str(tmp_path)],
-        cwd=tmp_path,
-        env={**flow_env(tmp_path), **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = rlhf_run(tmp_path, env=env, timeout=600)
     assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
     assert re.search(r"rlhf run: error: .*" + message, result.stderr)
     assert "Task run" not in result.stdout + result.stderr  # no stage started
@@ -267,24 +254,7 @@ def test_the_tracking_uri_setting_is_where_runs_go(tmp_path):
     assert client.get_run(result["stages"]["data"]["mlflow_run_id"]).info.status == "FINISHED"
     assert not (tmp_path / "mlflow.db").exists()  # the default store of `rlhf run` was not used
     # without --json, a run ends with a short summary: artifacts, and how to open MLflow
-    again = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "flows.cli",
-            "run",
-            "--preset",
-            "smoke",
-            *FAST,
-            f"tracking.tracking_uri=sqlite:///{elsewhere}",
-        ]
-        + ["--until", "data", "--out", str(tmp_path)],
-        cwd=tmp_path,
-        env=flow_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    again = rlhf_run(tmp_path, *FAST, f"tracking.tracking_uri=sqlite:///{elsewhere}", "--until", "data", timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"  data  {result['stages']['data']['uri']}\n" in again.stdout  # cached: the same artifact
     assert f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{elsewhere}" in again.stdout
