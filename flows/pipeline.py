@@ -6,25 +6,31 @@ Prefect's ephemeral mode with ``rlhf run`` (:mod:`flows.cli`).
 
 from __future__ import annotations
 
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from rlhf_core.config import PipelineConfig, flatten, load_config
 from rlhf_core.evaluation import REPORT_FILES
-from rlhf_core.io import exclusive_lock
+from rlhf_core.io import exclusive_lock, json_digest
 from rlhf_core.pipeline import STAGES
+from rlhf_core.report import stamp_report
 from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_tracking import (
     REGISTERED_MODELS,
     MLflowTracker,
+    dataset_inputs,
     experiment_id,
     register_model_version,
+    source_tags,
     tracking_client,
 )
-from tasks.stages import StageRecord, preflight, run_stage, work_root
+from tasks.stages import StageRecord, preflight, result_storage, stage_task, work_root
 from tasks.storage import ArtifactStore
 
 
@@ -46,7 +52,12 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     parent = client.create_run(
         exp,
         run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
-        tags={"prefect.flow_run_id": str(flow_run.get_id() or ""), "rlhf.preset": str(preset)},
+        tags={
+            "prefect.flow_run_id": str(flow_run.get_id() or ""),
+            "rlhf.preset": str(preset),
+            "rlhf.config_digest": config_digest(cfg),
+            **source_tags(),
+        },
     )
     parent_id = parent.info.run_id
     tracker = MLflowTracker(parent_id, client=client)
@@ -63,10 +74,12 @@ def _run_stages(
     c = cfg.model_dump()
     try:
         store = ArtifactStore()
+        storage = result_storage(store)  # cache entries beside the artifacts: every worker finds them
         raw: dict[str, dict] = {}
         for name in names:
             stage = STAGES[name]
             upstream = [raw[dep] for dep in stage.inputs]
+            run_stage = stage_task(name, cfg, storage)
             record = run_stage(name, c, upstream, parent_id)
             damage = store.damage(record["key"], record["digest"])
             if damage is not None:
@@ -81,11 +94,16 @@ def _run_stages(
             client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
             client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")
             tracker.log_metrics({f"{stage}/{k}": v for k, v in record.metrics.items()})
-        if "evaluation" in records:  # the run's report, readable from the parent run in the MLflow UI
+        if "data" in records:  # the TL;DR splits as the run's dataset inputs
+            data_dir = store.local_path(records["data"].key, work_root() / "downloads")
+            client.log_inputs(parent_id, datasets=dataset_inputs(data_dir, cfg))
+        report = None
+        if "evaluation" in records:  # the run's report, naming the run, also in the parent run in the MLflow UI
             report_dir = store.local_path(records["evaluation"].key, work_root() / "downloads")
-            for name in REPORT_FILES:
-                if (report_dir / name).is_file():
-                    client.log_artifact(parent_id, str(report_dir / name), "report")
+            report = stamp_report(
+                report_dir, work_root() / "reports" / parent_id, run_provenance(cfg, client, parent_id), REPORT_FILES
+            )
+            client.log_artifacts(parent_id, str(report.parent), "report")
         # one registering run at a time: two runs of one model would both find no version with
         # its digest and each add one
         with exclusive_lock(work_root() / "model-registry.lock", what="the model registry"):
@@ -103,8 +121,76 @@ def _run_stages(
         client.set_terminated(parent_id, "FAILED")
         raise
     logger.info("registered %s", versions)
-    return {
+    result = {
         "mlflow_run_id": parent_id,
         "stages": {k: v.model_dump() for k, v in records.items()},
         "registered": versions,
+        "report": str(report) if report else None,
     }
+    create_markdown_artifact(
+        key="rlhf-run-" + re.sub(r"[^a-z0-9]+", "-", cfg.name.lower()).strip("-"),
+        markdown=run_markdown(cfg, result, client),
+        description=f"rlhf run of preset {cfg.name}: stages, headline, MLflow run and report",
+    )
+    return result
+
+
+def config_digest(cfg: PipelineConfig) -> str:
+    """The digest of the whole configuration (16 hex): equal for equal settings."""
+    return json_digest(cfg.model_dump(mode="json"))
+
+
+def mlflow_run_link(client: MlflowClient, run_id: str) -> str:
+    """The run's page in the MLflow UI for a tracking server, else the run id and its store."""
+    uri = client.tracking_uri
+    if uri.startswith(("http://", "https://")):
+        exp = client.get_run(run_id).info.experiment_id
+        return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+    return f"{run_id} in {uri}"
+
+
+def run_provenance(cfg: PipelineConfig, client: MlflowClient, parent_id: str) -> dict[str, str]:
+    """What names a run in its report: preset, config digest, code commit, date, MLflow and
+    Prefect runs."""
+    tags = source_tags()
+    commit = tags.get("mlflow.source.git.commit", "unknown (not a git checkout)")
+    if tags.get("rlhf.git.dirty") == "true":
+        commit += " (with uncommitted changes)"
+    return {
+        "preset": cfg.name,
+        "config digest": config_digest(cfg),
+        "commit": commit,
+        "date (UTC)": datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S"),
+        "MLflow run": mlflow_run_link(client, parent_id),
+        "Prefect flow run": f"{flow_run.get_name() or 'local'} ({flow_run.get_id() or '-'})",
+    }
+
+
+def run_markdown(cfg: PipelineConfig, result: dict, client: MlflowClient) -> str:
+    """The Prefect artifact of a finished run: each stage's artifact and MLflow run, the
+    evaluation's win rates with their 95% intervals, registered versions, the report and the
+    MLflow run."""
+    lines = [
+        f"# rlhf run: {cfg.name}",
+        "",
+        f"MLflow run: {mlflow_run_link(client, result['mlflow_run_id'])}",
+        "",
+        f"Report: {result['report'] or 'none (the run stopped before evaluation)'}",
+        "",
+        "| stage | artifact | MLflow run |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {name} | `{r['uri']}` | {r['mlflow_run_id']} |" for name, r in result["stages"].items()]
+    metrics = result["stages"].get("evaluation", {}).get("metrics", {})
+    if metrics:
+        lines += ["", "| policy | win rate vs references [95% CI] | RM score |", "|---|---:|---:|"]
+        for policy in ("base", "sft", "ppo"):
+            m = {k.removeprefix(f"eval/{policy}/"): v for k, v in metrics.items() if k.startswith(f"eval/{policy}/")}
+            if "win_rate" in m:
+                lines.append(
+                    f"| {policy} | {m['win_rate']:.1%} [{m.get('win_rate_ci_low', float('nan')):.1%}, "
+                    f"{m.get('win_rate_ci_high', float('nan')):.1%}] | {m.get('score', float('nan')):.3f} |"
+                )
+    if result["registered"]:
+        lines += ["", "Registered: " + ", ".join(f"{m} version {v}" for m, v in result["registered"].items())]
+    return "\n".join(lines) + "\n"

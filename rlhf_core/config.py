@@ -341,6 +341,35 @@ class TrackingConfig(_Strict):
     tracking_uri: str | None = None
 
 
+class OrchestrationConfig(_Strict):
+    """How the Prefect flow runs each stage task (Prefect's own option names). Part of no
+    stage's cache key: changing them re-runs nothing.
+
+    A failed stage is tried again up to ``retries`` times, ``retry_delay_seconds`` apart; a
+    retried trainer resumes from its last checkpoint in the stage's work directory. Errors in
+    the settings, data or artifacts (``rlhf_core.errors``, ``ConfigError``, ``ArtifactError``,
+    the judge's key errors) are not retried. ``timeout_seconds`` maps stage names to a wall-clock
+    limit per attempt; a stage not named has none.
+    """
+
+    retries: int = Field(1, ge=0)
+    retry_delay_seconds: float = Field(10.0, ge=0)
+    timeout_seconds: dict[str, float] = Field(default_factory=dict)
+
+    @field_validator("timeout_seconds", mode="before")
+    @classmethod
+    def _stages_and_positive(cls, value: Any) -> Any:
+        from .pipeline import STAGES  # the stage table imports this module
+
+        for stage, seconds in value.items() if isinstance(value, dict) else ():
+            key = f"orchestration.timeout_seconds.{stage}"
+            if stage not in STAGES:
+                raise ValueError(f"{key}: {stage!r} is not a stage ({', '.join(STAGES)})")
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
+                raise ValueError(f"{key}: a positive number of seconds is needed, not {seconds!r}")
+        return value
+
+
 class PipelineConfig(_Strict):
     """The whole pipeline: one section per stage, loaded by :func:`load_config`."""
 
@@ -353,6 +382,7 @@ class PipelineConfig(_Strict):
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
 
     def batch_errors(self, world_size: int = 1) -> list[str]:
         """What in the batch settings does not divide for ``world_size`` data-parallel ranks,

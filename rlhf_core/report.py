@@ -15,6 +15,7 @@ import html
 import math
 import mimetypes
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -319,6 +320,10 @@ def _write_text_atomic(path: Path, text: str) -> Path:
 
 # --------------------------------------------------------------------------- the report
 
+#: Where :func:`stamp_report` puts the table naming the run; :func:`write_report` leaves it
+#: in both files (an HTML comment, invisible until stamped).
+RUN_MARKER = "<!-- rlhf:run -->"
+
 
 def write_report(
     out_dir: str | os.PathLike,
@@ -397,7 +402,8 @@ def write_report(
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
     ]
-    m = [f"# {title}", ""]
+    h.append(RUN_MARKER)
+    m = [f"# {title}", "", RUN_MARKER, ""]
     if intro:
         h.append(f'<p class="text">{esc(intro)}</p>')
         m += [intro, ""]
@@ -434,3 +440,47 @@ def write_report(
     html_path = _write_text_atomic(out_dir / "report.html", "\n".join(h) + "\n")
     md_path = _write_text_atomic(out_dir / "report.md", "\n".join(m).rstrip() + "\n")
     return html_path, md_path
+
+
+def stamp_report(
+    src_dir: str | os.PathLike, dst_dir: str | os.PathLike, run: dict[str, str], files: Sequence[str]
+) -> Path:
+    """Copy the report ``files`` that exist in ``src_dir`` to ``dst_dir`` and name the run in
+    its HTML and markdown: a table "This run" of ``run`` (e.g. preset, config digest, commit,
+    date, MLflow run id) under the title, where :func:`write_report` left :data:`RUN_MARKER`
+    (right after the title in a report written without it). Values are escaped.
+
+    The stage's own report stays as written, so that identical work keeps an identical
+    artifact; the stamped copy belongs to one run.
+
+    Returns:
+        ``dst_dir/report.html``.
+
+    Raises:
+        FileNotFoundError: ``src_dir`` has no ``report.html``.
+    """
+    src, dst = Path(src_dir), Path(dst_dir)
+    if not (src / "report.html").is_file():
+        raise FileNotFoundError(f"{src} has no report.html")
+    rows = [{"": key, "value": str(value)} for key, value in run.items()]
+    blocks = {
+        ".html": ("</h1>", "<h2>This run</h2>" + _html_table(rows)),
+        ".md": ("\n", "## This run\n\n" + _md_table(rows) + "\n"),
+    }
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        if not (src / name).is_file():
+            continue
+        suffix = Path(name).suffix
+        if suffix not in blocks:
+            shutil.copyfile(src / name, dst / name)
+            continue
+        after, block = blocks[suffix]
+        text = (src / name).read_text()
+        if RUN_MARKER in text:
+            text = text.replace(RUN_MARKER, block, 1)
+        else:
+            cut = text.find(after) + len(after) if after in text else 0
+            text = text[:cut] + "\n" + block + "\n" + text[cut:]
+        _write_text_atomic(dst / name, text)
+    return dst / "report.html"

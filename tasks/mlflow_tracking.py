@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -75,11 +76,15 @@ class MLflowTracker:
         self._last_flush = time.monotonic()
 
     def log_table(self, name: str, rows: list[dict[str, Any]]) -> None:
-        """Log rows as ``tables/{name}.json`` (MLflow's table format: columns and data)."""
+        """Log rows as the MLflow table ``tables/{name}.json`` (``MlflowClient.log_table``: shown
+        in the UI's artifact view, read back with ``mlflow.load_table``); the columns are the
+        keys of the rows in first-seen order, a missing cell is null."""
         self.flush()
-        columns = list(rows[0]) if rows else []
-        payload = {"columns": columns, "data": [[row.get(c) for c in columns] for row in rows]}
-        self.client.log_dict(self.run_id, payload, f"tables/{name}.json")
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        if columns:
+            self.client.log_table(
+                self.run_id, {c: [row.get(c) for row in rows] for c in columns}, f"tables/{name}.json"
+            )
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         """Log a file or directory as run artifacts."""
@@ -121,26 +126,92 @@ def tracking_client(uri: str | None = None) -> MlflowClient:
     return client
 
 
+#: The experiment tag that picks the MLflow UI's view: model training runs, not GenAI traces.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment_id(client: MlflowClient, name: str) -> str:
-    """The id of experiment ``name``, created if missing.
+    """The id of experiment ``name``, created if missing, tagged :data:`EXPERIMENT_KIND` (an
+    existing experiment keeps a kind it already has).
 
     For a local SQLite store the experiment's artifacts go to ``mlartifacts/`` beside the
     database file (``sqlite:///runs/x/mlflow.db`` -> ``runs/x/mlartifacts``).
     """
     found = client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    location = None
-    if client.tracking_uri.startswith("sqlite:///"):
-        db = Path(client.tracking_uri[len("sqlite:///") :])
-        location = (db.resolve().parent / "mlartifacts").as_uri()
+    if found is None:
+        location = None
+        if client.tracking_uri.startswith("sqlite:///"):
+            db = Path(client.tracking_uri[len("sqlite:///") :])
+            location = (db.resolve().parent / "mlartifacts").as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+        except MlflowException:  # created meanwhile by a run started alongside
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+    for key, value in EXPERIMENT_KIND.items():
+        if key not in found.tags:
+            client.set_experiment_tag(found.experiment_id, key, value)
+    return found.experiment_id
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's source tags for runs of this code: ``mlflow.source.name`` (the flow's entry
+    point), ``mlflow.source.type`` (``JOB``), and when the package runs from a git checkout
+    ``mlflow.source.git.commit``, ``mlflow.source.git.branch`` (unless detached),
+    ``mlflow.source.git.repoURL`` (the ``origin`` remote, any user and password removed) and
+    ``rlhf.git.dirty`` (``true`` when tracked files differ from the commit)."""
+    import git
+
+    tags = {"mlflow.source.name": "flows/pipeline.py:rlhf", "mlflow.source.type": "JOB"}
     try:
-        return client.create_experiment(name, artifact_location=location)
-    except MlflowException:  # created meanwhile by a run started alongside
-        found = client.get_experiment_by_name(name)
-        if found is None:
-            raise
-        return found.experiment_id
+        repo = git.Repo(Path(__file__).resolve().parents[1])
+        tags["mlflow.source.git.commit"] = repo.head.commit.hexsha
+        tags["rlhf.git.dirty"] = str(repo.is_dirty(untracked_files=False)).lower()
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError, git.GitCommandError, ValueError):
+        return tags  # an installed package: no checkout
+    if not repo.head.is_detached:
+        tags["mlflow.source.git.branch"] = repo.active_branch.name
+    if "origin" in [r.name for r in repo.remotes]:
+        url = repo.remotes.origin.url
+        tags["mlflow.source.git.repoURL"] = re.sub(r"^(\w+://)[^/@]*@", r"\1", url)
+    return tags
+
+
+def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
+    """One MLflow ``DatasetInput`` per prepared split in ``data_dir`` (the data stage's
+    output), for ``MlflowClient.log_inputs``: named ``tldr/{sft|preference}/{split}``, its
+    digest the split's content digest (the first 16 hex of the ``_fingerprint`` the data stage
+    writes), its source the hub dataset (id and revision) or the local file it was read from,
+    its schema and row count from the split; context ``training`` for splits named ``train``,
+    else ``evaluation``."""
+    import warnings
+
+    import datasets
+    import mlflow.data
+    from mlflow.entities import DatasetInput, InputTag
+
+    root = Path(data_dir)
+    d = cfg.data
+    inputs = []
+    for kind, specs in (("sft", d.sft_splits), ("preference", d.preference_splits)):
+        for split, spec in specs.items():
+            if not (root / kind / split).is_dir():
+                continue
+            ds = datasets.load_from_disk(str(root / kind / split))
+            digest = json.loads((root / kind / split / "state.json").read_text())["_fingerprint"][:16]
+            name = f"tldr/{kind}/{split}"
+            with warnings.catch_warnings():  # "source could not be resolved": it is named as given
+                warnings.simplefilter("ignore")
+                if d.resolved_source() == "hub":
+                    hub = d.sft_dataset if kind == "sft" else d.preference_dataset
+                    dataset = mlflow.data.from_huggingface(ds, path=hub, revision=d.revision, name=name, digest=digest)
+                else:
+                    source = str(Path(d.resolved_local_dir() or ".") / f"{kind}_{spec.source}.jsonl")
+                    dataset = mlflow.data.from_huggingface(ds, source=source, name=name, digest=digest)
+            context = "training" if split == "train" else "evaluation"
+            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+    return inputs
 
 
 def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tuple[str, MlflowClient]:
@@ -158,7 +229,7 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
         [exp], filter_string=f"tags.`rlhf.artifact_key` = '{key}' and attributes.status = 'RUNNING'"
     ):
         client.set_terminated(stale.info.run_id, "KILLED")
-    tags = {"rlhf.stage": stage, "rlhf.artifact_key": key}
+    tags = {"rlhf.stage": stage, "rlhf.artifact_key": key, **source_tags()}
     if parent_run_id is not None:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp, run_name=stage, tags=tags)

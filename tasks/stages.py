@@ -132,6 +132,59 @@ def check_free_space(stage: str, inputs: list[Path], places: list[Path]) -> None
             )
 
 
+def _not_retried() -> tuple[type[BaseException], ...]:
+    from rlhf_core import errors
+    from rlhf_core.config import ConfigError
+    from rlhf_core.judging.errors import JudgeConfigError, JudgeRequestError
+
+    return (errors.DataError, errors.ModelSourceError, ConfigError, ArtifactError, JudgeConfigError, JudgeRequestError)
+
+
+def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect's ``retry_condition_fn`` for the stage tasks: retry unless the failure is one
+    that another attempt cannot fix (:func:`_not_retried`); a crash, a timeout, a lost
+    connection or an out-of-memory kill is retried, and the stage resumes from its checkpoint."""
+    return not isinstance(state.data, _not_retried())
+
+
+def result_storage(store: ArtifactStore | None = None):
+    """The Prefect block where the stage tasks persist their results, i.e. their cache entries.
+
+    ``RLHF_RESULT_STORAGE`` when set (a local path or an fsspec URL such as ``s3://b/p``),
+    else ``_prefect-results`` under the artifact root (``RLHF_ARTIFACT_ROOT``): a store every
+    worker reads, so a flow run in a fresh container, whose ``PREFECT_HOME`` is empty, still
+    takes the finished stages from the cache. Prefect needs result storage saved as a block:
+    it is saved (overwritten) as ``local-file-system/rlhf-results-<hash>`` or
+    ``remote-file-system/rlhf-results-<hash>``, the hash naming the location; S3 credentials
+    stay in the environment, never in the block.
+    """
+    import hashlib
+
+    from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+
+    location = os.environ.get("RLHF_RESULT_STORAGE") or (store or ArtifactStore()).uri("_prefect-results")
+    name = "rlhf-results-" + hashlib.sha256(location.encode()).hexdigest()[:12]
+    if "://" in location and not location.startswith("file://"):
+        block = RemoteFileSystem(basepath=location.rstrip("/"))
+    else:
+        block = LocalFileSystem(basepath=str(Path(location.removeprefix("file://")).resolve()))
+    block.save(name, overwrite=True)
+    return block
+
+
+def stage_task(stage: str, cfg: PipelineConfig, storage: Any):
+    """:func:`run_stage` with the stage's orchestration settings (``cfg.orchestration``:
+    retries, their delay, its time limit) and result storage (:func:`result_storage`)."""
+    o = cfg.orchestration
+    return run_stage.with_options(
+        retries=o.retries,
+        retry_delay_seconds=o.retry_delay_seconds,
+        retry_condition_fn=worth_retrying,
+        timeout_seconds=o.timeout_seconds.get(stage),
+        result_storage=storage,
+    )
+
+
 def work_root() -> Path:
     """Local scratch for running stages and their checkpoints: ``$RLHF_WORK_DIR`` or ``./.rlhf-work``."""
     return Path(os.environ.get("RLHF_WORK_DIR") or ".rlhf-work").resolve()
@@ -208,6 +261,10 @@ def _run_stage_once(
         ):
             if (out / name).is_file():
                 mlflow_tracker.log_artifact(out / name)
+        if stage == "data":  # the prepared splits as the run's dataset inputs (name, digest, source, schema)
+            from .mlflow_tracking import dataset_inputs
+
+            client.log_inputs(run_id, datasets=dataset_inputs(out, cfg))
         stored = store.put_dir(out, key, exclude=("checkpoints",))
         client.set_tag(run_id, "rlhf.artifact_uri", stored["uri"])
         client.set_terminated(run_id, "FINISHED")

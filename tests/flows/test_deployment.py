@@ -92,7 +92,9 @@ def stack(request, server_stack, tmp_path):
     }
 
 
-def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.CompletedProcess | subprocess.Popen:
+def deployment_run(
+    env: dict, *extra: str, watch: bool = True, job_env: dict | None = None
+) -> subprocess.CompletedProcess | subprocess.Popen:
     overrides = OVERRIDES + [f"tracking.experiment_name={env['EXPERIMENT']}"] + list(extra)
     cmd = [
         str(BIN / "prefect"),
@@ -104,7 +106,7 @@ def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.Com
         "--params",
         json.dumps({"overrides": overrides}),
         "--job-variable",
-        f"env={env['JOB_ENV']}",
+        "env=" + json.dumps({**json.loads(env["JOB_ENV"]), **(job_env or {})}),
     ]
     if not watch:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -123,6 +125,7 @@ def task_states(output: str) -> dict[str, str]:
 
 def manifests(env: dict) -> dict[str, str]:
     store = ArtifactStore(env["RLHF_ARTIFACT_ROOT"])
+    store.fs.invalidate_cache()  # s3fs keeps directory listings: a stage written since would be missed
     found = {}
     for path in store.fs.glob(f"{store.base}/*/*/MANIFEST.json"):
         stage = path.rsplit("/", 3)[-3]
@@ -154,7 +157,9 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     before = manifests(env)
     assert set(before) == set(STAGES) - {"ppo", "evaluation"}
 
-    resumed = deployment_run(env)
+    # The resumed flow run gets an empty PREFECT_HOME, as a fresh container would: the finished
+    # stages' cache entries are in the artifact store (local or S3), not in the first run's home.
+    resumed = deployment_run(env, job_env={"PREFECT_HOME": str(work.parent / "fresh-prefect-home")})
     assert resumed.returncode == 0 and "Completed" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-2000:]
     states = task_states(resumed.stdout)
     assert states == {**{s: "Cached" for s in STAGES[:-2]}, "ppo": "Completed", "evaluation": "Completed"}
@@ -181,9 +186,23 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     assert done.data.tags["rlhf.artifact.ppo"].startswith(
         "s3://" if env["RLHF_ARTIFACT_ROOT"].startswith("s3") else "/"
     )
-    for name in ("rlhf-tldr-policy", "rlhf-tldr-reward-model"):
+    for name, stage in (("rlhf-tldr-policy", "ppo"), ("rlhf-tldr-reward-model", "reward_norm")):
+        # identical models (same digest, e.g. the other variant's) share one registered version
         version = client.get_model_version_by_alias(name, "latest-pipeline")
-        assert version.run_id in {r.info.run_id for r in children}
+        assert version.tags["rlhf.digest"] == json.loads(after[stage])["digest"]
+    # The flow run's markdown artifact in the Prefect UI: stages, win rates, MLflow run, report.
+    inspect = subprocess.run(
+        [str(BIN / "prefect"), "artifact", "inspect", "rlhf-run-smoke", "--limit", "1", "-o", "json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+    markdown = json.loads(inspect.stdout)[0]["data"]
+    assert f"/#/experiments/{experiment.experiment_id}/runs/{done.info.run_id}" in markdown
+    assert "| ppo | win rate" not in markdown and re.search(r"\| ppo \| \d+\.\d% \[", markdown)
+    assert f"Report: {env['RLHF_WORK_DIR']}/reports/{done.info.run_id}/report.html" in markdown
 
     if env["VARIANT"] == "s3":
         return  # a changed setting re-runs its stage alone: shown once, on the local root

@@ -102,8 +102,22 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     assert {"report/report.html", "report/length_control.png"} <= {
         f.path for f in client.list_artifacts(parent.info.run_id, "report")
     }
+    # The run's report names it: preset, config digest, commit, date, MLflow run (stamped on a
+    # copy: the evaluation artifact stays identical for identical work).
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    report = Path(first["report"]).read_text()
+    this_run = report[report.index("<h2>This run</h2>") : report.index("<h2>Headline</h2>")]
+    for value in ("smoke", parent.data.tags["rlhf.config_digest"], head, parent.info.run_id):
+        assert f"<td>{value}" in this_run, value
+    assert parent.data.tags["mlflow.source.git.commit"] == head == sft_run.data.tags["mlflow.source.git.commit"]
+    assert "This run" not in (Path(first["stages"]["evaluation"]["uri"]) / "report.html").read_text()
+    assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    inputs = {i.dataset.name for i in parent.inputs.dataset_inputs}
+    assert {"tldr/sft/train", "tldr/preference/train", "tldr/preference/validation_cnndm"} <= inputs
 
-    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1")
+    # A fresh PREFECT_HOME, as in a new container: the cache entries live beside the artifacts
+    # (tasks.stages.result_storage), so the unchanged stages are still cache hits.
+    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(tmp_path / "prefect-fresh")})
     s = states(log)
     assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     for stage in ("data", "sft", "reward_norm"):
@@ -316,3 +330,48 @@ def test_a_run_killed_part_way_is_ended_by_the_next(tmp_path):
         timeout=300,
     )
     assert state.stdout.strip().splitlines()[-1] == "CRASHED", state.stderr[-2000:]
+
+
+FLAKY_REWARD = """
+from pathlib import Path
+
+from rlhf_core.rule_rewards import word_count_12
+
+
+def fails_on_second_call(*args):
+    calls = Path(__file__).with_name("reward_calls")
+    n = int(calls.read_text()) if calls.exists() else 0
+    calls.write_text(str(n + 1))
+    if n == 1:
+        raise RuntimeError("injected failure in the second reward call")
+    return word_count_12(*args)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
+    """A PPO reward that fails once, in the second update, after the first update's checkpoint:
+    Prefect retries the task (orchestration.retries) and PPO resumes from that checkpoint,
+    training the second update only once."""
+    (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
+    result, log = run_flow(
+        tmp_path,
+        "ppo.reward=python:flaky_reward:fails_on_second_call",
+        "ppo.checkpoint_every=1",
+        "ppo.eval_every=100",
+        "orchestration.retry_delay_seconds=0",
+        "--until",
+        "ppo",
+        env={"PYTHONPATH": str(tmp_path)},
+    )
+    assert "injected failure in the second reward call" in log and "Retry 1/1" in log
+    assert states(log)["ppo"] == "Completed"
+    records = [json.loads(line) for line in (Path(result["stages"]["ppo"]["uri"]) / "metrics.jsonl").open()]
+    assert [r["metrics"]["resume/from_step"] for r in records if "resume/from_step" in r.get("metrics", {})] == [1]
+    updates = [r["step"] for r in records if "objective/scores" in r.get("metrics", {})]
+    assert updates == [1, 2]  # the failed attempt never finished update 2
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    ppo_runs = client.search_runs(
+        [client.get_run(result["mlflow_run_id"]).info.experiment_id], filter_string="attributes.run_name = 'ppo'"
+    )
+    assert sorted(r.info.status for r in ppo_runs) == ["FAILED", "FINISHED"]

@@ -125,7 +125,65 @@ def test_every_constraint_falls_inside_pyproject_ranges():
 
 def test_torch_pin_is_the_makefiles_torch():
     makefile = (REPO / "Makefile").read_text()
-    assert re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, flags=re.M).group(1) == constraints()["torch"]
+    torch = re.search(r"^TORCH_VERSION \?= (\S+)$", makefile, flags=re.M).group(1)
+    assert torch == constraints()["torch"] == lock()["torch"]
+
+
+# ---------------------------------------------------------------- the lock file
+
+
+def lock() -> dict[str, str]:
+    """requirements.lock as ``{package: version}`` (names normalised as PEP 503 does)."""
+    out = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            out[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return out
+
+
+def all_requirements() -> list[str]:
+    project = PYPROJECT["project"]
+    return project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+
+
+def test_the_lock_pins_every_requirement_inside_its_range():
+    pinned = lock()
+    missing, outside = [], []
+    for req in all_requirements():
+        name, extras, spec = re.match(r"([A-Za-z0-9_.\-]+)(\[[^\]]*\])?\s*(.*)", req).groups()
+        name = re.sub(r"[-_.]+", "-", name).lower()
+        if name not in pinned:
+            missing.append(name)
+        elif Version(pinned[name]) not in SpecifierSet(spec):
+            outside.append((name, pinned[name], spec))
+    assert not missing, f"requirements.lock does not pin {missing}: run `make lock`"
+    assert not outside, f"requirements.lock pins outside pyproject.toml's ranges: {outside}"
+    assert all(re.fullmatch(r"[0-9][0-9A-Za-z.]*", v) for v in pinned.values())  # exact, no local labels
+
+
+def test_the_images_constraints_agree_with_the_lock():
+    pinned = lock()
+    differ = {n: (v, pinned[n]) for n, v in constraints().items() if n in pinned and pinned[n] != v}
+    assert not differ, f"docker/constraints.txt and requirements.lock differ (constraint, lock): {differ}"
+
+
+def test_every_install_goes_through_the_lock():
+    makefile = (REPO / "Makefile").read_text()
+    recipe = makefile[makefile.index("$(STAMP):") :].split("\n\n", 1)[0]
+    assert "CONSTRAINTS='-c $(LOCK)' packages" in recipe and "$(LOCK)" in recipe.splitlines()[0]
+    assert re.search(r"^LOCK := requirements\.lock$", makefile, flags=re.M)
+    packages = makefile[makefile.index("\npackages:") :].split("\n\n", 1)[0]
+    installs = [ln for ln in packages.splitlines() if "pip install" in ln and "--upgrade pip" not in ln]
+    assert len(installs) == 3 and all("$(CONSTRAINTS)" in ln for ln in installs)
+    for dockerfile in ("worker.Dockerfile", "server.Dockerfile"):
+        runs = [a for i, a in dockerfile_instructions(DOCKER / dockerfile) if i == "RUN" and "pip install" in a]
+        for run in runs:
+            for install in (i.split("&&")[0] for i in run.split("pip install")[1:]):
+                if "--no-deps --editable ." not in install:  # the project itself, nothing else
+                    assert "requirements.lock" in install, (dockerfile, install)
+        copies = [a for i, a in dockerfile_instructions(DOCKER / dockerfile) if i == "COPY"]
+        assert any(c.startswith("requirements.lock ") for c in copies), dockerfile
 
 
 @pytest.mark.parametrize("dockerfile", ["worker.Dockerfile", "server.Dockerfile"])

@@ -6,9 +6,11 @@ import pytest
 from rlhf_core import report as report_module
 from rlhf_core.diagnostics import plot_length_control, token_shift_html, win_rate
 from rlhf_core.report import (
+    RUN_MARKER,
     format_value,
     format_win_rate,
     plot_training_curves,
+    stamp_report,
     write_report,
 )
 from rlhf_core.tracking import JsonlTracker
@@ -192,3 +194,27 @@ def test_report_markdown_carries_the_tables_and_links_plots(written):
     assert "| validation | 0.679 |" in text
     assert "Cat &amp; dog \\| love (score -0.750, raw 2.500)" in text
     assert "data:image" not in text
+
+
+def test_a_stamped_copy_names_its_run_and_the_stage_report_stays_as_written(written, tmp_path):
+    out, html_path, md_path = written
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    run = {"preset": "smoke", "config digest": "0123abcd", "commit": "deadbeef", "MLflow run": "<run&1>"}
+    files = ("report.html", "report.md", "length_control.png", "missing.png")
+    stamped = stamp_report(out, tmp_path / "run", run, files)
+    assert stamped == tmp_path / "run" / "report.html"
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["length_control.png", "report.html", "report.md"]
+    text, md = stamped.read_text(), (tmp_path / "run" / "report.md").read_text()
+    assert RUN_MARKER not in text and RUN_MARKER not in md
+    title = text.index("<h1>")
+    assert title < text.index("<h2>This run</h2>") < text.index("<h2>Headline</h2>")
+    assert "<td>&lt;run&amp;1&gt;</td>" in text and "<td>0123abcd</td>" in text  # escaped values
+    assert md.index("## This run") < md.index("## Headline") and "| commit | deadbeef |" in md
+    assert (tmp_path / "run" / "length_control.png").read_bytes() == before["length_control.png"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the stage's own report is unchanged
+    # a report written before the marker existed gets the table right after its title
+    (out / "report.html").write_text(before["report.html"].decode().replace(RUN_MARKER, ""))
+    older = stamp_report(out, tmp_path / "older", run, files).read_text()
+    assert older.index("</h1>") < older.index("<h2>This run</h2>") < older.index("<h2>Headline</h2>")
+    with pytest.raises(FileNotFoundError, match="has no report.html"):
+        stamp_report(tmp_path / "nothing", tmp_path / "x", run, files)

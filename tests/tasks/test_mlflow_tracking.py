@@ -2,10 +2,16 @@
 
 import json
 import math
+import os
+import subprocess
+from pathlib import Path
 
+import mlflow
 from mlflow.tracking import MlflowClient
 
 from tasks.mlflow_tracking import MLflowTracker
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_path):
@@ -39,8 +45,62 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
         a.path for a in client.list_artifacts(run.info.run_id, "tables")
     }
     assert {"calibration.png", "tables/samples.json"} <= names
-    table = json.loads(open(client.download_artifacts(run.info.run_id, "tables/samples.json", str(tmp_path))).read())
-    assert table == {"columns": ["post", "sft"], "data": [["p", "s"], ["q", "t"]]}
+    # an MLflow table: registered with the run, read back by MlflowClient.load_table
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(mlflow_server)  # load_table searches runs through the fluent API's store
+    try:
+        table = client.load_table(experiment, "tables/samples.json", run_ids=[run.info.run_id])
+    finally:
+        mlflow.set_tracking_uri(None)  # and the environment variable it set
+        if before is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+    assert table[["post", "sft"]].values.tolist() == [["p", "s"], ["q", "t"]]
+    assert (
+        "tables/samples.json"
+        in json.loads(client.get_run(run.info.run_id).data.tags["mlflow.loggedArtifacts"])[0]["path"]
+    )
+
+
+def test_experiments_open_on_model_runs_and_runs_name_their_source(tmp_path):
+    from tasks.mlflow_tracking import experiment_id, source_tags
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment(experiment_id(client, "kind"))
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI view
+    chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
+    assert experiment_id(client, "chosen") == chosen
+    assert client.get_experiment(chosen).tags["mlflow.experimentKind"] == "genai_development"  # a user's choice stays
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    tags = source_tags()
+    assert tags["mlflow.source.git.commit"] == head and tags["mlflow.source.type"] == "JOB"
+    assert tags["rlhf.git.dirty"] in {"true", "false"}
+    assert "@" not in tags.get("mlflow.source.git.repoURL", "").partition("://")[2].split("/")[0]
+
+
+def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, tmp_path, tldr_dir):
+    from rlhf_core.config import load_config
+    from tasks.mlflow_tracking import dataset_inputs
+
+    cfg = load_config("smoke")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("inputs"))
+    client.log_inputs(run.info.run_id, datasets=dataset_inputs(smoke_stages / "data", cfg))
+    logged = {i.dataset.name: i for i in client.get_run(run.info.run_id).inputs.dataset_inputs}
+    expected = {f"tldr/sft/{s}" for s in cfg.data.sft_splits} | {
+        f"tldr/preference/{s}" for s in cfg.data.preference_splits
+    }
+    assert set(logged) == expected
+    train = logged["tldr/sft/train"]
+    state = json.loads((smoke_stages / "data" / "sft" / "train" / "state.json").read_text())
+    assert train.dataset.digest == state["_fingerprint"][:16]  # the split's content digest
+    assert json.loads(train.dataset.source)["uri"] == str(
+        tldr_dir / "sft_validation.jsonl"
+    )  # smoke: sft/train from the validation file
+    rows = len(__import__("datasets").load_from_disk(str(smoke_stages / "data" / "sft" / "train")))
+    assert json.loads(train.dataset.profile)["num_rows"] == rows
+    assert {t.key: t.value for t in train.tags}["mlflow.data.context"] == "training"
+    assert {t.key: t.value for t in logged["tldr/preference/validation"].tags}["mlflow.data.context"] == "evaluation"
 
 
 def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
