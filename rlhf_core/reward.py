@@ -6,10 +6,22 @@ head giving one scalar per position. The reward of a sequence is the head's outp
 EOS, found as the token before the first PAD of the response (Detail 12). The same class
 serves as PPO's value model, initialised from the reward model (Detail 22).
 
-Load a saved reward model with one call::
+A saved reward (or value) model is a Hugging Face sequence-classification checkpoint with one
+label (``LlamaForSequenceClassification``, ``GPTNeoXForSequenceClassification``, ...), the
+format TRL, OpenRLHF and verl exchange reward models in. Those heads have no bias, so the
+head's bias, which carries the normalisation of Detail 15, is stored in the checkpoint's
+config as ``rlhf_score_bias``. Load it with this package::
 
     from rlhf_core.reward import ScalarModel
-    reward_model = ScalarModel.from_pretrained("runs/cpu-demo/reward_norm/model")
+    reward_model = ScalarModel.from_pretrained(".../artifacts/reward_norm/<key>/model")
+
+or with ``transformers`` alone, adding the bias::
+
+    model = AutoModelForSequenceClassification.from_pretrained(path)  # num_labels == 1
+    score = model(input_ids, attention_mask=mask).logits[:, 0] + model.config.rlhf_score_bias
+
+which equals our score for right-padded rows (the score is read at the last token that is not
+PAD, the EOS of a finished summary; Detail 12).
 """
 
 from __future__ import annotations
@@ -25,7 +37,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
@@ -109,6 +127,62 @@ class ScalarModel(PreTrainedModel):
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
         self.backbone.gradient_checkpointing_enable(**kwargs)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Save as the backbone architecture's ``...ForSequenceClassification`` checkpoint with
+        one label: backbone weights under its ``base_model_prefix``, the head's weight as
+        ``score.weight``; the head's bias as the config's ``rlhf_score_bias`` and the
+        normalisation mean of Detail 15 as ``rlhf_normalization_mean``, since those heads have
+        no bias. Keyword arguments go to ``PreTrainedModel.save_pretrained``."""
+        config = _backbone_config(self.config)
+        config.num_labels = 1
+        config.pad_token_id, config.eos_token_id = self.config.pad_token_id, self.config.eos_token_id
+        config.dtype = self.head.weight.dtype
+        with torch.device("meta"):
+            shell = AutoModelForSequenceClassification.from_config(config)
+        shell.config.architectures = [type(shell).__name__]
+        shell.config.rlhf_score_bias = float(self.head.bias.detach().float().item())
+        shell.config.rlhf_normalization_mean = float(self.config.normalization_mean)
+        prefix = shell.base_model_prefix
+        state = {f"{prefix}.{key}": value for key, value in self.backbone.state_dict().items()}
+        state["score.weight"] = self.head.weight.detach()
+        shell.save_pretrained(save_directory, state_dict=state, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *args: Any, **kwargs: Any) -> ScalarModel:
+        """Load a model saved by :meth:`save_pretrained` (arguments as
+        ``AutoModelForSequenceClassification.from_pretrained``, e.g. ``dtype``).
+
+        Raises:
+            ValueError: the checkpoint is not a one-label sequence-classification model with
+                ``rlhf_score_bias`` in its config (not a reward model saved by this package).
+        """
+        config = AutoConfig.from_pretrained(str(path))
+        bias = getattr(config, "rlhf_score_bias", None)
+        if bias is None or config.num_labels != 1:
+            raise ValueError(
+                f"{path}: not a reward model saved by rlhf_core (its config.json needs num_labels 1 and "
+                f"rlhf_score_bias; found num_labels {config.num_labels}, rlhf_score_bias {bias})"
+            )
+        hf = AutoModelForSequenceClassification.from_pretrained(str(path), *args, **kwargs)
+        backbone = getattr(hf, hf.base_model_prefix)
+        base = backbone.config.to_dict()
+        for key in ("_name_or_path", "architectures", "id2label", "label2id", "problem_type"):
+            base.pop(key, None)
+        base = {k: v for k, v in base.items() if not k.startswith("rlhf_")}
+        scalar_config = ScalarModelConfig(
+            base_config=base,
+            hidden_size=backbone.config.hidden_size,
+            pad_token_id=config.pad_token_id,
+            eos_token_id=config.eos_token_id,
+            normalization_mean=getattr(config, "rlhf_normalization_mean", 0.0),
+        )
+        model = cls(scalar_config, backbone=backbone)
+        with torch.no_grad():
+            model.head.to(hf.score.weight.dtype)
+            model.head.weight.copy_(hf.score.weight)
+            model.head.bias.fill_(bias)
+        return model
 
 
 def init_head(head: nn.Linear, d_model: int, generator: torch.Generator | None = None) -> None:

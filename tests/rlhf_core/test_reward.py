@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf_core.config import load_config
 from rlhf_core.data import load_prepared
@@ -276,3 +276,31 @@ def test_reward_training_resumes_to_the_same_weights(smoke, tmp_path):
         run_reward_training(
             rm_cfg.model_copy(update={"learning_rate": 0.5}), root / "data", root / "base", tmp_path / "other"
         )
+
+
+def test_a_saved_reward_model_loads_in_transformers_alone_with_our_scores(smoke, tmp_path):
+    """The normalised reward model is a one-label ``AutoModelForSequenceClassification``
+    checkpoint: its logits plus the stored ``rlhf_score_bias`` (the head's bias, which holds the
+    normalisation of Detail 15) are our scores on real right-padded rows; and it loads back into
+    a ScalarModel bitwise."""
+    cfg, root, sft, _, stats = smoke
+    pad = stats["tokenizer"]["pad_token_id"]
+    rm_cfg = cfg.reward.model_copy(update={"bf16": False})
+    norm = normalize_reward_model(rm_cfg, root / "data", root / "rm", tmp_path / "norm")
+    assert norm["normalization/shift"] != 0
+    ours_model = ScalarModel.from_pretrained(tmp_path / "norm" / "model")
+    hf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "norm" / "model")
+    assert type(hf).__name__.endswith("ForSequenceClassification") and hf.config.num_labels == 1
+    assert hf.config.rlhf_score_bias == pytest.approx(-norm["normalization/shift"], abs=1e-6)  # the rm's bias was 0
+    seqs = torch.tensor(sft[rm_cfg.normalization_split]["query_reference_response_token"])
+    with torch.no_grad():
+        ours = get_reward(ours_model, seqs, pad)[1]
+        theirs = hf(seqs, attention_mask=(seqs != pad).long()).logits[:, 0] + hf.config.rlhf_score_bias
+    assert torch.allclose(theirs, ours, atol=1e-5), (theirs, ours)
+    assert abs(theirs.double().mean().item()) < 1e-3  # normalised: references score 0 on average
+    # saved and loaded again, the model is the same, bit for bit
+    ours_model.save_pretrained(tmp_path / "again")
+    again = ScalarModel.from_pretrained(tmp_path / "again").state_dict()
+    assert all(torch.equal(v, again[k]) for k, v in ours_model.state_dict().items())
+    with pytest.raises(ValueError, match="not a reward model saved by rlhf_core"):
+        ScalarModel.from_pretrained(root / "base")
