@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from mlflow.tracking import MlflowClient
@@ -21,8 +22,8 @@ from rlhf_core.io import exclusive_lock, json_digest
 from rlhf_core.pipeline import STAGES
 from rlhf_core.report import stamp_report
 from tasks.attempts import attempt, end_dead_attempts
+from tasks.mlflow_models import MLFLOW_MODELS
 from tasks.mlflow_tracking import (
-    REGISTERED_MODELS,
     MLflowTracker,
     dataset_inputs,
     experiment_id,
@@ -107,13 +108,15 @@ def _run_stages(
         # one registering run at a time: two runs of one model would both find no version with
         # its digest and each add one
         with exclusive_lock(work_root() / "model-registry.lock", what="the model registry"):
-            versions = {
-                model: register_model_version(
-                    client, model, records[stage].mlflow_run_id, records[stage].digest, records[stage].uri
-                )
-                for stage, model in REGISTERED_MODELS.items()
-                if stage in records
-            }
+            versions = {}
+            for stage, (model, save_model) in MLFLOW_MODELS.items():
+                if stage not in records:
+                    continue
+                r = records[stage]
+                model_dir = store.local_path(r.key, work_root() / "downloads") / "model"
+                data_dir = store.local_path(records["data"].key, work_root() / "downloads")
+                write = partial(save_model, model_dir, cfg=cfg, data_dir=data_dir)  # write(path)
+                versions[model] = register_model_version(client, model, r.mlflow_run_id, r.digest, r.uri, write)
         tracker.close()
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:

@@ -13,6 +13,7 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -240,25 +241,32 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
     return run.info.run_id, client
 
 
-#: The stages whose ``model`` folder is registered, and the registered model's name.
-REGISTERED_MODELS = {"ppo": "rlhf-tldr-policy", "reward_norm": "rlhf-tldr-reward-model"}
 #: The alias given to the newest registered version.
 ALIAS = "latest-pipeline"
 
 
 def register_model_version(
-    client: MlflowClient, name: str, run_id: str, digest: str, artifact_uri: str, alias: str = ALIAS
+    client: MlflowClient,
+    name: str,
+    run_id: str,
+    digest: str,
+    artifact_uri: str,
+    save_model: Callable[[Path], None],
+    alias: str = ALIAS,
 ) -> str:
-    """Register the ``model`` folder of a stage's artifact as a version of ``name`` and point ``alias`` at it.
+    """Register a stage's model as a version of ``name`` and point ``alias`` at it.
 
     Args:
         client: the tracking client.
         name: the registered model's name.
-        run_id: the stage's MLflow run, the version's source run.
+        run_id: the stage's MLflow run, the version's source run; the MLflow model is logged
+            there as the artifact ``model`` (``mlflow.pyfunc.load_model("models:/NAME@ALIAS")``).
         digest: the stage artifact's content digest, stored as the version's tag ``rlhf.digest``;
             a version with the same digest (a cached stage) is reused, not duplicated.
-        artifact_uri: the stage's artifact (a local folder or a ``scheme://`` URI); a local
-            model is copied into the run's artifacts, since MLflow accepts only those as a local source.
+        artifact_uri: the stage's artifact (a local folder or a ``scheme://`` URI), stored as
+            the version's tag ``rlhf.artifact_uri``.
+        save_model: writes the MLflow model into the directory it is given
+            (:data:`tasks.mlflow_models.MLFLOW_MODELS`); called only for a new version.
 
     Returns:
         The version number, as a string.
@@ -272,12 +280,14 @@ def register_model_version(
         if existing.tags.get("rlhf.digest") == digest:  # a cached stage: same model, same version
             client.set_registered_model_alias(name, alias, existing.version)
             return str(existing.version)
-    source = f"{artifact_uri}/model"
-    if "://" not in artifact_uri:
-        client.log_artifacts(run_id, source, "model")
-        source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(Path(tmp) / "model")
+        client.log_artifacts(run_id, str(Path(tmp) / "model"), "model")
     version = client.create_model_version(
-        name, source=source, run_id=run_id, tags={"rlhf.digest": digest, "rlhf.artifact_uri": artifact_uri}
+        name,
+        source=f"{client.get_run(run_id).info.artifact_uri}/model",
+        run_id=run_id,
+        tags={"rlhf.digest": digest, "rlhf.artifact_uri": artifact_uri},
     )
     client.set_registered_model_alias(name, alias, version.version)
     return str(version.version)

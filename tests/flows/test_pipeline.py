@@ -79,6 +79,40 @@ def states(log: str) -> dict[str, str]:
     return found
 
 
+def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:
+    """The registered versions are MLflow models: from their alias, the reward model scores
+    (post, summary) rows as the pipeline does, and the policy writes summaries of TL;DR prompts."""
+    import datasets
+    import mlflow
+    import pandas as pd
+    import torch
+
+    from rlhf_core.reward import ScalarModel, get_reward
+
+    rows = datasets.load_from_disk(str(Path(result["stages"]["data"]["uri"]) / "sft" / "validation")).select(range(4))
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    try:
+        scorer = mlflow.pyfunc.load_model("models:/rlhf-tldr-reward-model@latest-pipeline")
+        scores = scorer.predict(pd.DataFrame({k: rows[k] for k in ("post", "summary", "subreddit", "title")}))
+        policy = mlflow.pyfunc.load_model("models:/rlhf-tldr-policy@latest-pipeline")
+        summaries = policy.predict(rows["query"][:2])
+    finally:
+        mlflow.set_tracking_uri(None)
+        if before is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+    reward_model = ScalarModel.from_pretrained(Path(result["stages"]["reward_norm"]["uri"]) / "model")
+    with torch.no_grad():
+        expected = get_reward(
+            reward_model, torch.tensor(rows["query_reference_response_token"]), reward_model.config.pad_token_id
+        )[1]
+    assert list(scores.columns) == ["score"]
+    assert scores["score"].tolist() == pytest.approx(expected.tolist(), abs=1e-4)
+    assert len(summaries) == 2 and all(isinstance(s, str) for s in summaries)
+    assert scorer.metadata.get_input_schema().input_names()[:2] == ["post", "summary"]
+    assert policy.metadata.metadata["prompt_format"].endswith("TL;DR:")
+
+
 @pytest.mark.slow
 def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_path):
     first, log = run_flow(tmp_path)
@@ -95,6 +129,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
         "eval/rougeL" in sft_run.data.metrics and len(client.get_metric_history(sft_run.info.run_id, "train/loss")) == 2
     )
     assert client.get_model_version_by_alias("rlhf-tldr-policy", "latest-pipeline").source.endswith("/model")
+    check_registered_models_load_with_pyfunc(tmp_path, first)
     eval_run = next(r for r in children if r.info.run_name == "evaluation")
     assert (
         0 <= eval_run.data.metrics["eval/ppo/win_rate"] <= 1 and "evaluation/eval/ppo/win_rate" in parent.data.metrics

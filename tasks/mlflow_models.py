@@ -1,0 +1,163 @@
+"""The registered models as MLflow models, loadable with ``mlflow.pyfunc.load_model``:
+
+- the policy (``rlhf-tldr-policy``) in MLflow's ``transformers`` flavor, task
+  ``text-generation``: ``predict`` takes TL;DR prompts (the query format is in the model's
+  metadata as ``prompt_format``) and returns the summaries. It samples with the pipeline's
+  settings (``model_config``), not with the PPO rollout's (PAD suppressed, fixed response
+  length: :func:`rlhf_core.generation.generate`).
+- the normalised reward model (``rlhf-tldr-reward-model``) as a pyfunc, :class:`RewardModelScorer`:
+  ``predict`` takes a DataFrame with the columns ``post`` and ``summary`` (and optionally
+  ``subreddit`` and ``title``) and returns a column ``score``, the reward the pipeline gives
+  the summary (query formatted and truncated as the data stage does, Details 1-3; summary
+  ending with EOS; score at the EOS, Detail 12).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import mlflow
+import pandas as pd
+from mlflow.models import ModelSignature
+from mlflow.types import ColSpec, Schema
+
+from rlhf_core.config import PipelineConfig
+
+
+def _requirements() -> list[str]:
+    """What a loaded model needs, at this environment's versions (stated, not inferred: inferring
+    loads the model in a subprocess)."""
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name)}" for name in ("torch", "transformers", "mlflow", "pandas")]
+
+
+def save_policy_model(
+    model_dir: str | os.PathLike, path: str | os.PathLike, cfg: PipelineConfig, data_dir: str | os.PathLike
+) -> None:
+    """Write the policy in ``model_dir`` (a causal LM with its tokenizer) to ``path`` as an
+    MLflow ``transformers`` model for text generation: at most PPO's response length new tokens
+    (``ppo.response_length``, else the SFT response length of the data in ``data_dir``) at
+    ``eval.temperature``, only the summary returned; the TL;DR prompt format and the EOS token
+    are in its metadata."""
+    import json
+
+    import mlflow.transformers
+    from transformers import AutoTokenizer
+
+    from rlhf_core.models import load_causal_lm
+
+    stats = json.loads((Path(data_dir) / "stats.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    mlflow.transformers.save_model(
+        {"model": load_causal_lm(model_dir), "tokenizer": tokenizer},
+        path=str(path),
+        task="text-generation",
+        model_config={
+            "max_new_tokens": cfg.ppo.response_length or stats["padded_lengths"]["sft_response"],
+            "do_sample": True,
+            "temperature": cfg.eval.temperature,
+            "return_full_text": False,
+        },
+        metadata={
+            "prompt_format": cfg.data.tldr_format.template,
+            "max_query_tokens": cfg.data.tldr_format.max_query_length,
+            "eos_token": tokenizer.eos_token,
+            "source": "rlhf-tldr PPO policy (Huang et al. 2024, arXiv:2403.17031)",
+        },
+        pip_requirements=_requirements(),
+    )
+
+
+#: The reward model's input and output columns.
+REWARD_SIGNATURE = ModelSignature(
+    inputs=Schema(
+        [
+            ColSpec("string", "post"),
+            ColSpec("string", "summary"),
+            ColSpec("string", "subreddit", required=False),
+            ColSpec("string", "title", required=False),
+        ]
+    ),
+    outputs=Schema([ColSpec("double", "score")]),
+)
+
+
+class RewardModelScorer(mlflow.pyfunc.PythonModel):
+    """The reward model as a pyfunc: (post, summary) rows in, their scores out.
+
+    ``model_config``: ``query_format`` (:class:`rlhf_core.config.QueryFormat` as a dict) and
+    ``batch_size``. Artifact ``reward_model``: a directory saved by
+    :meth:`rlhf_core.reward.ScalarModel.save_pretrained`, with its tokenizer.
+    """
+
+    def load_context(self, context) -> None:
+        from transformers import AutoTokenizer
+
+        from rlhf_core.config import QueryFormat
+        from rlhf_core.reward import ScalarModel
+
+        path = context.artifacts["reward_model"]
+        self.model = ScalarModel.from_pretrained(path).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.query_format = QueryFormat(**context.model_config["query_format"])
+        self.batch_size = int(context.model_config.get("batch_size", 8))
+
+    def predict(self, context, model_input: pd.DataFrame, params=None) -> pd.DataFrame:
+        """Scores of ``model_input``'s rows (``post``, ``summary``, optional ``subreddit``,
+        ``title``), as a DataFrame with one column ``score`` (float).
+
+        Raises:
+            ValueError: a query that does not fit in the format's ``max_query_length`` even
+                with an empty post.
+        """
+        import torch
+
+        from rlhf_core.data import BadRow, left_pad, right_pad, tokenize_response, truncate_query
+        from rlhf_core.reward import score_responses
+
+        tok, rows = self.tokenizer, model_input.to_dict("records")
+        queries, responses = [], []
+        for i, row in enumerate(rows):
+            fields = {k: ("" if v is None or v != v else str(v)) for k, v in row.items()}  # NaN: missing
+            try:
+                queries.append(truncate_query(fields, tok, self.query_format)[1])
+            except BadRow as exc:
+                raise ValueError(f"row {i}: {exc}") from None
+            responses.append(tokenize_response(fields["summary"], tok))
+        q_len, r_len = max(map(len, queries), default=0), max(map(len, responses), default=0)
+        scores = score_responses(
+            self.model,
+            torch.tensor([left_pad(q, q_len, tok.pad_token_id) for q in queries], dtype=torch.long),
+            torch.tensor([right_pad(r, r_len, tok.pad_token_id) for r in responses], dtype=torch.long),
+            tok.pad_token_id,
+            tok.eos_token_id,
+            None,
+            self.batch_size,
+        ).raw_scores
+        return pd.DataFrame({"score": scores.double().tolist()})
+
+
+def save_reward_model(
+    model_dir: str | os.PathLike, path: str | os.PathLike, cfg: PipelineConfig, data_dir: str | os.PathLike
+) -> None:
+    """Write the reward model in ``model_dir`` to ``path`` as a pyfunc (:class:`RewardModelScorer`)
+    with :data:`REWARD_SIGNATURE`; the model directory is copied in as its artifact."""
+    mlflow.pyfunc.save_model(
+        path=str(path),
+        python_model=RewardModelScorer(),
+        artifacts={"reward_model": str(Path(model_dir))},
+        model_config={"query_format": cfg.data.tldr_format.model_dump(), "batch_size": cfg.reward.micro_batch_size},
+        signature=REWARD_SIGNATURE,
+        metadata={"source": "rlhf-tldr normalised reward model (Huang et al. 2024, arXiv:2403.17031, Details 10-15)"},
+        pip_requirements=_requirements(),
+    )
+
+
+#: The stages whose ``model`` folder is registered: the registered model's name, and how its
+#: MLflow model is written.
+MLFLOW_MODELS = {
+    "ppo": ("rlhf-tldr-policy", save_policy_model),
+    "reward_norm": ("rlhf-tldr-reward-model", save_reward_model),
+}

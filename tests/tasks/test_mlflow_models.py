@@ -1,0 +1,50 @@
+"""The registered models as MLflow models, saved and loaded through MLflow's own code."""
+
+import shutil
+
+import datasets
+import mlflow
+import pandas as pd
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.data import load_data_tokenizer
+from rlhf_core.reward import ScalarModel, get_reward
+from tasks.mlflow_models import save_policy_model, save_reward_model
+
+
+@pytest.fixture(scope="module")
+def rows(smoke_stages):
+    return datasets.load_from_disk(str(smoke_stages / "data" / "sft" / "validation")).select(range(6))
+
+
+def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, rows, tmp_path):
+    cfg = load_config("smoke")
+    shutil.copytree(smoke_stages / "rm", tmp_path / "rm_dir")  # a stage's model/: weights and tokenizer
+    load_data_tokenizer(smoke_stages / "data").save_pretrained(tmp_path / "rm_dir")
+    save_reward_model(tmp_path / "rm_dir", tmp_path / "rm", cfg, smoke_stages / "data")
+    scorer = mlflow.pyfunc.load_model(str(tmp_path / "rm"))
+    frame = pd.DataFrame({k: rows[k] for k in ("post", "summary", "subreddit", "title")})
+    scores = scorer.predict(frame)
+    model = ScalarModel.from_pretrained(smoke_stages / "rm")
+    with torch.no_grad():
+        expected = get_reward(model, torch.tensor(rows["query_reference_response_token"]), model.config.pad_token_id)[1]
+    assert list(scores.columns) == ["score"] and len(scores) == len(rows)
+    assert scores["score"].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+    # subreddit and title are optional; a missing one is an empty field, as in the data stage
+    alone = scorer.predict(frame[["post", "summary"]].iloc[:2])
+    assert alone["score"].tolist() != pytest.approx(scores["score"].tolist()[:2], abs=1e-6)
+    with pytest.raises(Exception, match="summary"):
+        scorer.predict(frame[["post"]])  # the signature requires a summary
+
+
+def test_the_policy_is_a_transformers_text_generation_model(smoke_stages, rows, tmp_path):
+    cfg = load_config("smoke", ["eval.temperature=0.01"])
+    save_policy_model(smoke_stages / "base", tmp_path / "policy", cfg, smoke_stages / "data")
+    info = mlflow.models.get_model_info(str(tmp_path / "policy"))
+    assert info.flavors["transformers"]["task"] == "text-generation"
+    assert info.metadata["prompt_format"] == cfg.data.tldr_format.template
+    policy = mlflow.pyfunc.load_model(str(tmp_path / "policy"))
+    summaries = policy.predict(rows["query"][:2])
+    assert len(summaries) == 2 and all(isinstance(s, str) and not s.startswith("SUBREDDIT") for s in summaries)
