@@ -13,7 +13,8 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,28 @@ def register_model_version(
     )
     client.set_registered_model_alias(name, alias, version.version)
     return str(version.version)
+
+
+@contextmanager
+def traced_judge_calls(client: MlflowClient, run_id: str) -> Iterator[None]:
+    """Trace every Anthropic Messages API call made inside (``mlflow.anthropic.autolog``) to the
+    experiment of run ``run_id``, the run active meanwhile, so its traces show beside it in the
+    MLflow UI: each span records the model, the messages and the reply with its token counts.
+    The API key is an attribute of the SDK's client, not an argument of a call, so no span
+    records it. Autologging is turned off again on the way out.
+    """
+    import mlflow
+    import mlflow.anthropic
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(client.tracking_uri)
+    mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
+    mlflow.anthropic.autolog(log_traces=True)
+    try:
+        with mlflow.start_run(run_id=run_id):
+            yield
+    finally:
+        mlflow.anthropic.autolog(disable=True)
+        mlflow.set_tracking_uri(before)
+        if before is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = before

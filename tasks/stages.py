@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,7 @@ def _run_stage_once(
     store: ArtifactStore,
     parent_run_id: str | None,
 ) -> StageRecord:
-    from .mlflow_tracking import MLflowTracker, start_stage_run
+    from .mlflow_tracking import MLflowTracker, start_stage_run, traced_judge_calls
 
     inputs = [store.local_path(r.key, work_root() / "downloads") for r in records]
     out = work_root() / key
@@ -248,7 +249,10 @@ def _run_stage_once(
         if nproc > 1 and stage in DATA_PARALLEL:  # rank 0 writes metrics.jsonl; relayed to MLflow
             result = launch_torchrun(stage, cfg, inputs, out, nproc, mlflow_tracker)
         else:
-            result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
+            # the Anthropic judge's calls appear as MLflow traces of the evaluation's run
+            traced = stage == "evaluation" and cfg.eval.judge == "anthropic"
+            with traced_judge_calls(client, run_id) if traced else nullcontext():
+                result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
         mlflow_tracker.close()
         for name in (
             "metrics.json",

@@ -1,0 +1,35 @@
+"""Judge calls traced in MLflow (mlflow.anthropic.autolog), against a local Messages-API server,
+with the API key in no trace."""
+
+import json
+
+from mlflow.tracking import MlflowClient
+
+from rlhf_core.judging import AnthropicJudge, Comparison, judge_comparisons
+from tasks.mlflow_tracking import traced_judge_calls
+from tests.messages_api import MessagesAPI, text_reply
+
+KEY = "sk-ant-test-tracing-0123456789-secret"
+
+
+def test_judge_calls_are_traced_in_the_stage_run_without_the_key(tmp_path, sft_rows):
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = client.create_run(client.create_experiment("judge")).info.run_id
+    comparisons = [
+        Comparison(id=f"c{i}", post=r["post"], title=r["title"], response=r["summary"], reference=r["summary"])
+        for i, r in enumerate(sft_rows[:3])
+    ]
+    with MessagesAPI(api_key=KEY) as api:
+        for _ in comparisons:
+            api.push(text_reply("Comparison: equal.\nPreferred: A"))
+        judge = AnthropicJudge("claude-judge-test", api_key=KEY, base_url=api.url, max_retries=0, timeout=10)
+        with traced_judge_calls(client, run_id):
+            judged = judge_comparisons(judge, comparisons, cache=None, seed=1, progress=False)
+        assert len(api.requests) == 3 and all(j.error is None for j in judged)
+        # outside the block nothing is traced any more
+        judge_comparisons(judge, comparisons[:1], cache=None, seed=2, progress=False)
+    traces = client.search_traces(locations=[client.get_run(run_id).info.experiment_id])
+    assert len(traces) == 3
+    text = json.dumps([t.to_dict() for t in traces])
+    assert "Which of the following summaries" in text and "claude-judge-test" in text
+    assert KEY not in text and KEY[:20] not in text
