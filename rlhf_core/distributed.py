@@ -4,17 +4,19 @@ batch, and sums across ranks.
 A stage launched by ``torchrun --nproc_per_node=N`` (which sets ``RANK``, ``WORLD_SIZE`` and the
 rendezvous variables) calls :func:`init_from_env`; every rank then computes gradients on its
 own contiguous share of each global batch, normalised by quantities summed over all ranks
-(token counts, pair counts), and :func:`all_reduce_gradients` sums the gradients, so each
-optimiser step equals the single-process step on the whole global batch (up to the order of
-floating-point sums). Without ``torchrun`` everything here is the identity: one rank, no
-communication.
+(token counts, pair counts), and :class:`DataParallel` (PyTorch's ``DistributedDataParallel``,
+or FSDP2 for the sharded strategies) sums the gradients during the backward pass of each
+global batch's last micro-batch, so each optimiser step equals the single-process step on the
+whole global batch (up to the order of floating-point sums). Without ``torchrun`` everything
+here is the identity: one rank, no communication.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,25 +83,11 @@ def all_reduce_sum(values: Sequence[float]) -> list[float]:
     return t.cpu().tolist()
 
 
-def all_reduce_gradients(model: torch.nn.Module) -> None:
-    """Sum every parameter's gradient over all ranks, in place (no-op on one rank).
-
-    Each rank must have normalised its loss by the global count (e.g. the global batch's
-    token count), so the sum is the gradient of the global mean. Parameters sharded by
-    :func:`shard_model` are skipped: FSDP has already reduce-scattered their gradients.
-    """
-    if world().size == 1:
-        return
-    for p in model.parameters():
-        if p.grad is not None and not _is_dtensor(p):
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-
-
 #: Data-parallel strategies: ``ddp`` keeps a full copy of model, gradients and optimiser state
-#: on every rank and sums gradients; ``zero2`` shards gradients and optimiser state (parameters
-#: are gathered once per forward and kept until the backward, like DeepSpeed ZeRO stage 2);
-#: ``fsdp`` also shards the parameters between uses (ZeRO stage 3). Both sharded strategies
-#: are PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+#: on every rank and sums gradients (``DistributedDataParallel``); ``zero2`` shards gradients and
+#: optimiser state (parameters are gathered once per forward and kept until the backward, like
+#: DeepSpeed ZeRO stage 2); ``fsdp`` also shards the parameters between uses (ZeRO stage 3).
+#: Both sharded strategies are PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
 STRATEGIES = ("ddp", "zero2", "fsdp")
 
 
@@ -110,51 +98,123 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    """Whether :func:`shard_model` sharded ``model`` (its parameters are DTensors)."""
+    """Whether ``model`` is sharded by :class:`DataParallel` (its parameters are DTensors)."""
     return any(_is_dtensor(p) for p in model.parameters())
 
 
-def shard_model(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
-    """Prepare ``model`` for data-parallel training with ``strategy`` (one of :data:`STRATEGIES`),
-    in place, before its optimiser is created.
+class _TrainingForward(torch.nn.Module):
+    """``fn(module, *args)`` as a module's forward: the stages compute a loss from the backbone
+    and the output layer separately (logits only where the loss needs them), so the call that
+    ``DistributedDataParallel`` and FSDP2 hook into is the whole loss computation."""
 
-    ``ddp`` and a single rank leave the model as it is (:func:`all_reduce_gradients` sums the
-    gradients). ``zero2``/``fsdp`` apply ``fully_shard`` to every transformer block (the
-    classes in the Hugging Face model's ``_no_split_modules``), which hold nearly all the
-    parameters; the embeddings, final norm and heads stay replicated, because the stages call
-    the backbone and the output layer separately (logits only at the positions a loss needs)
-    and tied input and output embeddings must stay one tensor; their gradients are summed by
-    :func:`all_reduce_gradients`. The gradient divide factor is 1, because the losses are
-    already normalised by global counts.
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return fn(self.module, *args, **kwargs)
+
+
+def _allreduce_sum_hook(state, bucket):  # noqa: ANN001, ANN202  (DDP checks annotations against its own types)
+    """A DDP communication hook: the ``dist.GradBucket``'s gradients summed over the ranks, as a
+    ``torch.futures.Future`` of the flat tensor. DDP's default hook divides by the number of
+    ranks; the stages' losses are already normalised by counts summed over all ranks, so the
+    sum is the gradient of the global mean."""
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+class DataParallel:
+    """One trained model under data parallelism: its training forward passes, and the sum of
+    its gradients over the ranks.
+
+    Call ``parallel(fn, *args)`` instead of ``fn(model, *args)`` for every forward pass whose
+    loss is backpropagated, and iterate a global batch's micro-batches with
+    :meth:`accumulate`; after the backward pass of the last micro-batch every rank holds the
+    gradient summed over all ranks (each rank normalises its loss by counts summed over the
+    ranks, so the sum is the gradient of the global batch's mean). On one rank nothing is
+    wrapped and no process communicates.
+
+    Under ``torchrun``, per ``strategy`` (:data:`STRATEGIES`):
+
+    - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (bucketed all-reduce overlapping the
+      backward pass; a summing communication hook, :func:`_allreduce_sum_hook`), with ``no_sync``
+      on every micro-batch but the last.
+    - ``zero2``/``fsdp``: ``fully_shard`` on every transformer block (the classes in the Hugging
+      Face model's ``_no_split_modules``), which hold nearly all the parameters, and on the
+      whole model for the rest (embeddings, final norm, heads; tied input and output embeddings
+      stay one parameter). Gradients are reduce-scattered after every micro-batch; the divide
+      factor is 1, as above. ``zero2`` keeps each block's gathered weights from its forward to
+      its backward; ``fsdp`` frees them in between.
+
+    Build it before the optimiser: FSDP2 replaces the parameters by their shards, in place.
+    ``model`` keeps its parameters (sharded or not), so its state is read and written with
+    :func:`model_state` and :func:`load_model_state`.
 
     Raises:
-        ValueError: an unknown strategy, or a model with no block classes to shard.
+        ValueError: an unknown strategy, or a sharded strategy on a model with no block classes.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-    if strategy == "ddp" or world().size == 1:
-        return model
+
+    def __init__(self, model: torch.nn.Module, strategy: str = "ddp"):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        self.model, self.strategy = model, strategy
+        self._forward: torch.nn.Module | None = None
+        if world().size == 1:
+            return
+        if strategy == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            # buffers (rotary frequencies) are constants: no broadcast before each forward
+            ddp = DistributedDataParallel(_TrainingForward(model), broadcast_buffers=False)
+            ddp.register_comm_hook(None, _allreduce_sum_hook)
+            self._forward = ddp
+        else:
+            self._forward = _fully_shard(model, strategy)
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(model, *args, **kwargs)``, run as the wrapped model's forward pass."""
+        if self._forward is None:
+            return fn(self.model, *args, **kwargs)
+        return self._forward(fn, *args, **kwargs)
+
+    def accumulate(self, micro_batches: Iterator[Any] | Sequence[Any]) -> Iterator[Any]:
+        """Yield each of a global batch's ``micro_batches``; the forward and backward passes run
+        in the loop body. Under ``ddp`` every micro-batch but the last runs inside ``no_sync``
+        (gradients accumulate locally), and the last one's backward sums the accumulated
+        gradients over the ranks. Every rank must run the same number of micro-batches and
+        backpropagate each."""
+        items = list(micro_batches)
+        for i, item in enumerate(items):
+            local = self.strategy == "ddp" and self._forward is not None and i < len(items) - 1
+            with self._forward.no_sync() if local else nullcontext():  # type: ignore[union-attr]
+                yield item
+
+
+def _fully_shard(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
+    """FSDP2 on ``model``'s transformer blocks and on a :class:`_TrainingForward` around it."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
     targets = [m for m in model.modules() if type(m).__name__ in blocks]
     if not targets:
         raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules) to shard")
-    for module in targets:
+    root = _TrainingForward(model)
+    for module in [*targets, root]:
         fully_shard(module, reshard_after_forward=strategy == "fsdp")
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
-    sharded = sum(p.numel() for m in targets for p in m.parameters())
     if world().is_main:
+        in_blocks = sum(p.numel() for m in targets for p in m.parameters())
+        total = sum(p.numel() for p in model.parameters())
         log.info(
-            "%s: %d blocks sharded over %d ranks (%.1f%% of %d parameters)",
+            "%s: %d blocks sharded over %d ranks (%.1f%% of %d parameters; the rest sharded as one group)",
             strategy,
             len(targets),
             world().size,
-            100 * sharded / sum(p.numel() for p in model.parameters()),
-            sum(p.numel() for p in model.parameters()),
+            100 * in_blocks / total,
+            total,
         )
-    return model
+    return root
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -49,9 +49,9 @@ from transformers import PreTrainedModel, get_scheduler
 from .config import PPOConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import (
+    DataParallel,
     all_gather_cat,
     all_gather_object,
-    all_reduce_gradients,
     all_reduce_sum,
     shard,
     split_range,
@@ -387,6 +387,8 @@ class PPOTrainer:
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
         enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
+        # DDP per model: the policy's and the value model's losses are backpropagated one after the other
+        self.policy_parallel, self.value_parallel = DataParallel(self.policy), DataParallel(self.value_model)
         self.optimizer = torch.optim.AdamW(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
         self.scheduler = get_scheduler(
@@ -513,21 +515,17 @@ class PPOTrainer:
                 minibatch = perm[start : start + minibatch_size].tolist()
                 self.optimizer.zero_grad(set_to_none=True)
                 mb_sums: dict[str, float] = defaultdict(float)
-                failure = ""
-                try:
-                    for micro in micro_batches(minibatch, cfg.micro_batch_size):
-                        idx = torch.tensor(micro, device=self.device)
-                        stats, ratio = self._ppo_step(
-                            traj, value_mask, advantages, returns, idx, scale=len(micro) / len(minibatch) / ranks
-                        )
-                        for key, value in stats.items():
-                            mb_sums[key] += value * len(micro) / len(minibatch)
-                        ratios.append(ratio)
-                except _NonFinite as exc:
-                    failure = str(exc)
-                if all_reduce_sum([1.0 if failure else 0.0])[0]:  # every rank stops together
-                    raise _NonFinite(failure or "non-finite loss on another rank")
-                all_reduce_gradients(self.models)  # the global minibatch's mean gradient
+                micros = list(micro_batches(minibatch, cfg.micro_batch_size))
+                # the last micro-batch's backward passes sum each model's gradients over the ranks:
+                # with the scale below, the global minibatch's mean gradient
+                for micro, _ in zip(self.policy_parallel.accumulate(micros), self.value_parallel.accumulate(micros)):
+                    idx = torch.tensor(micro, device=self.device)
+                    stats, ratio = self._ppo_step(
+                        traj, value_mask, advantages, returns, idx, scale=len(micro) / len(minibatch) / ranks
+                    )
+                    for key, value in stats.items():
+                        mb_sums[key] += value * len(micro) / len(minibatch)
+                    ratios.append(ratio)
                 self.optimizer.step()
                 for key, value in mb_sums.items():
                     sums[key] += value
@@ -545,7 +543,12 @@ class PPOTrainer:
     ) -> tuple[dict[str, float], torch.Tensor]:
         """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
         surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus ``vf_coef`` times the
-        clipped value loss. Returns its statistics and the ratios on its response tokens."""
+        clipped value loss. Returns its statistics and the ratios on its response tokens.
+
+        Raises:
+            _NonFinite: a loss is not finite on some rank; every rank raises before the
+                backward pass, so none waits in a gradient all-reduce the others never join.
+        """
         cfg, pad, context = self.cfg, self.pad_id, traj.context_length
         qr, resp, token_mask, vmask = (
             traj.query_responses[idx],
@@ -556,22 +559,20 @@ class PPOTrainer:
         # The two models share no parameters, so each part of the loss is backpropagated on its
         # own: the policy's activations are freed before the value model's forward pass.
         with autocast(self.device, cfg.bf16):
-            logits = response_logits(self.policy, qr, pad, context)
+            logits = self.policy_parallel(response_logits, qr, pad, context)
         new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
         new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
         pl = policy_loss(new_logprobs, traj.logprobs[idx], advantages[idx], token_mask, cfg.cliprange)
-        if not torch.isfinite(pl["loss"]):
-            raise _NonFinite(f"non-finite loss (policy {pl['loss'].item()})")
+        _raise_if_non_finite(**{"loss (policy)": pl["loss"]})
         (pl["loss"] * scale).backward()
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
         del logits, new_logprobs
         with autocast(self.device, cfg.bf16):
-            vpred = response_values(self.value_model, qr, pad, context)
+            vpred = self.value_parallel(response_values, qr, pad, context)
         vpred = vpred.float() * vmask
         vl = value_loss(vpred, traj.values[idx], returns[idx], vmask, cfg.cliprange_value)
-        if not torch.isfinite(vl["loss"]):
-            raise _NonFinite(f"non-finite loss (value {vl['loss'].item()})")
+        _raise_if_non_finite(**{"loss (value)": vl["loss"]})
         (cfg.vf_coef * vl["loss"] * scale).backward()
         stats = {
             "policy_loss": pl["loss"],
@@ -703,7 +704,7 @@ def _raise_if_non_finite(**tensors: torch.Tensor) -> None:
     """Raise :class:`_NonFinite` on every rank when any rank has a non-finite value in ``tensors``."""
     bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
     if all_reduce_sum([len(bad)])[0]:
-        raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite rollout on another rank")
+        raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite value on another rank")
 
 
 def _throughput(traj: Trajectory, t_train: float, ppo_epochs: int, device: torch.device) -> dict[str, float]:

@@ -47,7 +47,7 @@ from transformers import (
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
-from .distributed import all_reduce_sum, is_sharded, world
+from .distributed import DataParallel, all_reduce_sum, is_sharded, world
 from .generation import ends_with_eos, first_true_indices, last_token_indices, trim_left_padding
 from .io import write_json_atomic
 from .models import DTYPES, causal_forward, disable_dropout, save_pretrained_atomic
@@ -251,7 +251,7 @@ def pair_scores(
     next to their queries, as in TL;DR. Rows that are not right-padded, pairs that share
     nothing, and models with gradient checkpointing (which cannot build a cache in training)
     take :func:`get_reward` instead, and so do models sharded by ZeRO-2/FSDP
-    (:func:`rlhf_core.distributed.shard_model`), whose blocks free their gathered weights
+    (:class:`rlhf_core.distributed.DataParallel`), whose blocks free their gathered weights
     between the two passes.
 
     Args:
@@ -330,14 +330,14 @@ def run_reward_training(
     enable_activation_checkpointing(model, cfg.gradient_checkpointing)
     train = pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
 
-    def step_fn(indices: list[int]) -> dict[str, float]:
+    def step_fn(indices: list[int], parallel: DataParallel) -> dict[str, float]:
         rows = train[indices]
         chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
         n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
         sums = defaultdict(float)
-        for mb in micro_batches(list(range(len(indices))), cfg.micro_batch_size):
+        for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
             with autocast(device, cfg.bf16):
-                chosen, rejected = pair_scores(model, chosen_all[mb].to(device), rejected_all[mb].to(device), pad_id)
+                chosen, rejected = parallel(pair_scores, chosen_all[mb].to(device), rejected_all[mb].to(device), pad_id)
             loss = preference_loss(chosen, rejected).sum()
             (loss / n).backward()
             sums["loss"] += loss.item()

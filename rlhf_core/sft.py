@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import rouge_l
-from .distributed import all_reduce_sum, world
+from .distributed import DataParallel, all_reduce_sum, world
 from .generation import summarize
 from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
@@ -237,7 +237,7 @@ def run_sft(
 
     train = sft_data["train"].with_format("torch", columns=["query_reference_response_token", "query_token_len"])
 
-    def step_fn(indices: list[int]) -> dict[str, float]:
+    def step_fn(indices: list[int], parallel: DataParallel) -> dict[str, float]:
         rows = train[indices]
         input_ids = rows["query_reference_response_token"]
         query_lengths = rows["query_token_len"] if cfg.loss_on == "response" else None
@@ -245,10 +245,10 @@ def run_sft(
         # normalised by the target tokens of the whole global batch, over every rank
         n_targets = int(all_reduce_sum([loss_mask[:, 1:].sum().item()])[0])
         total = 0.0
-        for mb in micro_batches(list(range(len(indices))), cfg.micro_batch_size):
+        for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
             ids, mask = input_ids[mb].to(device), loss_mask[mb].to(device)
             with autocast(device, cfg.bf16):
-                loss_sum, _ = sft_loss_sum(model, ids, mask, pad_id)
+                loss_sum, _ = parallel(sft_loss_sum, ids, mask, pad_id)
             (loss_sum / n_targets).backward()
             total += loss_sum.item()
         total, tokens = all_reduce_sum([total, (input_ids != pad_id).sum().item()])

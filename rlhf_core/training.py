@@ -1,9 +1,10 @@
 """The training loop shared by the SFT and reward-model stages: batching, optimiser,
 schedule, progress, and resumable mid-stage checkpoints.
 
-A stage supplies ``step_fn(indices) -> metrics`` that runs forward and backward passes over
-one global batch (in micro-batches, gradients accumulated and normalised over the whole
-global batch); :func:`train_loop` does the rest. Data order is a pure function of the
+A stage supplies ``step_fn(indices, parallel) -> metrics`` that runs forward and backward
+passes over one global batch (in micro-batches through ``parallel``, a
+:class:`rlhf_core.distributed.DataParallel`, gradients accumulated and normalised over the
+whole global batch); :func:`train_loop` does the rest. Data order is a pure function of the
 seed and the epoch, so a checkpoint needs only the step number to resume mid-epoch.
 """
 
@@ -28,14 +29,13 @@ from transformers import get_scheduler
 
 from .config import EpochTrainerConfig, TrainerConfig
 from .distributed import (
-    all_reduce_gradients,
+    DataParallel,
     gather_to_main,
     load_model_state,
     load_optimizer_state,
     model_state,
     optimizer_state,
     shard,
-    shard_model,
     world,
 )
 from .errors import TrainingError  # noqa: F401  (re-exported: TrainingError of this module)
@@ -397,7 +397,7 @@ def train_loop(
     model: torch.nn.Module,
     n_rows: int,
     optim: EpochTrainerConfig,
-    step_fn: Callable[[list[int]], dict[str, float]],
+    step_fn: Callable[[list[int], DataParallel], dict[str, float]],
     device: torch.device,
     out_dir: str | os.PathLike,
     inputs: list,
@@ -407,12 +407,15 @@ def train_loop(
 ) -> tuple[torch.nn.Module | None, dict[str, float]]:
     """Run (or resume) the optimiser steps of the stage ``desc`` (``"sft"``, ``"reward"``).
 
-    ``step_fn(indices)`` must run forward and backward over the rows ``indices`` of one
-    global batch and return scalar metrics, including ``loss`` and ``tokens`` (non-pad
-    tokens processed). Under ``torchrun`` each rank gets its share of the global batch
+    ``step_fn(indices, parallel)`` must run forward and backward over the rows ``indices`` of
+    one global batch, each forward pass as ``parallel(fn, *args)`` and the micro-batches
+    through ``parallel.accumulate`` (:class:`rlhf_core.distributed.DataParallel`), and return
+    scalar metrics, including ``loss`` and ``tokens`` (non-pad tokens processed). Under
+    ``torchrun`` each rank gets its share of the global batch
     (:func:`rlhf_core.distributed.shard`), ``step_fn`` normalises by counts summed over the
-    ranks and returns global metrics, and the gradients are summed over the ranks before the
-    optimiser step; rank 0 alone reports and checkpoints. This loop zeroes gradients, steps AdamW (``eps`` from the config)
+    ranks and returns global metrics, and ``parallel`` sums the gradients over the ranks in the
+    last micro-batch's backward pass (strategy ``optim.strategy``); rank 0 alone reports and
+    checkpoints. This loop zeroes gradients, steps AdamW (``eps`` from the config)
     and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens_per_s`` and
     ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
     checkpoints every ``optim.checkpoint_every`` steps.
@@ -434,7 +437,7 @@ def train_loop(
     tracker = tracker or NullTracker()
     checkpoints = trainer_checkpoints(desc, optim, device, out_dir, inputs, tracker)
     order = batch_order(n_rows, optim.batch_size, optim.num_epochs, optim.seed)
-    shard_model(model, optim.strategy)  # in place, before the optimiser sees the parameters
+    parallel = DataParallel(model, optim.strategy)  # before the optimiser: FSDP2 shards the parameters in place
     total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.learning_rate, eps=optim.adam_eps)
@@ -456,11 +459,10 @@ def train_loop(
     for step in range(start, total):
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        metrics = step_fn(shard(order[step], w))
+        metrics = step_fn(shard(order[step], w), parallel)  # gradients summed over the ranks
         if not math.isfinite(metrics["loss"]):
             # every rank has the same global loss, so all save together; parameters are the last good ones
             raise progress.stop(f"non-finite loss {metrics['loss']}", step)
-        all_reduce_gradients(model)
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()

@@ -11,11 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlhf_core.distributed import World, all_gather_cat, all_reduce_sum, shard, split_range
+from rlhf_core.distributed import DataParallel, World, all_gather_cat, all_reduce_sum, shard, split_range
 from rlhf_core.models import save_pretrained_atomic
 from rlhf_core.ppo import masked_mean, masked_var, masked_whiten, whiten
 from rlhf_core.ppo_trainer import masked_mean_var
 from rlhf_core.reward import reward_model_from_causal_lm
+from rlhf_core.sft import sft_loss_sum
 from rlhf_core.tracking import read_metrics
 from rlhf_core.training import accumulation_steps
 from tests.stages import link_stages
@@ -77,6 +78,85 @@ def test_advantage_whitening_uses_the_global_batch_over_two_ranks(tmp_path):
     torch.testing.assert_close(whitened, masked_whiten(values, mask) * mask, rtol=1e-5, atol=1e-5)
     per_rank = torch.cat([got[0]["local"], got[1]["local"]])
     assert not torch.allclose(per_rank, whitened, atol=1e-2)  # the test can tell the two apart
+
+
+def _tiny_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's full gradient (a sharded one gathered from every rank)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        out[name] = (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+    return out
+
+
+def _data_parallel_on_rank(rank: int, world_size: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        ids = torch.randint(1, 32, (8, 7), generator=torch.Generator().manual_seed(1))  # the global batch
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        n_targets = int(mask[:, 1:].sum())
+        reference = _tiny_llama()  # one process, the whole global batch
+        sft_loss_sum(reference, ids, mask, 0)[0].div(n_targets).backward()
+        results = {"reference": _grads(reference)}
+        mine = shard(list(range(8)), World(rank, world_size))
+        for strategy in ("ddp", "zero2", "fsdp"):
+            model = _tiny_llama()
+            parallel = DataParallel(model, strategy)
+            after_first = None
+            for mb in parallel.accumulate([mine[:2], mine[2:]]):  # 2 micro-batches of 2 rows per rank
+                loss_sum, _ = parallel(sft_loss_sum, ids[mb], mask[mb], 0)
+                (loss_sum / n_targets).backward()
+                if after_first is None and strategy == "ddp":
+                    after_first = _grads(model)
+            results[strategy] = _grads(model)
+            results[f"{strategy}/wrapper"] = type(parallel._forward).__name__
+            if after_first is not None:
+                results["ddp/after_first"] = after_first
+        local = _tiny_llama()  # this rank's first micro-batch alone
+        sft_loss_sum(local, ids[mine[:2]], mask[mine[:2]], 0)[0].div(n_targets).backward()
+        results["local_first"] = _grads(local)
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_sums_gradients_over_ranks_once_per_global_batch(tmp_path):
+    """``DataParallel`` on 2 gloo ranks, each with half the global batch in 2 micro-batches:
+    after the last micro-batch every parameter's gradient equals one process's gradient of the
+    global batch's mean (the sum over ranks, not DDP's default average), for DDP, ZeRO-2 and
+    FSDP (FSDP2). DDP communicates only in the last micro-batch's backward pass (``no_sync``
+    before it): after the first, each rank holds its own gradient."""
+    mp.spawn(_data_parallel_on_rank, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert got[0]["ddp/wrapper"] == "DistributedDataParallel"
+    assert got[0]["fsdp/wrapper"] == got[0]["zero2/wrapper"] == "FSDP_TrainingForward"
+    reference = got[0]["reference"]
+    for strategy in ("ddp", "zero2", "fsdp"):
+        for r in range(2):
+            assert got[r][strategy].keys() == reference.keys()
+            for name, grad in reference.items():
+                torch.testing.assert_close(got[r][strategy][name], grad, rtol=1e-5, atol=1e-7, msg=f"{strategy} {name}")
+    for r in range(2):
+        for name, grad in got[r]["local_first"].items():
+            torch.testing.assert_close(got[r]["ddp/after_first"][name], grad, rtol=1e-5, atol=1e-7)
+    emb = "model.embed_tokens.weight"
+    assert not torch.allclose(got[0]["local_first"][emb], got[1]["local_first"][emb])  # the ranks' parts differ
 
 
 @pytest.fixture(scope="module")
