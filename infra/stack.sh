@@ -2,9 +2,12 @@
 # Start or stop the local server stack on 127.0.0.1: a Prefect server, an MLflow server,
 # a process work pool with one worker, and the rlhf/full-pipeline deployment.
 #   infra/stack.sh up | down | status
+#   infra/stack.sh worker NAME       another process worker in the pool, with its own PREFECT_HOME
+#   infra/stack.sh stop NAME         stop one worker (`worker` is the one `up` starts)
 # Settings (environment): STACK_DIR (.stack), PREFECT_PORT (4200), MLFLOW_PORT (5000),
-# RLHF_ARTIFACT_ROOT (STACK_DIR/artifacts), RLHF_WORK_DIR (STACK_DIR/work), VENV (.venv).
-# Logs and PIDs live in STACK_DIR; `down` stops only the processes `up` started.
+# RLHF_ARTIFACT_ROOT (STACK_DIR/artifacts), RLHF_WORK_DIR (STACK_DIR/work), VENV (.venv),
+# WORKER_HOME (the PREFECT_HOME of a worker started by `worker`; STACK_DIR/NAME-home).
+# Logs and PIDs live in STACK_DIR; `down` stops only the processes this script started.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RLHF_REPO_DIR="$PWD"
@@ -22,7 +25,7 @@ export RLHF_WORK_DIR="${RLHF_WORK_DIR:-$STACK_DIR/work}"
 
 start() {  # name, command...: run in its own session, remember its PID
   local name=$1; shift
-  setsid "$@" > "$STACK_DIR/$name.log" 2>&1 < /dev/null &
+  setsid "$@" >> "$STACK_DIR/$name.log" 2>&1 < /dev/null &  # appended: a restart keeps the old log
   echo $! > "$STACK_DIR/$name.pid"
 }
 
@@ -35,6 +38,12 @@ wait_http() {  # name, url, seconds
     sleep 1
   done
   echo "$1 did not answer on $2" >&2; tail -30 "$STACK_DIR/$1.log" >&2; return 1
+}
+
+start_worker() {  # name, PREFECT_HOME: a process worker polling the pool
+  local home=$2
+  mkdir -p "$home"
+  PREFECT_HOME="$home" start "$1" "$BIN/prefect" worker start --pool rlhf-process --type process --name "$1"
 }
 
 descendants() {  # pid: every process below it (a worker's flow runs have their own sessions)
@@ -68,7 +77,7 @@ case "${1:-}" in
     wait_http mlflow-server "http://127.0.0.1:$MLFLOW_PORT/health" 180
     "$BIN/prefect" work-pool inspect rlhf-process > /dev/null 2>&1 \
       || "$BIN/prefect" work-pool create rlhf-process --type process > /dev/null
-    start worker "$BIN/prefect" worker start --pool rlhf-process --type process
+    start_worker worker "$PREFECT_HOME"
     "$BIN/prefect" --no-prompt deploy --prefect-file infra/prefect.yaml --all > "$STACK_DIR/deploy.log" 2>&1 \
       || { tail -30 "$STACK_DIR/deploy.log" >&2; exit 1; }
     cat <<MSG
@@ -80,12 +89,27 @@ run the pipeline:
   PREFECT_API_URL=$PREFECT_API_URL $BIN/prefect deployment run rlhf/full-pipeline --param preset=cpu-demo --watch
 MSG
     ;;
+  worker)
+    name="${2:?usage: $0 worker NAME}"
+    [ ! -f "$STACK_DIR/$name.pid" ] || { echo "$name is running (pid $(cat "$STACK_DIR/$name.pid"))" >&2; exit 1; }
+    start_worker "$name" "${WORKER_HOME:-$STACK_DIR/$name-home}"
+    echo "worker $name started (pid $(cat "$STACK_DIR/$name.pid"), log $STACK_DIR/$name.log)"
+    ;;
+  stop)
+    stop_one "${2:?usage: $0 stop NAME}"
+    echo "${2} stopped"
+    ;;
   down)
-    for name in worker mlflow-server prefect-server; do stop_one "$name"; done
+    for pidfile in "$STACK_DIR"/*.pid; do  # every worker, then the servers
+      name=$(basename "$pidfile" .pid)
+      case "$name" in mlflow-server | prefect-server | '*') ;; *) stop_one "$name" ;; esac
+    done
+    for name in mlflow-server prefect-server; do stop_one "$name"; done
     echo "stack down"
     ;;
   status)
-    for name in prefect-server mlflow-server worker; do
+    workers=$(for f in "$STACK_DIR"/*.pid; do [ -f "$f" ] && basename "$f" .pid; done | grep -vx 'prefect-server\|mlflow-server\|worker' || true)
+    for name in prefect-server mlflow-server worker $workers; do
       if [ -f "$STACK_DIR/$name.pid" ] && kill -0 "$(cat "$STACK_DIR/$name.pid")" 2> /dev/null; then
         echo "$name: running (pid $(cat "$STACK_DIR/$name.pid"))"
       else
@@ -94,5 +118,5 @@ MSG
     done
     ;;
   *)
-    echo "usage: $0 up|down|status" >&2; exit 2 ;;
+    echo "usage: $0 up|down|status|worker NAME|stop NAME" >&2; exit 2 ;;
 esac

@@ -1,6 +1,7 @@
 """End to end on loopback: `make stack-up`'s script starts a real Prefect server, MLflow server
 and process worker and deploys `rlhf/full-pipeline`; the smoke preset then runs through
-`prefect deployment run`, is killed during PPO, and resumes with finished stages cached.
+`prefect deployment run`, is killed during PPO, and resumes on a second process worker with
+another PREFECT_HOME, with finished stages cached.
 The artifact root is a local directory, then an S3 bucket on a real S3 API server (moto), on
 one stack: each run passes its artifact root and work directory as job variables."""
 
@@ -92,9 +93,7 @@ def stack(request, server_stack, tmp_path):
     }
 
 
-def deployment_run(
-    env: dict, *extra: str, watch: bool = True, job_env: dict | None = None
-) -> subprocess.CompletedProcess | subprocess.Popen:
+def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.CompletedProcess:
     overrides = OVERRIDES + [f"tracking.experiment_name={env['EXPERIMENT']}"] + list(extra)
     cmd = [
         str(BIN / "prefect"),
@@ -106,7 +105,7 @@ def deployment_run(
         "--params",
         json.dumps({"overrides": overrides}),
         "--job-variable",
-        "env=" + json.dumps({**json.loads(env["JOB_ENV"]), **(job_env or {})}),
+        "env=" + env["JOB_ENV"],
     ]
     if not watch:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -134,6 +133,17 @@ def manifests(env: dict) -> dict[str, str]:
     return found
 
 
+def stack_sh(env: dict, *args: str, **extra_env: str) -> None:
+    done = subprocess.run(
+        [str(REPO / "infra" / "stack.sh"), *args], env={**env, **extra_env}, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def flow_run_id(output: str) -> str:
+    return re.search(r"UUID: ([0-9a-f-]{36})", output).group(1)
+
+
 def kill_flow_run(env: dict) -> None:
     worker = psutil.Process(int((Path(env["STACK_DIR"]) / "worker.pid").read_text()))
     victims = worker.children(recursive=True)
@@ -157,17 +167,28 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     before = manifests(env)
     assert set(before) == set(STAGES) - {"ppo", "evaluation"}
 
-    # The resumed flow run gets an empty PREFECT_HOME, as a fresh container would: the finished
-    # stages' cache entries are in the artifact store (local or S3), not in the first run's home.
-    resumed = deployment_run(env, job_env={"PREFECT_HOME": str(work.parent / "fresh-prefect-home")})
+    # The resumed flow run goes to a second worker with an empty PREFECT_HOME, as a fresh
+    # container or another machine would have: the finished stages' cache entries are in the
+    # artifact store (local or S3), not in the first worker's home.
+    stack_dir = Path(env["STACK_DIR"])
+    stack_sh(env, "stop", "worker")
+    second_home = work.parent / "worker-2-home"
+    stack_sh(env, "worker", "worker-2", WORKER_HOME=str(second_home))
+    try:
+        resumed = deployment_run(env)
+    finally:
+        stack_sh(env, "stop", "worker-2")
+        stack_sh(env, "worker", "worker", WORKER_HOME=str(stack_dir / "prefect"))  # as `up` left it
     assert resumed.returncode == 0 and "Completed" in resumed.stdout, resumed.stdout[-3000:] + resumed.stderr[-2000:]
+    first_log, second_log = (stack_dir / "worker.log").read_text(), (stack_dir / "worker-2.log").read_text()
+    assert flow_run_id(started.stdout) in first_log and flow_run_id(resumed.stdout) in second_log
+    assert flow_run_id(resumed.stdout) not in first_log
     states = task_states(resumed.stdout)
     assert states == {**{s: "Cached" for s in STAGES[:-2]}, "ppo": "Completed", "evaluation": "Completed"}
     after = manifests(env)
     for stage, text in before.items():
         assert after[stage] == text, f"{stage} artifact changed"  # byte-identical (same SHA-256s)
-    worker_log = (Path(env["STACK_DIR"]) / "worker.log").read_text()
-    assert re.search(re.escape(env["RLHF_WORK_DIR"]) + r"/ppo/\w+/checkpoints/step-00000[2-6]", worker_log)
+    assert re.search(re.escape(env["RLHF_WORK_DIR"]) + r"/ppo/\w+/checkpoints/step-00000[2-6]", second_log)
 
     client = MlflowClient(tracking_uri=env["MLFLOW_TRACKING_URI"])
     experiment = client.get_experiment_by_name(env["EXPERIMENT"])
