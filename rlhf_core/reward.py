@@ -26,6 +26,7 @@ PAD, the EOS of a finished summary; Detail 12).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -277,7 +278,9 @@ def pair_scores(
         _, scores, _ = get_reward(model, torch.cat([chosen, rejected]), pad_token_id)
         return scores[:batch], scores[batch:]
     prefix_out = model.backbone(input_ids=chosen[:, :width], use_cache=True)  # plain causal attention
-    cache = prefix_out.past_key_values
+    # transformers >= 5.2x names the key/value cache `cache`; `past_key_values` before (removed in 5.40)
+    new_name = "cache" in inspect.signature(model.backbone.forward).parameters
+    cache = prefix_out.cache if new_name else prefix_out.past_key_values
     cache.batch_repeat_interleave(2)  # rows (chosen_0, rejected_0, chosen_1, ...)
     rows = torch.stack([chosen, rejected], 1).reshape(2 * batch, length)
     start = prefix.repeat_interleave(2)  # (2 * batch,)
@@ -289,7 +292,11 @@ def pair_scores(
     input_ids = torch.gather(rows, 1, index).masked_fill(~valid, 0)
     attention_mask = torch.cat([torch.arange(width, device=chosen.device) < start[:, None], valid], 1).long()
     hidden = model.backbone(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=index, past_key_values=cache, use_cache=True
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=index,
+        use_cache=True,
+        **{"cache" if new_name else "past_key_values": cache},
     ).last_hidden_state
     last = hidden[torch.arange(2 * batch, device=chosen.device), n_suffix - 1]  # (2 * batch, hidden): each EOS
     scores = model.head(last).squeeze(-1).float().view(batch, 2)

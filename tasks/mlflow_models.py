@@ -14,7 +14,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import mlflow
@@ -23,6 +27,41 @@ from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
 from rlhf_core.config import PipelineConfig
+
+#: What MLflow says on every save of these models that asks nothing of the user: the policy
+#: comes from a local folder (no hub model card or licence to read), its generation settings
+#: are integers, and the reward model is a Python object with a fixed signature.
+_EXPECTED_MESSAGES = (
+    "model card could not be retrieved",
+    "Unable to find license information",
+    "Inferred schema contains integer column",
+    "An input example was not provided",
+    "Passing a Python object as `python_model`",
+)
+
+
+class _DropExpected(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(m in record.getMessage() for m in _EXPECTED_MESSAGES)
+
+
+@contextmanager
+def _without_expected_messages() -> Iterator[None]:
+    """Silence :data:`_EXPECTED_MESSAGES` (warnings and MLflow's log records) and nothing else."""
+    # a logger's filters see only its own records: every MLflow module's logger gets one
+    names = {n for n in list(logging.Logger.manager.loggerDict) if n.split(".")[0] == "mlflow"}
+    loggers = [logging.getLogger(n) for n in names | {"mlflow.transformers", "mlflow.pyfunc", "mlflow.models"}]
+    dropper = _DropExpected()
+    with warnings.catch_warnings():
+        for message in _EXPECTED_MESSAGES:
+            warnings.filterwarnings("ignore", message=f".*{message}")
+        for logger in loggers:
+            logger.addFilter(dropper)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(dropper)
 
 
 def _requirements() -> list[str]:
@@ -50,24 +89,25 @@ def save_policy_model(
 
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    mlflow.transformers.save_model(
-        {"model": load_causal_lm(model_dir), "tokenizer": tokenizer},
-        path=str(path),
-        task="text-generation",
-        model_config={
-            "max_new_tokens": cfg.ppo.response_length or stats["padded_lengths"]["sft_response"],
-            "do_sample": True,
-            "temperature": cfg.eval.temperature,
-            "return_full_text": False,
-        },
-        metadata={
-            "prompt_format": cfg.data.tldr_format.template,
-            "max_query_tokens": cfg.data.tldr_format.max_query_length,
-            "eos_token": tokenizer.eos_token,
-            "source": "rlhf-tldr PPO policy (Huang et al. 2024, arXiv:2403.17031)",
-        },
-        pip_requirements=_requirements(),
-    )
+    with _without_expected_messages():
+        mlflow.transformers.save_model(
+            {"model": load_causal_lm(model_dir), "tokenizer": tokenizer},
+            path=str(path),
+            task="text-generation",
+            model_config={
+                "max_new_tokens": cfg.ppo.response_length or stats["padded_lengths"]["sft_response"],
+                "do_sample": True,
+                "temperature": cfg.eval.temperature,
+                "return_full_text": False,
+            },
+            metadata={
+                "prompt_format": cfg.data.tldr_format.template,
+                "max_query_tokens": cfg.data.tldr_format.max_query_length,
+                "eos_token": tokenizer.eos_token,
+                "source": "rlhf-tldr PPO policy (Huang et al. 2024, arXiv:2403.17031)",
+            },
+            pip_requirements=_requirements(),
+        )
 
 
 #: The reward model's input and output columns.
@@ -144,15 +184,18 @@ def save_reward_model(
 ) -> None:
     """Write the reward model in ``model_dir`` to ``path`` as a pyfunc (:class:`RewardModelScorer`)
     with :data:`REWARD_SIGNATURE`; the model directory is copied in as its artifact."""
-    mlflow.pyfunc.save_model(
-        path=str(path),
-        python_model=RewardModelScorer(),
-        artifacts={"reward_model": str(Path(model_dir))},
-        model_config={"query_format": cfg.data.tldr_format.model_dump(), "batch_size": cfg.reward.micro_batch_size},
-        signature=REWARD_SIGNATURE,
-        metadata={"source": "rlhf-tldr normalised reward model (Huang et al. 2024, arXiv:2403.17031, Details 10-15)"},
-        pip_requirements=_requirements(),
-    )
+    with _without_expected_messages():
+        mlflow.pyfunc.save_model(
+            path=str(path),
+            python_model=RewardModelScorer(),
+            artifacts={"reward_model": str(Path(model_dir))},
+            model_config={"query_format": cfg.data.tldr_format.model_dump(), "batch_size": cfg.reward.micro_batch_size},
+            signature=REWARD_SIGNATURE,
+            metadata={
+                "source": "rlhf-tldr normalised reward model (Huang et al. 2024, arXiv:2403.17031, Details 10-15)"
+            },
+            pip_requirements=_requirements(),
+        )
 
 
 #: The stages whose ``model`` folder is registered: the registered model's name, and how its

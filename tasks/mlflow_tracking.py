@@ -203,7 +203,9 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
             ds = datasets.load_from_disk(str(root / kind / split))
             digest = json.loads((root / kind / split / "state.json").read_text())["_fingerprint"][:16]
             name = f"tldr/{kind}/{split}"
-            with warnings.catch_warnings():  # "source could not be resolved": it is named as given
+            # "source could not be resolved" (it is named as given), "integer columns cannot
+            # represent missing values" (token ids and lengths have none)
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if d.resolved_source() == "hub":
                     hub = d.sft_dataset if kind == "sft" else d.preference_dataset
@@ -211,8 +213,9 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
                 else:
                     source = str(Path(d.resolved_local_dir() or ".") / f"{kind}_{spec.source}.jsonl")
                     dataset = mlflow.data.from_huggingface(ds, source=source, name=name, digest=digest)
+                entity = dataset._to_mlflow_entity()  # infers the schema
             context = "training" if split == "train" else "evaluation"
-            inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=[InputTag("mlflow.data.context", context)]))
+            inputs.append(DatasetInput(entity, tags=[InputTag("mlflow.data.context", context)]))
     return inputs
 
 

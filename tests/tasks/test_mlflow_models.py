@@ -1,6 +1,8 @@
 """The registered models as MLflow models, saved and loaded through MLflow's own code."""
 
+import logging
 import shutil
+import warnings
 
 import datasets
 import mlflow
@@ -11,7 +13,40 @@ import torch
 from rlhf_core.config import load_config
 from rlhf_core.data import load_data_tokenizer
 from rlhf_core.reward import ScalarModel, get_reward
-from tasks.mlflow_models import save_policy_model, save_reward_model
+from tasks.mlflow_models import _EXPECTED_MESSAGES, _without_expected_messages, save_policy_model, save_reward_model
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def mlflow_messages():
+    """Every warning and every record of MLflow's loggers while a test runs."""
+    handler = _Records()
+    logging.getLogger("mlflow").addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield lambda: handler.messages + [str(w.message) for w in caught]
+    logging.getLogger("mlflow").removeHandler(handler)
+
+
+def _expected_in(messages: list[str]) -> list[str]:
+    return [m for m in messages if any(e in m for e in _EXPECTED_MESSAGES)]
+
+
+def test_saving_is_quiet_about_what_asks_nothing_of_the_user_only(mlflow_messages):
+    with _without_expected_messages():
+        warnings.warn("Hint: Inferred schema contains integer column(s). ...", UserWarning, stacklevel=1)
+        logging.getLogger("mlflow.transformers").warning("The model card could not be retrieved from the hub")
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        logging.getLogger("mlflow.store").warning("another thing")
+    assert mlflow_messages() == ["another thing", "something else"]
 
 
 @pytest.fixture(scope="module")
@@ -19,11 +54,12 @@ def rows(smoke_stages):
     return datasets.load_from_disk(str(smoke_stages / "data" / "sft" / "validation")).select(range(6))
 
 
-def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, rows, tmp_path):
+def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, rows, tmp_path, mlflow_messages):
     cfg = load_config("smoke")
     shutil.copytree(smoke_stages / "rm", tmp_path / "rm_dir")  # a stage's model/: weights and tokenizer
     load_data_tokenizer(smoke_stages / "data").save_pretrained(tmp_path / "rm_dir")
     save_reward_model(tmp_path / "rm_dir", tmp_path / "rm", cfg, smoke_stages / "data")
+    assert not _expected_in(mlflow_messages())
     scorer = mlflow.pyfunc.load_model(str(tmp_path / "rm"))
     frame = pd.DataFrame({k: rows[k] for k in ("post", "summary", "subreddit", "title")})
     scores = scorer.predict(frame)
@@ -39,9 +75,10 @@ def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, 
         scorer.predict(frame[["post"]])  # the signature requires a summary
 
 
-def test_the_policy_is_a_transformers_text_generation_model(smoke_stages, rows, tmp_path):
+def test_the_policy_is_a_transformers_text_generation_model(smoke_stages, rows, tmp_path, mlflow_messages):
     cfg = load_config("smoke", ["eval.temperature=0.01"])
     save_policy_model(smoke_stages / "base", tmp_path / "policy", cfg, smoke_stages / "data")
+    assert not _expected_in(mlflow_messages())
     info = mlflow.models.get_model_info(str(tmp_path / "policy"))
     assert info.flavors["transformers"]["task"] == "text-generation"
     assert info.metadata["prompt_format"] == cfg.data.tldr_format.template
