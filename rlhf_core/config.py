@@ -243,6 +243,17 @@ class RewardConfig(EpochTrainerConfig):
     calibration_bins: int = Field(10, gt=1)
 
 
+class DPOConfig(EpochTrainerConfig):
+    """Direct preference optimisation from the SFT policy (Appendix A, Detail 19, Table 6: the
+    reward model's settings plus ``beta``). With equal ``batch_size``, ``num_epochs`` and
+    ``seed`` it visits the preference pairs in the reward model's order (Detail 19), as the
+    defaults do."""
+
+    micro_batch_size: int = Field(8, gt=0)
+    #: The KL coefficient of the implicit reward (Table 6: 0.05, PPO's kl_coef).
+    beta: float = Field(0.05, gt=0)
+
+
 class PPOConfig(TrainerConfig):
     """PPO against the normalised reward model (Details 20-25, Table 7).
 
@@ -379,6 +390,7 @@ class PipelineConfig(_Strict):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(base="EleutherAI/pythia-1b-deduped"))
     sft: SFTConfig = Field(default_factory=SFTConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)

@@ -1,0 +1,320 @@
+"""Direct preference optimisation, the paper's RL-free baseline: its loss, its implicit reward,
+and the sequence log-probabilities both are computed from.
+
+DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7) trains the policy on the preference pairs
+directly; Huang et al. 2024 (arXiv 2403.17031, Appendix A eq. 4) use the SFT policy as the
+frozen reference and compare DPO's implicit reward model with the explicit one (Detail 19,
+Figure 6, hyperparameters in Table 6). The loss is TRL's ``sigmoid`` DPO loss:
+https://github.com/huggingface/trl/blob/9d58faa767ee18f52217b32b82d75807c8ce404a/trl/trainer/dpo_trainer.py
+
+Log-probabilities are sums over the response tokens only (EOS included: it is not PAD,
+Detail 3; the query and PAD excluded), in nats, float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from .config import DPOConfig
+from .data import load_data_tokenizer, load_prepared
+from .distributed import DataParallel, all_reduce_sum, world
+from .io import write_json_atomic
+from .models import causal_forward, load_causal_lm, save_pretrained_atomic
+from .sft import make_loss_mask
+from .tracking import NullTracker, Tracker
+from .training import (
+    accumulation_steps,
+    autocast,
+    enable_activation_checkpointing,
+    micro_batches,
+    pick_device,
+    train_loop,
+)
+
+
+def implicit_reward(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO's reward of a response, ``beta * (log pi(y|x) - log pi_ref(y|x))`` (Appendix A).
+
+    Shapes: ``logps`` ``(batch,)``, ``ref_logps`` ``(batch,)`` -> ``(batch,)``.
+    """
+    return beta * (logps - ref_logps)
+
+
+def dpo_loss(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DPO loss of each pair (Appendix A, eq. 4) and the implicit rewards of its responses.
+
+    ``losses = -log sigmoid(r_chosen - r_rejected)`` with ``r = beta * (log pi - log pi_ref)``
+    (:func:`implicit_reward`): the reward model's loss (Detail 10) on the implicit rewards.
+
+    Args:
+        policy_chosen_logps: ``(batch,)`` float32 summed log-probs of the chosen responses
+            under the trained policy (:func:`sequence_logprobs`).
+        policy_rejected_logps: ``(batch,)`` the same for the rejected responses.
+        ref_chosen_logps: ``(batch,)`` the chosen responses under the frozen reference (SFT).
+        ref_rejected_logps: ``(batch,)`` the rejected responses under the reference.
+        beta: the KL coefficient (Table 6: 0.05, PPO's ``kl_coef``).
+
+    Returns:
+        ``(losses, chosen_rewards, rejected_rewards)``, each ``(batch,)``; the rewards are
+        detached (statistics, as in TRL).
+    """
+    chosen_rewards = implicit_reward(policy_chosen_logps, ref_chosen_logps, beta)
+    rejected_rewards = implicit_reward(policy_rejected_logps, ref_rejected_logps, beta)
+    losses = -F.logsigmoid(chosen_rewards - rejected_rewards)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    """Forward: each row's log-softmax at its target, chunk by chunk (logits never all at once);
+    backward: the chunks' logits again, scaled by each row's incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, compute_dtype, chunk_size):  # noqa: D102
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.size(0), chunk_size):
+                logits = _chunk_logits(hidden[start : start + chunk_size], w, bias, compute_dtype)
+                t = targets[start : start + chunk_size]
+                out[start : start + chunk_size] = logits.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.compute_dtype, ctx.chunk_size = compute_dtype, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: D102
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        dtype, chunk_size = ctx.compute_dtype, ctx.chunk_size
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            grad_hidden = torch.empty_like(hidden) if need_h else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+            for start in range(0, hidden.size(0), chunk_size):
+                h = hidden[start : start + chunk_size].to(dtype)
+                t = targets[start : start + chunk_size]
+                logits = _chunk_logits(h, w, bias, dtype)
+                # d log softmax(logits)[t] / d logits = one_hot(t) - softmax(logits)
+                grad_logits = logits.softmax(-1).neg_()
+                grad_logits[torch.arange(t.numel(), device=t.device), t] += 1.0
+                grad_logits *= grad_out[start : start + chunk_size, None]
+                if need_b:
+                    grad_bias += grad_logits.sum(0)
+                grad_logits = grad_logits.to(dtype)
+                if need_h:
+                    grad_hidden[start : start + chunk_size] = grad_logits @ w
+                if need_w:
+                    grad_weight += (grad_logits.T @ h).float()
+        grads = (grad_hidden, grad_weight, grad_bias)
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return (*(None if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    logits = (h.to(dtype) @ w.T).float()
+    return logits + bias.float() if bias is not None else logits
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_bytes: int = 32 * 2**20,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T (+ bias))`` at each row's target, without full logits.
+
+    Equal, with its gradients, to ``F.log_softmax(F.linear(hidden, weight, bias).float(),
+    -1).gather(1, targets[:, None]).squeeze(1)``, but ``(n, vocab)`` logits exist only a chunk of
+    rows (``chunk_bytes`` of float32 logits) at a time, in the forward pass and again in the
+    backward pass, which recomputes them (the per-row incoming gradients are known only then).
+    Under autocast the matrix products run in the autocast dtype; logits and the softmax are
+    float32. SFT's summed loss uses :func:`rlhf_core.sft.linear_cross_entropy_sum` instead, which
+    needs no recomputation since its incoming gradient is one scalar.
+
+    Args:
+        hidden: ``(n, d_model)`` hidden states at the positions that predict a target.
+        weight: ``(vocab, d_model)`` output embedding.
+        targets: ``(n,)`` long token ids.
+        bias: optional ``(vocab,)``.
+
+    Returns:
+        ``(n,)`` float32 log-probabilities in nats.
+
+    Raises:
+        ValueError: ``hidden`` and ``targets`` differ in length.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: expected (n, d) and (n,)")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    chunk_size = max(1, chunk_bytes // (4 * weight.size(0)))
+    return _LinearLogprobs.apply(hidden, weight, bias, targets, compute_dtype, chunk_size)
+
+
+def sequence_logprobs(
+    model: PreTrainedModel, query_responses: torch.Tensor, query_lengths: torch.Tensor, pad_token_id: int
+) -> torch.Tensor:
+    """``log pi(y|x)``: each row's summed log-probability of its response tokens.
+
+    The backbone runs once over query and response (:func:`~rlhf_core.models.causal_forward`:
+    padding invisible); only the hidden states that predict a response token go through the
+    language-model head (:func:`linear_logprobs`). Targets are the tokens from position
+    ``query_lengths[i]`` on that are not PAD, so the EOS that ends each response counts.
+
+    Args:
+        model: a causal LM (``base_model`` and ``get_output_embeddings``).
+        query_responses: ``(batch, length)`` token ids, unpadded query then right-padded
+            response (the preference rows' ``query_chosen_token``/``query_rejected_token``).
+        query_lengths: ``(batch,)`` query lengths (``query_token_len``), each at least 1.
+
+    Returns:
+        ``(batch,)`` float32, in nats (0 for a row with no response token).
+    """
+    hidden = causal_forward(
+        lambda ids, mask, pos: (
+            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        ),
+        query_responses,
+        pad_token_id,
+    )
+    target_mask = make_loss_mask(query_responses, pad_token_id, query_lengths)[:, 1:]
+    head = model.get_output_embeddings()
+    logps = linear_logprobs(
+        hidden[:, :-1][target_mask], head.weight, query_responses[:, 1:][target_mask], getattr(head, "bias", None)
+    )
+    rows = torch.arange(query_responses.size(0), device=logps.device)[:, None].expand_as(target_mask)[target_mask]
+    return torch.zeros(query_responses.size(0), dtype=torch.float32, device=logps.device).index_add(0, rows, logps)
+
+
+def pair_logprobs(
+    model: PreTrainedModel,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    query_lengths: torch.Tensor,
+    pad_token_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` of each pair's chosen and rejected rows, in one batch.
+
+    Args:
+        chosen: ``(batch, length)`` query + chosen response (``query_chosen_token``).
+        rejected: ``(batch, length)`` the same query + rejected response.
+        query_lengths: ``(batch,)`` the shared query's length.
+
+    Returns:
+        ``(chosen_logps, rejected_logps)``, each ``(batch,)`` float32.
+    """
+    logps = sequence_logprobs(model, torch.cat([chosen, rejected]), query_lengths.repeat(2), pad_token_id)
+    return logps[: chosen.size(0)], logps[chosen.size(0) :]
+
+
+def load_reference(sft_model_dir: str | os.PathLike, device: torch.device) -> PreTrainedModel:
+    """The frozen reference policy: the SFT model, in eval mode, no parameter requiring a gradient."""
+    reference = load_causal_lm(sft_model_dir).to(device).eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def run_dpo(
+    cfg: DPOConfig,
+    data_dir: str | os.PathLike,
+    sft_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+) -> dict[str, float]:
+    """Train a policy with DPO on the preference train split, from and against the SFT policy.
+
+    The policy starts as a copy of the SFT model; the reference is another, frozen copy, whose
+    log-probabilities are computed per micro-batch without gradients. Rows are visited in
+    :func:`rlhf_core.training.batch_order`'s order, the reward model's for equal ``batch_size``,
+    ``num_epochs`` and ``seed`` (Detail 19). Under ``torchrun`` each rank takes its share of
+    every global batch and the loss is normalised by the pairs of all ranks, as the reward
+    model's. Writes ``out_dir/model`` (a causal LM with the tokenizer) and
+    ``out_dir/metrics.json``; checkpoints in ``out_dir/checkpoints`` make it resumable.
+
+    Reports per step (Figure 6): ``dpo/loss``, ``dpo/accuracy`` (implicit reward of chosen >
+    rejected), ``dpo/rewards/chosen``, ``dpo/rewards/rejected``, ``dpo/rewards/margin``, each the
+    global batch's mean.
+
+    Returns:
+        Those metrics of the last step, plus ``dpo/steps`` and ``dpo/seconds``.
+    """
+    tracker = tracker or NullTracker()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _, pref, stats = load_prepared(data_dir)
+    tokenizer = load_data_tokenizer(data_dir)
+    pad_id = tokenizer.pad_token_id
+    accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world().size)
+    device = pick_device()
+    reference = load_reference(sft_model_dir, device)
+    policy = load_causal_lm(sft_model_dir).to(device)
+    enable_activation_checkpointing(policy, cfg.gradient_checkpointing)
+    train = pref["train"].with_format(
+        "torch", columns=["query_chosen_token", "query_rejected_token", "query_token_len"]
+    )
+
+    def step_fn(indices: list[int], parallel: DataParallel) -> dict[str, float]:
+        rows = train[indices]
+        chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
+        n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
+        sums: dict[str, float] = defaultdict(float)
+        for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
+            chosen, rejected = chosen_all[mb].to(device), rejected_all[mb].to(device)
+            query_lengths = rows["query_token_len"][mb].to(device)
+            with torch.no_grad(), autocast(device, cfg.bf16):
+                ref_chosen, ref_rejected = pair_logprobs(reference, chosen, rejected, query_lengths, pad_id)
+            with autocast(device, cfg.bf16):
+                chosen_logps, rejected_logps = parallel(pair_logprobs, chosen, rejected, query_lengths, pad_id)
+            losses, chosen_rewards, rejected_rewards = dpo_loss(
+                chosen_logps, rejected_logps, ref_chosen, ref_rejected, cfg.beta
+            )
+            (losses.sum() / n).backward()
+            sums["loss"] += losses.sum().item()
+            sums["accuracy"] += (chosen_rewards > rejected_rewards).float().sum().item()
+            sums["rewards/chosen"] += chosen_rewards.sum().item()
+            sums["rewards/rejected"] += rejected_rewards.sum().item()
+        names = ["loss", "accuracy", "rewards/chosen", "rewards/rejected"]
+        tokens = (chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item()
+        totals = all_reduce_sum([sums[k] for k in names] + [tokens])
+        out = {k: v / n for k, v in zip(names, totals)}
+        out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
+        out["tokens"] = totals[-1]
+        return out
+
+    policy, last = train_loop(
+        desc="dpo",
+        model=policy,
+        n_rows=len(train),
+        optim=cfg,
+        step_fn=step_fn,
+        device=device,
+        out_dir=out_dir,
+        inputs=[stats, str(Path(sft_model_dir).resolve())],
+        rebuild=lambda: load_causal_lm(sft_model_dir).to(device),
+        tracker=tracker,
+        metric_prefix="dpo/",
+    )
+    if not world().is_main:
+        return {}  # rank 0 saves
+    save_pretrained_atomic(policy, out_dir / "model", tokenizer)
+    metrics = {k: v for k, v in last.items() if k.startswith("dpo/")}
+    metrics.update({"dpo/steps": float(last["steps"]), "dpo/seconds": last["seconds"]})
+    write_json_atomic(out_dir / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,166 @@
+"""DPO (Appendix A, eq. 4; Detail 19): the loss, the implicit reward, sequence log-probabilities,
+and the trainer on the smoke stages (one process and 2 gloo ranks)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from rlhf_core import dpo
+from rlhf_core.config import load_config
+from rlhf_core.distributed import world
+from rlhf_core.dpo import dpo_loss, implicit_reward, linear_logprobs, pair_logprobs, sequence_logprobs
+from rlhf_core.tracking import JsonlTracker, NullTracker, read_metrics
+
+
+def test_dpo_loss_on_a_hand_worked_example():
+    """beta 0.5; pair 1: the policy raised the chosen response by 1 nat over the reference and
+    lowered the rejected by 1, so r_c = 0.5, r_r = -0.5 and the loss is -log sigmoid(1) =
+    log(1 + e^-1) = 0.313262; pair 2: policy = reference, log 2; pair 3: the reverse of pair 1,
+    log(1 + e) = 1.313262."""
+    policy_chosen = torch.tensor([-3.0, -7.0, -5.0], requires_grad=True)
+    policy_rejected = torch.tensor([-5.0, -2.0, -3.0])
+    ref_chosen, ref_rejected = torch.tensor([-4.0, -7.0, -4.0]), torch.tensor([-4.0, -2.0, -4.0])
+    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, 0.5)
+    assert losses.tolist() == pytest.approx([0.313262, math.log(2), 1.313262], abs=1e-6)
+    assert chosen_rewards.tolist() == pytest.approx([0.5, 0.0, -0.5])
+    assert rejected_rewards.tolist() == pytest.approx([-0.5, 0.0, 0.5])
+    assert not chosen_rewards.requires_grad and not rejected_rewards.requires_grad
+    losses.sum().backward()
+    # d loss / d log pi(y_c) = -beta * sigmoid(-(r_c - r_r))
+    expected = [-0.5 * torch.sigmoid(torch.tensor(-m)).item() for m in (1.0, 0.0, -1.0)]
+    assert policy_chosen.grad.tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_implicit_reward_is_beta_times_the_log_ratio():
+    assert implicit_reward(torch.tensor([-2.0, -10.0]), torch.tensor([-3.0, -4.0]), 0.05).tolist() == pytest.approx(
+        [0.05, -0.3]
+    )
+
+
+def test_linear_logprobs_equal_full_log_softmax_with_gradients():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 8, generator=g, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    targets = torch.randint(0, 50, (37,), generator=g)
+    upstream = torch.randn(37, generator=g)  # a different incoming gradient per row
+    got = linear_logprobs(hidden, weight, targets, bias, chunk_bytes=4 * 50 * 5)  # chunks of 5 rows
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight, bias))
+    full = F.log_softmax(F.linear(hidden, weight, bias), -1).gather(1, targets[:, None]).squeeze(1)
+    full_grads = torch.autograd.grad((full * upstream).sum(), (hidden, weight, bias))
+    torch.testing.assert_close(got, full)
+    for a, b in zip(got_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="expected"):
+        linear_logprobs(hidden, weight, targets[:3])
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _row_logprob(model, query: list[int], response: list[int]) -> float:
+    """One unpadded row through the model's own forward: the sum of log p over the response."""
+    ids = torch.tensor([query + response])
+    with torch.no_grad():
+        logp = F.log_softmax(model(ids).logits[0, :-1].float(), -1)
+    targets = ids[0, 1:]
+    per_token = logp.gather(1, targets[:, None]).squeeze(1)
+    return per_token[len(query) - 1 :].sum().item()
+
+
+def test_sequence_logprobs_sum_the_response_with_its_eos_not_the_query_or_pad(tiny_llama):
+    pad, eos = 0, 39
+    rows = [([5, 6, 7, 8], [9, 10, eos]), ([11, 12], [13, 14, 15, 16, eos]), ([17, 18, 19], [eos])]
+    length = 8
+    batch = torch.tensor([q + r + [pad] * (length - len(q) - len(r)) for q, r in rows])
+    query_lengths = torch.tensor([len(q) for q, _ in rows])
+    with torch.no_grad():
+        got = sequence_logprobs(tiny_llama, batch, query_lengths, pad)
+    expected = [_row_logprob(tiny_llama, q, r) for q, r in rows]
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx(expected, abs=1e-4)
+    without_eos = [_row_logprob(tiny_llama, q, r[:-1]) if len(r) > 1 else 0.0 for q, r in rows]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(expected, without_eos))  # the EOS term is there
+    with_query = [_row_logprob(tiny_llama, q[:1], q[1:] + r) for q, r in rows]
+    assert all(abs(a - b) > 1e-3 for a, b in zip(expected, with_query))  # and no query term
+    # pairs: chosen and rejected of one query in one batch
+    chosen, rejected = pair_logprobs(tiny_llama, batch[:2], batch[[1, 0]], torch.tensor([4, 2]), pad)
+    assert chosen.tolist() == pytest.approx(got[:2].tolist(), abs=1e-5)
+
+
+def _dpo_on_smoke(smoke_stages, out, *overrides: str) -> dict:
+    """3 DPO steps of 8 pairs from the smoke model (float32: the 2-rank equality is of float32
+    sums in another order); rank 0 records the steps in ``out/metrics.jsonl``."""
+    settings = ["dpo.batch_size=8", "dpo.max_steps=3", "dpo.bf16=false", "dpo.learning_rate=1e-4", *overrides]
+    cfg = load_config("smoke", settings).dpo
+    tracker = JsonlTracker(Path(out) / "metrics.jsonl") if world().is_main else NullTracker()
+    return dpo.run_dpo(cfg, smoke_stages / "data", smoke_stages / "base", out, tracker)
+
+
+def test_dpo_trains_the_policy_against_a_frozen_reference(smoke_stages, tmp_path, monkeypatch):
+    references, load_reference = [], dpo.load_reference
+
+    def keep(path, device):  # the real reference, kept to be inspected after training
+        references.append(load_reference(path, device))
+        return references[-1]
+
+    monkeypatch.setattr(dpo, "load_reference", keep)
+    metrics = _dpo_on_smoke(smoke_stages, tmp_path / "dpo", "dpo.micro_batch_size=4")
+    records = [m for _, m in read_metrics(tmp_path / "dpo" / "metrics.jsonl") if "dpo/loss" in m]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # step 1: the policy is the reference, so every implicit reward is 0 and the loss log 2
+    assert records[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert records[0]["dpo/rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+    assert records[1]["dpo/loss"] != pytest.approx(math.log(2), abs=1e-6)  # then it has moved
+    for r in records:
+        assert r["dpo/rewards/margin"] == pytest.approx(r["dpo/rewards/chosen"] - r["dpo/rewards/rejected"])
+        assert 0.0 <= r["dpo/accuracy"] <= 1.0
+    assert metrics["dpo/steps"] == 3 and json.loads((tmp_path / "dpo" / "metrics.json").read_text()) == metrics
+    # the reference received no gradient and is still the SFT model
+    (reference,) = references
+    assert all(p.grad is None and not p.requires_grad for p in reference.parameters())
+    sft = dpo.load_causal_lm(smoke_stages / "base").state_dict()
+    assert all(torch.equal(t, sft[k]) for k, t in reference.state_dict().items())
+    trained = dpo.load_causal_lm(tmp_path / "dpo" / "model").state_dict()
+    assert any(not torch.equal(t, sft[k]) for k, t in trained.items())
+
+
+def _dpo_on_rank(rank: int, world_size: int, store: str, smoke_stages, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        _dpo_on_smoke(smoke_stages, out, "dpo.micro_batch_size=2")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_half_the_micro_batch_match_one_rank(smoke_stages, tmp_path):
+    """DPO under data parallelism (DDP, 2 gloo ranks, 2 pairs per micro-batch each) trains like
+    one process with 4 pairs per micro-batch: same per-step metrics and saved weights."""
+    _dpo_on_smoke(smoke_stages, tmp_path / "one", "dpo.micro_batch_size=4")
+    mp.spawn(_dpo_on_rank, args=(2, str(tmp_path / "store"), smoke_stages, str(tmp_path / "two")), nprocs=2, join=True)
+    runs = [[m for _, m in read_metrics(tmp_path / run / "metrics.jsonl") if "dpo/loss" in m] for run in ("one", "two")]
+    for key in ("dpo/loss", "dpo/accuracy", "dpo/rewards/chosen", "dpo/rewards/rejected"):
+        assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], rel=1e-4, abs=1e-6), key
+    weights = [dpo.load_causal_lm(tmp_path / run / "model").state_dict() for run in ("one", "two")]
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-5)
