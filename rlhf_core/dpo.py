@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from .config import DPOConfig
+from .config import DPOConfig, RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, world
 from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
+from .reward_eval import evaluate_pairs
 from .sft import make_loss_mask
 from .tracking import NullTracker, Tracker
 from .training import (
@@ -318,3 +319,74 @@ def run_dpo(
     metrics.update({"dpo/steps": float(last["steps"]), "dpo/seconds": last["seconds"]})
     write_json_atomic(out_dir / "metrics.json", metrics)
     return metrics
+
+
+@torch.no_grad()
+def score_pairs(
+    policy: PreTrainedModel,
+    reference: PreTrainedModel,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    query_lengths: torch.Tensor,
+    pad_token_id: int,
+    beta: float,
+    batch_size: int,
+    bf16: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPO's implicit rewards of preference pairs (:func:`implicit_reward`), in batches, without
+    gradients: the reward model that a DPO policy defines (Detail 19).
+
+    Args:
+        chosen, rejected: ``(n, length)`` query + response token ids of each pair.
+        query_lengths: ``(n,)`` the shared query's length.
+        bf16: the stage's precision setting (:func:`rlhf_core.training.autocast`).
+
+    Returns:
+        ``(chosen_rewards, rejected_rewards)``, each ``(n,)`` float32 on the CPU.
+    """
+    device = next(policy.parameters()).device
+    policy.eval()
+    out_chosen, out_rejected = [], []
+    for start in range(0, len(chosen), batch_size):
+        c, r = chosen[start : start + batch_size].to(device), rejected[start : start + batch_size].to(device)
+        q = query_lengths[start : start + batch_size].to(device)
+        with autocast(device, bf16):
+            policy_chosen, policy_rejected = pair_logprobs(policy, c, r, q, pad_token_id)
+            ref_chosen, ref_rejected = pair_logprobs(reference, c, r, q, pad_token_id)
+        out_chosen.append(implicit_reward(policy_chosen, ref_chosen, beta).cpu())
+        out_rejected.append(implicit_reward(policy_rejected, ref_rejected, beta).cpu())
+    empty = torch.zeros(0)
+    return (torch.cat(out_chosen) if out_chosen else empty), (torch.cat(out_rejected) if out_rejected else empty)
+
+
+def evaluate_dpo_reward(
+    cfg: DPOConfig,
+    eval_cfg: RewardConfig,
+    data_dir: str | os.PathLike,
+    policy_dir: str | os.PathLike,
+    sft_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+) -> dict[str, float]:
+    """The DPO policy's implicit reward model evaluated as the explicit one is
+    (:func:`rlhf_core.reward_eval.evaluate_pairs`: the same splits, rows, groups and keys, from
+    ``eval_cfg``, the ``reward`` section), so the two accuracies compare pair for pair
+    (Detail 19, Figure 6)."""
+    tokenizer = load_data_tokenizer(data_dir)
+    device = pick_device()
+    policy, reference = load_causal_lm(policy_dir).to(device), load_reference(sft_model_dir, device)
+
+    def score(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return score_pairs(
+            policy,
+            reference,
+            rows["query_chosen_token"],
+            rows["query_rejected_token"],
+            rows["query_token_len"],
+            tokenizer.pad_token_id,
+            cfg.beta,
+            cfg.micro_batch_size,
+            cfg.bf16,
+        )
+
+    return evaluate_pairs(score, eval_cfg, data_dir, out_dir, tracker, "DPO implicit reward model")

@@ -10,6 +10,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -118,23 +119,56 @@ def evaluate_reward_model(
     out_dir: str | os.PathLike,
     tracker: Tracker | None = None,
 ) -> dict[str, float]:
-    """Accuracy per batch, confidence and split, reward statistics and calibration (Details 16-18).
+    """Accuracy per batch, confidence and split, reward statistics and calibration (Details 16-18)
+    of the reward model in ``reward_model_dir``: :func:`evaluate_pairs` with its scores
+    (:func:`rlhf_core.reward.score_pairs`)."""
+    tokenizer = load_data_tokenizer(data_dir)
+    model = ScalarModel.from_pretrained(str(reward_model_dir)).to(pick_device())
+
+    def score(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return score_pairs(
+            model,
+            rows["query_chosen_token"],
+            rows["query_rejected_token"],
+            tokenizer.pad_token_id,
+            cfg.micro_batch_size,
+            cfg.bf16,
+        )
+
+    return evaluate_pairs(score, cfg, data_dir, out_dir, tracker, "reward model")
+
+
+def evaluate_pairs(
+    score: Callable[[dict[str, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+    cfg: RewardConfig,
+    data_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+    what: str = "reward model",
+) -> dict[str, float]:
+    """Accuracy per batch, confidence and split, reward statistics and calibration (Details 16-18)
+    of rewards given by ``score``: the explicit reward model's, or DPO's implicit ones.
 
     Evaluates each preference split in ``cfg.eval_splits`` (at most
     ``cfg.eval_max_samples`` rows each). Keys for the ``validation`` split start with
     ``eval/``; other splits with ``eval/{split}/`` (e.g. ``eval/validation_cnndm/accuracy``).
     Writes ``metrics.json``, ``calibration.json`` and ``calibration.png`` to ``out_dir``.
 
+    Args:
+        score: the split's rows (``query_chosen_token``, ``query_rejected_token``,
+            ``query_token_len``, torch tensors) -> ``(chosen_rewards, rejected_rewards)``,
+            each ``(n,)``.
+
     Returns:
         The flat metrics.
+
+    Raises:
+        KeyError: ``cfg.eval_splits`` names a split the data does not have.
     """
     tracker = tracker or NullTracker()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, pref, _ = load_prepared(data_dir)
-    tokenizer = load_data_tokenizer(data_dir)
-    device = pick_device()
-    model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
     metrics: dict[str, float] = {}
     tables: dict[str, list] = {}
     t0 = time.perf_counter()
@@ -143,15 +177,8 @@ def evaluate_reward_model(
             raise KeyError(f"reward.eval_splits names {split!r}, not a preference split ({', '.join(pref)})")
         ds = pref[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
-        torch_ds = ds.with_format("torch", columns=["query_chosen_token", "query_rejected_token"])[:]
-        chosen, rejected = score_pairs(
-            model,
-            torch_ds["query_chosen_token"],
-            torch_ds["query_rejected_token"],
-            tokenizer.pad_token_id,
-            cfg.micro_batch_size,
-            cfg.bf16,
-        )
+        columns = ["query_chosen_token", "query_rejected_token", "query_token_len"]
+        chosen, rejected = score(ds.with_format("torch", columns=columns)[:])
         prefix = "eval" if split == "validation" else f"eval/{split}"
         groups = {"batch": list(ds["batch"]), "confidence": list(ds["confidence"]), "split": list(ds["split"])}
         metrics.update(accuracy_by_group(chosen, rejected, groups, prefix))
@@ -163,5 +190,5 @@ def evaluate_reward_model(
     write_json_atomic(out_dir / "metrics.json", metrics)
     tracker.log_metrics(metrics)
     tracker.log_artifact(out_dir / "calibration.png")
-    log.info("reward model accuracy: %s", {k: round(v, 4) for k, v in metrics.items() if k.endswith("/accuracy")})
+    log.info("%s accuracy: %s", what, {k: round(v, 4) for k, v in metrics.items() if k.endswith("/accuracy")})
     return metrics

@@ -164,3 +164,32 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(smoke_stages, tmp_pa
     weights = [dpo.load_causal_lm(tmp_path / run / "model").state_dict() for run in ("one", "two")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_the_implicit_reward_model_is_evaluated_like_the_reward_model(smoke_stages, tmp_path):
+    """Detail 19: DPO's implicit reward model on the reward model's evaluation pairs, with the
+    same metrics; the SFT policy as its own reference gives every response reward 0."""
+    import datasets
+
+    from rlhf_core.reward_eval import evaluate_reward_model
+
+    cfg = load_config("smoke", ["reward.eval_max_samples=12", "dpo.bf16=false"])
+    _dpo_on_smoke(smoke_stages, tmp_path / "dpo", "dpo.micro_batch_size=4")
+    args = (cfg.dpo, cfg.reward, smoke_stages / "data")
+    implicit = dpo.evaluate_dpo_reward(*args, tmp_path / "dpo" / "model", smoke_stages / "base", tmp_path / "eval")
+    explicit = evaluate_reward_model(cfg.reward, smoke_stages / "data", smoke_stages / "rm", tmp_path / "rm_eval")
+    assert implicit.keys() == explicit.keys() and "eval/validation_cnndm/accuracy" in implicit
+    # the accuracy is that of beta * (log pi - log pi_ref) computed here, pair by pair
+    rows = datasets.load_from_disk(str(smoke_stages / "data" / "preference" / "validation")).select(range(12))
+    t = rows.with_format("torch", columns=["query_chosen_token", "query_rejected_token", "query_token_len"])[:]
+    policy, reference = dpo.load_causal_lm(tmp_path / "dpo" / "model"), dpo.load_causal_lm(smoke_stages / "base")
+    with torch.no_grad():
+        pad = policy.config.pad_token_id
+        pc, pr = pair_logprobs(policy, t["query_chosen_token"], t["query_rejected_token"], t["query_token_len"], pad)
+        rc, rr = pair_logprobs(reference, t["query_chosen_token"], t["query_rejected_token"], t["query_token_len"], pad)
+    chosen, rejected = implicit_reward(pc, rc, cfg.dpo.beta), implicit_reward(pr, rr, cfg.dpo.beta)
+    assert implicit["eval/accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
+    assert implicit["eval/reward/chosen/mean"] == pytest.approx(chosen.double().mean().item(), abs=1e-6)
+    untrained = dpo.evaluate_dpo_reward(*args, smoke_stages / "base", smoke_stages / "base", tmp_path / "eval0")
+    assert untrained["eval/reward/chosen/max"] == untrained["eval/reward/chosen/min"] == 0.0
+    assert untrained["eval/accuracy"] == 0.0  # a tie is not a correct pair
