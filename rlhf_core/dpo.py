@@ -27,7 +27,7 @@ from .distributed import DataParallel, all_reduce_sum, world
 from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
 from .reward_eval import evaluate_pairs
-from .sft import make_loss_mask
+from .sft import head_chunking, make_loss_mask
 from .tracking import NullTracker, Tracker
 from .training import (
     accumulation_steps,
@@ -158,14 +158,7 @@ def linear_logprobs(
     Raises:
         ValueError: ``hidden`` and ``targets`` differ in length.
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: expected (n, d) and (n,)")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    chunk_size = max(1, chunk_bytes // (4 * weight.size(0)))
+    compute_dtype, chunk_size = head_chunking(hidden, weight, targets, chunk_bytes)
     return _LinearLogprobs.apply(hidden, weight, bias, targets, compute_dtype, chunk_size)
 
 

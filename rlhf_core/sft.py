@@ -156,6 +156,25 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
+def head_chunking(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_bytes: int
+) -> tuple[torch.dtype, int]:
+    """How a chunked output layer runs ``hidden @ weight.T``: the matmul dtype (autocast's, else
+    the inputs' promoted dtype) and the rows per chunk (``chunk_bytes`` of float32 logits).
+
+    Raises:
+        ValueError: ``hidden`` is not ``(n, d)`` or ``targets`` not ``(n,)``.
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: expected (n, d) and (n,)")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    return compute_dtype, max(1, chunk_bytes // (4 * weight.size(0)))
+
+
 def linear_cross_entropy_sum(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -186,14 +205,7 @@ def linear_cross_entropy_sum(
     Raises:
         ValueError: ``hidden`` and ``targets`` differ in length.
     """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: expected (n, d) and (n,)")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    chunk_size = max(1, chunk_bytes // (4 * weight.size(0)))
+    compute_dtype, chunk_size = head_chunking(hidden, weight, targets, chunk_bytes)
     return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, compute_dtype, chunk_size)
 
 
