@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from rlhf_core.config import PipelineConfig, flatten, load_config
 from rlhf_core.evaluation import REPORT_FILES
 from rlhf_core.io import exclusive_lock, json_digest
-from rlhf_core.pipeline import STAGES
+from rlhf_core.pipeline import STAGES, stages_until
 from rlhf_core.report import stamp_report
 from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_models import MLFLOW_MODELS
@@ -42,10 +42,9 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     """
     logger = get_run_logger()
     cfg = load_config(preset, overrides or [])
-    names = list(STAGES)
     if until is not None and until not in STAGES:
-        raise ValueError(f"until={until!r} is not a stage ({', '.join(names)})")
-    names = names[: names.index(until) + 1] if until else names
+        raise ValueError(f"until={until!r} is not a stage ({', '.join(STAGES)})")
+    names = stages_until(until)  # a DPO-only run trains no reward model, a PPO-only run no DPO
     preflight(cfg)  # settings for this machine's process count, writable stores: before any stage
     client = tracking_client(cfg.tracking.tracking_uri)
     exp = experiment_id(client, cfg.tracking.experiment_name)
@@ -187,7 +186,7 @@ def run_markdown(cfg: PipelineConfig, result: dict, client: MlflowClient) -> str
     metrics = result["stages"].get("evaluation", {}).get("metrics", {})
     if metrics:
         lines += ["", "| policy | win rate vs references [95% CI] | RM score |", "|---|---:|---:|"]
-        for policy in ("base", "sft", "ppo"):
+        for policy in ("base", "sft", "ppo", "dpo"):
             m = {k.removeprefix(f"eval/{policy}/"): v for k, v in metrics.items() if k.startswith(f"eval/{policy}/")}
             if "win_rate" in m:
                 lines.append(

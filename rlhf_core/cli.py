@@ -178,6 +178,11 @@ COMMANDS: dict[str, Command] = {
         aliases=("rm",),
     ),
     "ppo": Command(_until("ppo"), "run up to PPO against the normalised reward model, in the run directory --out"),
+    "dpo": Command(
+        _until("dpo_eval"),
+        "run up to DPO from the SFT policy and the evaluation of its implicit reward model, "
+        "in the run directory --out (no reward model is trained)",
+    ),
     "stages": Command(
         _until(list(STAGES)[-1]),
         "run every stage in order in the run directory --out, "

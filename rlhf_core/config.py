@@ -308,7 +308,7 @@ class PPOConfig(TrainerConfig):
 
 
 class EvalConfig(_Strict):
-    """Judge evaluation of base, SFT and PPO summaries against the references (Huang et al. 2024,
+    """Judge evaluation of base, SFT, PPO and DPO summaries against the references (Huang et al. 2024,
     Figure 1, Figure 8, Appendix I).
 
     ``judge: offline`` uses a local causal LM (``judge_model``: a model source; default the
@@ -398,12 +398,12 @@ class PipelineConfig(_Strict):
 
     def batch_errors(self, world_size: int = 1) -> list[str]:
         """What in the batch settings does not divide for ``world_size`` data-parallel ranks,
-        one line per rule broken, naming the keys: SFT and the reward model need
+        one line per rule broken, naming the keys: SFT, the reward model and DPO need
         ``micro_batch_size x world_size`` to divide ``batch_size`` (gradient accumulation
         keeps the global batch); PPO needs ``batch_size`` to split into ``world_size`` ranks
         x ``num_minibatches`` equal parts."""
         errors = []
-        for name in ("sft", "reward"):
+        for name in ("sft", "reward", "dpo"):
             section = getattr(self, name)
             if section.batch_size % (section.micro_batch_size * world_size):
                 errors.append(

@@ -1,4 +1,4 @@
-"""The evaluation stage: base, SFT and PPO summaries judged against the human references, with
+"""The evaluation stage: base, SFT, PPO and DPO summaries judged against the human references, with
 length control, reward-model/judge agreement, reward-hacking diagnostics and one report.
 
 Huang et al. 2024: win rates against the reference summaries judged by an LLM (Figure 1, the
@@ -41,7 +41,7 @@ from .training import pick_device, precision_name
 log = logging.getLogger(__name__)
 
 #: The policies compared with the references, in report order: (key, display name).
-POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"))
+POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
 
 
 @torch.no_grad()
@@ -411,14 +411,14 @@ def token_shift_blocks(
     ecfg: EvalConfig,
     device: torch.device,
 ) -> list[str]:
-    """HTML blocks of the first ``eval.token_shift_samples`` SFT and PPO summaries, each token
-    coloured by its rank under the base model (Table 8)."""
+    """HTML blocks of the first ``eval.token_shift_samples`` SFT, PPO and DPO summaries, each
+    token coloured by its rank under the base model (Table 8)."""
     m = min(ecfg.token_shift_samples, len(prompts))
     blocks: list[str] = []
     if not m:
         return blocks
     base = load_causal_lm(base_model_dir).to(device)
-    for key in ("sft", "ppo"):
+    for key in ("sft", "ppo", "dpo"):
         ranks = response_token_ranks(base, prompts.queries[:m], summaries[key].responses[:m], tokenizer.pad_token_id)
         for i in range(m):
             tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
@@ -603,8 +603,10 @@ def run_evaluation(
     out_dir: str | os.PathLike,
     tracker: Tracker | None = None,
     judgement_cache: str | os.PathLike | None = None,
+    *,
+    dpo_dirs: dict[str, str | os.PathLike],
 ) -> dict[str, float]:
-    """Evaluate the base, SFT and PPO policies and write the run's report.
+    """Evaluate the base, SFT, PPO and DPO policies and write the run's report.
 
     Args:
         cfg: the pipeline config; reads ``cfg.eval``, ``cfg.ppo.temperature`` (the training
@@ -617,6 +619,9 @@ def run_evaluation(
             calibration plot come from the others.
         judgement_cache: a JSONL file shared across runs (default ``out_dir/judge_cache.jsonl``):
             a comparison already judged by the same judge with the same prompt is not sent again.
+        dpo_dirs: ``{"dpo": ..., "dpo_eval": ...}`` stage outputs: the DPO policy
+            (``dpo/model``, its ``metrics.jsonl``) and its implicit reward model's accuracy,
+            reported beside the reward model's (Detail 19).
 
     Returns:
         Flat metrics: ``eval/{policy}/win_rate`` (and ``_ci_low``, ``_ci_high``, ``_n_valid``,
@@ -624,7 +629,7 @@ def run_evaluation(
         reward-model score with the EOS trick), ``eval/{policy}/raw_score`` (without it),
         ``eval/{policy}/eos_rate`` (share of summaries ending with EOS),
         ``eval/{policy}/title_copy_rate``, ``eval/{policy}/diversity``,
-        ``eval/{policy}/agreement`` for base, sft and ppo; ``eval/reference/score``,
+        ``eval/{policy}/agreement`` for base, sft, ppo and dpo; ``eval/reference/score``,
         ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``, ``eval/seconds``.
 
     Raises:
@@ -642,7 +647,12 @@ def run_evaluation(
     tracker.log_params(
         {f"eval.{k}": v for k, v in ecfg.model_dump().items()} | {"eval.precision": precision_name(ecfg.bf16, device)}
     )
-    model_dirs = {"base": Path(base_model_dir), "sft": Path(sft_dir) / "model", "ppo": Path(ppo_dir) / "model"}
+    model_dirs = {
+        "base": Path(base_model_dir),
+        "sft": Path(sft_dir) / "model",
+        "ppo": Path(ppo_dir) / "model",
+        "dpo": Path(dpo_dirs["dpo"]) / "model",
+    }
 
     # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
     summaries, diverse = sample_policies(model_dirs, tokenizer, prompts, ecfg, cfg.ppo.temperature, device)
@@ -650,7 +660,7 @@ def run_evaluation(
     scored = score_policies(
         Path(reward_dirs["reward_norm"]) / "model", tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
     )
-    # 3. Token ranks of PPO and SFT summaries under the base model (Table 8).
+    # 3. Token ranks of SFT, PPO and DPO summaries under the base model (Table 8).
     shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
     # 4. The judge: each policy's summary against the reference.
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
@@ -680,6 +690,7 @@ def run_evaluation(
         Path(sft_dir),
         reward_dirs,
         Path(ppo_dir),
+        {k: Path(v) for k, v in dpo_dirs.items()},
     )
     metrics["eval/seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "metrics.json", metrics)
@@ -706,6 +717,7 @@ def _write_report(
     sft_dir: Path,
     reward_dirs: dict[str, str | os.PathLike],
     ppo_dir: Path,
+    dpo_dirs: dict[str, Path],
 ) -> dict[str, float]:
     """Plots, token-shift page, learning checks and ``report.html``/``report.md``; returns the
     learning checks' metrics."""
@@ -723,6 +735,7 @@ def _write_report(
         "SFT": sft_dir / "metrics.jsonl",
         "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
         "PPO": ppo_dir / "metrics.jsonl",
+        "DPO": dpo_dirs["dpo"] / "metrics.jsonl",
     }
     if any(p.is_file() for p in metric_files.values()):
         plots["Training curves"] = plot_training_curves(
@@ -734,14 +747,9 @@ def _write_report(
             fh.write(f"<!doctype html><meta charset='utf-8'>{shift_html}")
     rm_metrics = _read_json(reward_eval / "metrics.json")
     tables = {
-        "Reward model": [
-            {"split": name, "accuracy": rm_metrics[key]}
-            for name, key in (
-                ("TL;DR validation comparisons", "eval/accuracy"),
-                ("CNN/DM comparisons", "eval/validation_cnndm/accuracy"),
-            )
-            if key in rm_metrics
-        ]
+        "Reward model accuracy: the reward model (RM) and DPO's implicit one": reward_model_rows(
+            rm_metrics, _read_json(dpo_dirs["dpo_eval"] / "metrics.json")
+        )
     }
     sft_samples_file = sft_dir / "samples.jsonl"
     sft_samples = [json.loads(line) for line in sft_samples_file.open()] if sft_samples_file.is_file() else []
@@ -822,12 +830,43 @@ def _write_report(
         tables=tables,
         plots=plots,
         samples=samples,
-        html_blocks={"Token shift (Table 8): PPO and SFT summaries coloured by rank under the base model": shift_html}
+        html_blocks={
+            "Token shift (Table 8): SFT, PPO and DPO summaries coloured by rank under the base model": shift_html
+        }
         if shift_html
         else None,
         notes=notes,
     )
     return check_metrics
+
+
+def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float]) -> list[dict[str, str]]:
+    """The report's reward-model table (Detail 19, Figure 6): per validation split, the
+    accuracy of the reward model and of DPO's implicit reward model on the same pairs
+    (``reward_eval`` and ``dpo_eval`` metrics), with 95% Wilson intervals and the pair count;
+    "-" where a stage did not evaluate the split."""
+
+    def cell(m: dict[str, float], prefix: str) -> str:
+        if f"{prefix}/accuracy" not in m:
+            return "-"
+        text = f"{m[f'{prefix}/accuracy']:.1%}"
+        if f"{prefix}/accuracy_ci_low" in m and f"{prefix}/accuracy_ci_high" in m:
+            text += f" [{m[f'{prefix}/accuracy_ci_low']:.1%}, {m[f'{prefix}/accuracy_ci_high']:.1%}]"
+        return text
+
+    rows = []
+    for name, prefix in (("TL;DR validation comparisons", "eval"), ("CNN/DM comparisons", "eval/validation_cnndm")):
+        if f"{prefix}/accuracy" in rm_metrics or f"{prefix}/accuracy" in dpo_metrics:
+            count = rm_metrics.get(f"{prefix}/count", dpo_metrics.get(f"{prefix}/count", float("nan")))
+            rows.append(
+                {
+                    "split": name,
+                    "pairs": f"{count:.0f}",
+                    "RM": cell(rm_metrics, prefix),
+                    "DPO": cell(dpo_metrics, prefix),
+                }
+            )
+    return rows
 
 
 def _read_json(path: Path) -> dict[str, Any]:

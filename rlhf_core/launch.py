@@ -9,7 +9,7 @@ rank 0 write the stage's returned metrics there as JSON.
 Each rank joins the process group (:func:`rlhf_core.distributed.init_from_env`), runs the
 stage from :data:`rlhf_core.pipeline.STAGES` with the same config and inputs, and trains on
 its share of every global batch; rank 0 alone writes metrics (``metrics.jsonl``),
-checkpoints and the stage's output. Data-parallel stages: ``sft``, ``reward`` and ``ppo``; the others
+checkpoints and the stage's output. Data-parallel stages: ``sft``, ``reward``, ``ppo`` and ``dpo``; the others
 run on one process only.
 """
 
@@ -35,7 +35,7 @@ from .tracking import JsonlTracker, NullTracker, Tracker, replay
 log = logging.getLogger(__name__)
 
 #: Stages whose training splits each global batch over the ranks.
-DATA_PARALLEL = ("sft", "reward", "ppo")
+DATA_PARALLEL = ("sft", "reward", "ppo", "dpo")
 
 
 def nproc_per_node() -> int:

@@ -29,7 +29,10 @@ class Stage:
     Upstream settings reach a stage through its inputs. ``reads(cfg)`` fingerprints what else
     it reads that is not a setting (data files, a model's files, a reward function's source),
     so that a change there re-runs it too. ``run(cfg, input_dirs, out_dir, tracker)`` writes
-    the stage's output into ``out_dir`` and returns its metrics or record.
+    the stage's output into ``out_dir`` and returns its metrics or record. ``branch`` names
+    the method a stage belongs to when the pipeline trains two from the same SFT policy
+    (``"ppo"``: the reward model and PPO; ``"dpo"``): a run that stops at a stage of one branch
+    skips the other (:func:`stages_until`).
     """
 
     name: str
@@ -38,6 +41,7 @@ class Stage:
     run: Callable[[PipelineConfig, list[Path], Path, Tracker], dict[str, Any]]
     ignore: tuple[str, ...] = ()
     reads: Callable[[PipelineConfig], dict[str, Any]] | None = None
+    branch: str | None = None
 
     @property
     def sections(self) -> tuple[str, ...]:
@@ -132,10 +136,24 @@ REWARD_NORM_KEYS = ("reward.normalize", "reward.normalization_split", "reward.no
 REWARD_RUN_KEYS = ("reward.micro_batch_size", "reward.bf16")
 
 
+def _dpo(cfg, inputs, out, tracker):
+    from .dpo import run_dpo
+
+    data, sft = inputs
+    return run_dpo(cfg.dpo, data, sft / "model", out, tracker)
+
+
+def _dpo_eval(cfg, inputs, out, tracker):
+    from .dpo import evaluate_dpo_reward
+
+    data, sft, dpo = inputs
+    return evaluate_dpo_reward(cfg.dpo, cfg.reward, data, dpo / "model", sft / "model", out, tracker)
+
+
 def _evaluation(cfg, inputs, out, tracker):
     from .evaluation import run_evaluation
 
-    data, base, sft, reward, reward_norm, reward_eval, ppo = inputs
+    data, base, sft, reward, reward_norm, reward_eval, ppo, dpo, dpo_eval = inputs
     # Judgements are shared by every run of the stage beside this one: never paid for twice.
     cache = Path(os.environ.get("RLHF_JUDGE_CACHE") or out.parent / "judge_cache.jsonl")
     return run_evaluation(
@@ -148,6 +166,7 @@ def _evaluation(cfg, inputs, out, tracker):
         out,
         tracker,
         cache,
+        dpo_dirs={"dpo": dpo, "dpo_eval": dpo_eval},
     )
 
 
@@ -157,13 +176,24 @@ STAGES: dict[str, Stage] = {
         Stage("data", (), ("data", "model"), _data, reads=_data_reads),
         Stage("base_model", (), ("model",), _base_model, reads=_base_model_reads),
         Stage("sft", ("data", "base_model"), ("sft",), _sft),
-        Stage("reward", ("data", "sft"), ("reward",), _reward, ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS),
-        Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm),
-        Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval),
-        Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo, reads=_ppo_reads),
+        Stage(
+            "reward",
+            ("data", "sft"),
+            ("reward",),
+            _reward,
+            ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS,
+            branch="ppo",
+        ),
+        Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm, branch="ppo"),
+        Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval, branch="ppo"),
+        Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo, reads=_ppo_reads, branch="ppo"),
+        # DPO's implicit reward model is evaluated on the reward model's validation pairs, with
+        # its settings (reward.eval_*), so that the report compares the two pair for pair.
+        Stage("dpo", ("data", "sft"), ("dpo",), _dpo, branch="dpo"),
+        Stage("dpo_eval", ("data", "sft", "dpo"), REWARD_EVAL_KEYS, _dpo_eval, branch="dpo"),
         Stage(
             "evaluation",
-            ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"),
+            ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval"),
             ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
             _evaluation,
             reads=_evaluation_reads,
@@ -234,18 +264,48 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
     return json_digest(payload, length=24)
 
 
-def stage_keys(cfg: PipelineConfig, until: str | None = None) -> dict[str, str]:
-    """``{stage: stage_key}`` for the stages up to ``until`` (default: all), each stage's
-    upstream being its inputs' keys: what ``rlhf run`` compares with a finished stage's marker.
+def needed_stages(name: str) -> set[str]:
+    """Stage ``name`` and every stage it reads, directly or through others."""
+    needed, todo = set(), [name]
+    while todo:
+        s = todo.pop()
+        if s not in needed:
+            needed.add(s)
+            todo.extend(STAGES[s].inputs)
+    return needed
+
+
+def stages_until(until: str | None = None) -> list[str]:
+    """The stages a run that stops after ``until`` runs, in order: every stage up to it in
+    :data:`STAGES`, except those of another branch (``Stage.branch``) that it does not read.
+    So ``until="dpo"`` trains no reward model and ``until="ppo"`` no DPO policy; ``None``:
+    every stage.
 
     Raises:
         KeyError: ``until`` is not a stage.
     """
-    if until is not None and until not in STAGES:
+    names = list(STAGES)
+    if until is None:
+        return names
+    if until not in STAGES:
         raise KeyError(f"no stage {until!r}; the stages are {', '.join(STAGES)}")
+    needed, branch = needed_stages(until), STAGES[until].branch
+    return [
+        s
+        for s in names[: names.index(until) + 1]
+        if s in needed or STAGES[s].branch is None or STAGES[s].branch == branch
+    ]
+
+
+def stage_keys(cfg: PipelineConfig, until: str | None = None) -> dict[str, str]:
+    """``{stage: stage_key}`` for the stages of :func:`stages_until` (default: all), each
+    stage's upstream being its inputs' keys: what ``rlhf run`` compares with a finished
+    stage's marker.
+
+    Raises:
+        KeyError: ``until`` is not a stage.
+    """
     keys: dict[str, str] = {}
-    for name, stage in STAGES.items():
-        keys[name] = stage_key(name, cfg, [keys[dep] for dep in stage.inputs])
-        if name == until:
-            break
+    for name in stages_until(until):
+        keys[name] = stage_key(name, cfg, [keys[dep] for dep in STAGES[name].inputs])
     return keys

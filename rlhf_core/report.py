@@ -41,6 +41,11 @@ DEFAULT_CURVE_KEYS: list[str] = [
     "objective/entropy",
     "policy/clipfrac",
     "response/length_mean",
+    # DPO (rlhf_core.dpo, Figure 6)
+    "dpo/loss",
+    "dpo/accuracy",
+    "dpo/rewards/chosen",
+    "dpo/rewards/rejected",
 ]
 """Metric keys :func:`plot_training_curves` looks for when a stage has no explicit keys."""
 
@@ -56,7 +61,9 @@ DEFAULT_CAPTIONS: dict[str, str] = {
         "fall and reward-model accuracy rise. In PPO, objective/scores (the reward model's score of the "
         "sampled summaries) should rise while objective/kl (the sampled summaries' KL from the SFT policy, "
         "nats per summary) stays moderate: scores rising together with a fast-growing KL suggest the "
-        "policy is exploiting the reward model."
+        "policy is exploiting the reward model. In DPO, dpo/loss should fall from log 2 and dpo/accuracy "
+        "(the implicit reward preferring the chosen summary) rise; the chosen and rejected rewards often "
+        "both fall, the rejected faster (Huang et al. 2024, Figure 6)."
     ),
     "calibration": (
         "Reward-model calibration (Huang et al. 2024, Figure 5): preference pairs binned by the score "

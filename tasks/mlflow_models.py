@@ -5,6 +5,7 @@
   metadata as ``prompt_format``) and returns the summaries. It samples with the pipeline's
   settings (``model_config``), not with the PPO rollout's (PAD suppressed, fixed response
   length: :func:`rlhf_core.generation.generate`).
+- the DPO policy (``rlhf-tldr-dpo-policy``), the same way.
 - the normalised reward model (``rlhf-tldr-reward-model``) as a pyfunc, :class:`RewardModelScorer`:
   ``predict`` takes a DataFrame with the columns ``post`` and ``summary`` (and optionally
   ``subreddit`` and ``title``) and returns a column ``score``, the reward the pipeline gives
@@ -19,6 +20,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import mlflow
@@ -73,13 +75,17 @@ def _requirements() -> list[str]:
 
 
 def save_policy_model(
-    model_dir: str | os.PathLike, path: str | os.PathLike, cfg: PipelineConfig, data_dir: str | os.PathLike
+    model_dir: str | os.PathLike,
+    path: str | os.PathLike,
+    cfg: PipelineConfig,
+    data_dir: str | os.PathLike,
+    method: str = "PPO",
 ) -> None:
     """Write the policy in ``model_dir`` (a causal LM with its tokenizer) to ``path`` as an
     MLflow ``transformers`` model for text generation: at most PPO's response length new tokens
     (``ppo.response_length``, else the SFT response length of the data in ``data_dir``) at
     ``eval.temperature``, only the summary returned; the TL;DR prompt format and the EOS token
-    are in its metadata."""
+    are in its metadata, with ``method`` (``"PPO"`` or ``"DPO"``) naming how it was trained."""
     import json
 
     import mlflow.transformers
@@ -104,7 +110,7 @@ def save_policy_model(
                 "prompt_format": cfg.data.tldr_format.template,
                 "max_query_tokens": cfg.data.tldr_format.max_query_length,
                 "eos_token": tokenizer.eos_token,
-                "source": "rlhf-tldr PPO policy (Huang et al. 2024, arXiv:2403.17031)",
+                "source": f"rlhf-tldr {method} policy (Huang et al. 2024, arXiv:2403.17031)",
             },
             pip_requirements=_requirements(),
         )
@@ -203,4 +209,5 @@ def save_reward_model(
 MLFLOW_MODELS = {
     "ppo": ("rlhf-tldr-policy", save_policy_model),
     "reward_norm": ("rlhf-tldr-reward-model", save_reward_model),
+    "dpo": ("rlhf-tldr-dpo-policy", partial(save_policy_model, method="DPO")),
 }

@@ -29,7 +29,8 @@ FAST = [
     "ppo.total_episodes=8",
     "ppo.eval_max_samples=2",
     "eval.max_samples=4",
-    "eval.max_comparisons=12",
+    "dpo.max_steps=2",
+    "eval.max_comparisons=16",
     "eval.diversity_prompts=1",
     "eval.diversity_samples=2",
     "eval.token_shift_samples=1",
@@ -97,6 +98,7 @@ def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:
         scores = scorer.predict(pd.DataFrame({k: rows[k] for k in ("post", "summary", "subreddit", "title")}))
         policy = mlflow.pyfunc.load_model("models:/rlhf-tldr-policy@latest-pipeline")
         summaries = policy.predict(rows["query"][:2])
+        dpo_policy = mlflow.pyfunc.load_model("models:/rlhf-tldr-dpo-policy@latest-pipeline")
     finally:
         mlflow.set_tracking_uri(None)
         if before is not None:
@@ -111,6 +113,7 @@ def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:
     assert len(summaries) == 2 and all(isinstance(s, str) for s in summaries)
     assert scorer.metadata.get_input_schema().input_names()[:2] == ["post", "summary"]
     assert policy.metadata.metadata["prompt_format"].endswith("TL;DR:")
+    assert "PPO policy" in policy.metadata.metadata["source"] and "DPO policy" in dpo_policy.metadata.metadata["source"]
 
 
 @pytest.mark.slow
@@ -167,7 +170,9 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_pa
     shutil.rmtree(second["stages"]["ppo"]["uri"])
     third, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2")
     s = states(log)
-    assert s.pop("reward_eval") == s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
+    # reward.eval_* also sets which pairs DPO's implicit reward model is evaluated on
+    rerun = [s.pop(name) for name in ("reward_eval", "dpo_eval", "ppo", "evaluation")]
+    assert rerun == ["Completed"] * 4 and set(s.values()) == {"Cached"}
     assert "is missing or incomplete (no MANIFEST.json); running it again" in log
     for stage in ("data", "sft", "reward", "reward_norm"):
         assert third["stages"][stage] == second["stages"][stage]

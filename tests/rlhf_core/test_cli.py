@@ -137,7 +137,29 @@ def test_model_source_keys_follow_the_model_files(tmp_path, monkeypatch):
     assert {s for s in judged_before if judged_before[s] != judged_after[s]} == {"evaluation"}
 
 
-SHORT = ["sft.max_steps=2", "reward.max_steps=2", "ppo.total_episodes=8", "ppo.batch_size=4", "ppo.eval_every=1"]
+SHORT = [
+    "sft.max_steps=2",
+    "reward.max_steps=2",
+    "dpo.max_steps=2",
+    "ppo.total_episodes=8",
+    "ppo.batch_size=4",
+    "ppo.eval_every=1",
+]
+
+
+def test_a_run_that_stops_at_one_method_skips_the_other():
+    """``--until``: every stage up to it, but the PPO branch (reward model and PPO) and the DPO
+    branch leave each other out unless the stage reads both (the evaluation)."""
+    from rlhf_core.pipeline import STAGES, stages_until
+
+    assert stages_until("dpo") == ["data", "base_model", "sft", "dpo"]
+    assert stages_until("dpo_eval") == ["data", "base_model", "sft", "dpo", "dpo_eval"]
+    assert stages_until("ppo") == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo"]
+    assert stages_until("base_model") == ["data", "base_model"]
+    assert stages_until("evaluation") == stages_until(None) == list(STAGES)
+    assert STAGES["evaluation"].inputs[-2:] == ("dpo", "dpo_eval")
+    with pytest.raises(KeyError, match="no stage 'rl'"):
+        stages_until("rl")
 
 
 @pytest.mark.slow
@@ -146,13 +168,25 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["stages", "--preset", "smoke", *SHORT, "--out", str(out)]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert list(summary) == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"]
+    assert list(summary) == [
+        "data",
+        "base_model",
+        "sft",
+        "reward",
+        "reward_norm",
+        "reward_eval",
+        "ppo",
+        "dpo",
+        "dpo_eval",
+        "evaluation",
+    ]
     assert 0 <= summary["sft"]["metrics"]["eval/rougeL"] <= 1
     assert abs(summary["reward_norm"]["metrics"]["normalization/mean_after"]) < 1e-3
     assert 0 <= summary["reward_eval"]["metrics"]["eval/accuracy"] <= 1
     assert "objective/kl" in summary["ppo"]["metrics"]
     ev = summary["evaluation"]["metrics"]
-    for policy in ("base", "sft", "ppo"):
+    assert 0 <= summary["dpo_eval"]["metrics"]["eval/accuracy"] <= 1
+    for policy in ("base", "sft", "ppo", "dpo"):
         assert 0 <= ev[f"eval/{policy}/win_rate"] <= 1 and ev[f"eval/{policy}/win_rate_n_valid"] == 8
         assert (
             ev[f"eval/{policy}/win_rate_ci_low"]
@@ -160,7 +194,7 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
             <= ev[f"eval/{policy}/win_rate_ci_high"]
         )
     judged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
-    assert len(judged) == 24 and {j["policy"] for j in judged} == {"base", "sft", "ppo"}
+    assert len(judged) == 32 and {j["policy"] for j in judged} == {"base", "sft", "ppo", "dpo"}
     assert sum(j["response_wins"] for j in judged if j["policy"] == "ppo") / 8 == ev["eval/ppo/win_rate"]
     html = (out / "evaluation" / "report.html").read_text()
     assert "data:image/png;base64," in html and "token-shift" in html and "Training curves" in html
@@ -172,6 +206,8 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
         "reward_eval/calibration.png",
         "ppo/model/model.safetensors",
         "ppo/value_model/model.safetensors",
+        "dpo/model/model.safetensors",
+        "dpo_eval/calibration.png",
         "ppo/metrics.jsonl",
         "evaluation/report.md",
         "evaluation/length_control.png",
@@ -183,8 +219,8 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     assert [s for s, v in again.items() if not v["reused"]] == ["ppo", "evaluation"]
     # the judge is not asked again about what it has already judged: base and SFT summaries are the same
     rejudged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
-    assert all(j["cached"] and j["attempts"] == 0 for j in rejudged if j["policy"] in ("base", "sft"))
-    assert len((out / "judge_cache.jsonl").read_text().splitlines()) == 24 + sum(not j["cached"] for j in rejudged)
+    assert all(j["cached"] and j["attempts"] == 0 for j in rejudged if j["policy"] in ("base", "sft", "dpo"))
+    assert len((out / "judge_cache.jsonl").read_text().splitlines()) == 32 + sum(not j["cached"] for j in rejudged)
 
 
 def test_console_script_prints_gpu_preset():
@@ -205,13 +241,14 @@ def test_console_script_prints_gpu_preset():
 @pytest.mark.parametrize(
     "override, changed",
     [
-        ("reward.eval_max_samples=3", {"reward_eval", "evaluation"}),
+        ("reward.eval_max_samples=3", {"reward_eval", "dpo_eval", "evaluation"}),
         ("reward.normalization_max_samples=3", {"reward_norm", "reward_eval", "ppo", "evaluation"}),
         ("reward.learning_rate=1e-4", {"reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
         ("eval.title_copy_threshold=0.5", {"evaluation"}),
         ("ppo.temperature=0.9", {"ppo", "evaluation"}),
         ("ppo.non_eos_penalty=-2", {"ppo", "evaluation"}),
-        ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "evaluation"}),
+        ("sft.max_steps=3", {"sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval", "evaluation"}),
+        ("dpo.beta=0.1", {"dpo", "dpo_eval", "evaluation"}),
     ],
 )
 def test_a_setting_changes_the_keys_of_its_stage_and_those_downstream_only(override, changed):

@@ -3,6 +3,11 @@ and the trainer on the smoke stages (one process and 2 gloo ranks)."""
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +111,61 @@ def test_sequence_logprobs_sum_the_response_with_its_eos_not_the_query_or_pad(ti
     assert chosen.tolist() == pytest.approx(got[:2].tolist(), abs=1e-5)
 
 
+def _pairs(pad: int, eos: int, length: int = 12):
+    """Right-padded pairs of one query each: different query lengths, responses that share
+    their first tokens, identical responses, a one-token response (EOS only)."""
+    pairs = [
+        ([5, 6, 7, 8, 9], [10, 11, eos], [12, eos]),
+        ([13, 14], [15, 16, 17, 18, eos], [15, 16, 19, eos]),  # two shared response tokens
+        ([20, 21, 22], [23, eos], [23, eos]),  # identical responses
+        ([24, 25, 26, 27], [eos], [28, 29, 30, eos]),
+    ]
+
+    def row(q, r):
+        return q + r + [pad] * (length - len(q) - len(r))
+
+    chosen = torch.tensor([row(q, c) for q, c, _ in pairs])
+    rejected = torch.tensor([row(q, r) for q, _, r in pairs])
+    return chosen, rejected, torch.tensor([len(q) for q, _, _ in pairs])
+
+
+@pytest.mark.parametrize("checkpointing", [False, "selective", True])
+def test_pair_logprobs_run_the_query_once_and_equal_both_rows_in_full(tiny_llama, checkpointing):
+    """The shared-query pass gives the log-probabilities and gradients of running every row in
+    full; the query goes through the backbone once per pair (not with activation checkpointing,
+    full or selective: transformers keeps no cache in training then, and the full rows run)."""
+    import copy
+
+    from rlhf_core.training import enable_activation_checkpointing
+
+    model = copy.deepcopy(tiny_llama).train()
+    enable_activation_checkpointing(model, checkpointing)
+    pad, eos = 0, 39
+    chosen, rejected, query_lengths = _pairs(pad, eos)
+    shapes = []
+    hook = model.base_model.register_forward_hook(
+        lambda module, args, kwargs, out: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    c, r = pair_logprobs(model, chosen, rejected, query_lengths, pad)
+    hook.remove()
+    full = sequence_logprobs(model, torch.cat([chosen, rejected]), query_lengths.repeat(2), pad)
+    torch.testing.assert_close(c, full[:4], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(r, full[4:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c[2], r[2])
+    if checkpointing:
+        assert shapes[0] == (8, 8)  # full rows, PAD columns past the longest row dropped
+    else:
+        # the prefix once per pair (up to each query's last token: 4 columns for the longest
+        # query), then both rows from there to the token before EOS (pair 2: 5 positions)
+        assert shapes[:2] == [(4, 4), (8, 5)]
+    params = [model.get_input_embeddings().weight, model.model.layers[0].self_attn.q_proj.weight]
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    grads = torch.autograd.grad((weights * (c - r)).sum(), params)
+    expected = torch.autograd.grad((weights * (full[:4] - full[4:])).sum(), params)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
 def _dpo_on_smoke(smoke_stages, out, *overrides: str) -> dict:
     """3 DPO steps of 8 pairs from the smoke model (float32: the 2-rank equality is of float32
     sums in another order); rank 0 records the steps in ``out/metrics.jsonl``."""
@@ -159,8 +219,11 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(smoke_stages, tmp_pa
     _dpo_on_smoke(smoke_stages, tmp_path / "one", "dpo.micro_batch_size=4")
     mp.spawn(_dpo_on_rank, args=(2, str(tmp_path / "store"), smoke_stages, str(tmp_path / "two")), nprocs=2, join=True)
     runs = [[m for _, m in read_metrics(tmp_path / run / "metrics.jsonl") if "dpo/loss" in m] for run in ("one", "two")]
-    for key in ("dpo/loss", "dpo/accuracy", "dpo/rewards/chosen", "dpo/rewards/rejected"):
+    for key in ("dpo/loss", "dpo/rewards/chosen", "dpo/rewards/rejected"):
         assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], rel=1e-4, abs=1e-6), key
+    # at step 1 the policy is the reference: every implicit reward is 0 up to rounding, whose
+    # sign (and so the accuracy) depends on how the micro-batches are cut
+    assert [r["dpo/accuracy"] for r in runs[1][1:]] == [r["dpo/accuracy"] for r in runs[0][1:]]
     weights = [dpo.load_causal_lm(tmp_path / run / "model").state_dict() for run in ("one", "two")]
     for name, tensor in weights[0].items():
         torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-5)
@@ -193,3 +256,62 @@ def test_the_implicit_reward_model_is_evaluated_like_the_reward_model(smoke_stag
     untrained = dpo.evaluate_dpo_reward(*args, smoke_stages / "base", smoke_stages / "base", tmp_path / "eval0")
     assert untrained["eval/reward/chosen/max"] == untrained["eval/reward/chosen/min"] == 0.0
     assert untrained["eval/accuracy"] == 0.0  # a tie is not a correct pair
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    """Kill `rlhf dpo` with SIGKILL after a mid-stage checkpoint; the resumed run ends with the
+    uninterrupted run's weights and per-step metrics, bit for bit."""
+    from safetensors.torch import load_file
+
+    overrides = [
+        "sft.max_steps=1",
+        "sft.eval_max_samples=1",
+        "dpo.num_epochs=2",
+        "dpo.max_steps=12",
+        "dpo.batch_size=4",
+        "dpo.micro_batch_size=2",
+        "dpo.checkpoint_every=2",
+        "reward.eval_max_samples=2",
+    ]
+    exe = str(Path(sys.executable).with_name("rlhf"))
+    env = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}  # oneDNN's reductions, run to run alike
+    killed, clean = tmp_path / "killed", tmp_path / "clean"
+    proc = subprocess.Popen(
+        [exe, "dpo", "--preset", "smoke", *overrides, "--out", str(killed)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    checkpoint = killed / "dpo" / "checkpoints" / "step-000002" / "state.pt"
+    deadline = time.time() + 600
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the stage finished before it could be killed"
+    assert checkpoint.exists() and not (killed / "dpo" / "model").exists()
+    logs = {}
+    for out in (killed, clean):
+        result = subprocess.run(
+            [exe, "dpo", "--preset", "smoke", *overrides, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[out] = result.stderr
+    assert "resumed from" in logs[killed] and "resumed from" not in logs[clean]
+    assert "stage sft: finished earlier with the same config and code, reused" in logs[killed]
+    assert not (killed / "reward").exists()  # the DPO branch trains no reward model
+    a, b = (load_file(str(out / "dpo" / "model" / "model.safetensors")) for out in (killed, clean))
+    assert a.keys() == b.keys()
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+    per_step = [
+        {step: m["dpo/loss"] for step, m in read_metrics(out / "dpo" / "metrics.jsonl") if "dpo/loss" in m}
+        for out in (killed, clean)
+    ]
+    assert per_step[0] == per_step[1] and sorted(per_step[1]) == list(range(1, 13))
+    evaluated = [json.loads((out / "dpo_eval" / "metrics.json").read_text()) for out in (killed, clean)]
+    assert evaluated[0]["eval/accuracy"] == evaluated[1]["eval/accuracy"]

@@ -20,13 +20,13 @@ from tests.stages import link_stages
 
 @pytest.fixture(scope="module")
 def stages(smoke_stages, tmp_path_factory):
-    """Smoke data, a base model (perturbed, standing in for SFT and PPO) and a reward model made from it."""
+    """Smoke data, a base model (perturbed, standing in for SFT, PPO and DPO) and a reward model made from it."""
     cfg = load_config("smoke")
     root = link_stages(smoke_stages, tmp_path_factory.mktemp("evaluation"), data="data", base="base")
     tokenizer = load_data_tokenizer(root / "data")
-    for name in ("sft", "ppo"):
+    for name in ("sft", "ppo", "dpo"):
         model = load_causal_lm(root / "base")
-        torch.manual_seed({"sft": 1, "ppo": 2}[name])
+        torch.manual_seed({"sft": 1, "ppo": 2, "dpo": 3}[name])
         with torch.no_grad():  # a different policy each: perturbed weights
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
@@ -35,6 +35,9 @@ def stages(smoke_stages, tmp_path_factory):
     (root / "reward").mkdir()
     (root / "reward_eval").mkdir()
     (root / "reward_eval" / "metrics.json").write_text(json.dumps({"eval/accuracy": 0.61}))
+    (root / "dpo_eval").mkdir()
+    dpo_accuracy = {"eval/accuracy": 0.5725, "eval/accuracy_ci_low": 0.5236, "eval/accuracy_ci_high": 0.62}
+    (root / "dpo_eval" / "metrics.json").write_text(json.dumps(dpo_accuracy | {"eval/count": 400.0}))
     return cfg, root
 
 
@@ -81,7 +84,7 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
             "eval.judge=anthropic",
             "eval.judge_model=claude-test-judge",
             "eval.max_samples=4",
-            "eval.max_comparisons=12",
+            "eval.max_comparisons=16",
             "eval.diversity_prompts=0",
             "eval.token_shift_samples=1",
         ],
@@ -101,17 +104,19 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
     def evaluate(out):
         reward_dirs = {k: root / k for k in ("reward", "reward_norm", "reward_eval")}
         args = (root / "data", root / "base", root / "sft", reward_dirs, root / "ppo", out)
-        return run_evaluation(cfg, *args, judgement_cache=tmp_path / "cache.jsonl")
+        dpo_dirs = {"dpo": root / "dpo", "dpo_eval": root / "dpo_eval"}
+        return run_evaluation(cfg, *args, judgement_cache=tmp_path / "cache.jsonl", dpo_dirs=dpo_dirs)
 
     with MessagesAPI(handler=judge, api_key="sk-test-secret") as api:
         monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-secret")
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)
         metrics = evaluate(tmp_path / "out")
-        assert len(calls) == 13  # 12 comparisons, one of them retried after the 429
-        for policy in ("base", "sft", "ppo"):
+        assert len(calls) == 17  # 16 comparisons (4 policies x 4 prompts), one retried after the 429
+        for policy in ("base", "sft", "ppo", "dpo"):
             assert metrics[f"eval/{policy}/win_rate"] == 0.0 and metrics[f"eval/{policy}/win_rate_n_valid"] == 4
         rows = [json.loads(line) for line in (tmp_path / "out" / "summaries.jsonl").read_text().splitlines()]
-        for policy in ("base", "sft", "ppo"):  # score: with the EOS trick (ppo.non_eos_penalty); raw_score: without
+        # score: with the EOS trick (ppo.non_eos_penalty); raw_score: without
+        for policy in ("base", "sft", "ppo", "dpo"):
             scores = [r[f"{policy}_raw_score"] if r[f"{policy}_has_eos"] else cfg.ppo.non_eos_penalty for r in rows]
             assert metrics[f"eval/{policy}/score"] == pytest.approx(sum(scores) / 4)
             assert metrics[f"eval/{policy}/raw_score"] == pytest.approx(sum(r[f"{policy}_raw_score"] for r in rows) / 4)
@@ -129,9 +134,13 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         assert "RM score of PPO minus SFT summaries" in report and "accuracy, TL;DR validation comparisons" in report
         assert "claude-test-judge" in report and "sk-test-secret" not in report
         assert "0.0% [0.0, 49.0] (n=4)" in report  # Wilson interval of 0/4
+        # the reward model beside DPO's implicit one, on the same pairs (Detail 19)
+        md = (tmp_path / "out" / "report.md").read_text()
+        assert "| TL;DR validation comparisons | 400 | 61.0% | 57.2% [52.4%, 62.0%] |" in md
+        assert "DPO, post 1" in (tmp_path / "out" / "token_shift.html").read_text()
         # a second run is answered from the judgement cache: no request at all
         evaluate(tmp_path / "out2")
-        assert len(calls) == 13
+        assert len(calls) == 17
     for path in (tmp_path / "out").iterdir():
         if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
             assert "sk-test-secret" not in path.read_text(), path
