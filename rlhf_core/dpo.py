@@ -13,7 +13,6 @@ Detail 3; the query and PAD excluded), in nats, float32.
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -27,7 +26,7 @@ from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
 from .generation import first_true_indices
 from .io import write_json_atomic
-from .models import causal_forward, load_causal_lm, save_pretrained_atomic
+from .models import causal_forward, load_causal_lm, pair_forward, right_padded, save_pretrained_atomic
 from .reward_eval import evaluate_pairs
 from .sft import head_chunking, make_loss_mask
 from .tracking import NullTracker, Tracker
@@ -213,8 +212,8 @@ def pair_logprobs(
     common prefix (its query, but for the last query token, whose hidden state predicts the
     first response token) gives both rows the same keys and values. The prefix runs once; each
     row's tokens from there to the one before its EOS then run against that prefix's key/value
-    cache, chosen and rejected side by side, as :func:`rlhf_core.reward.pair_scores` does for
-    the reward model. Log-probabilities and gradients equal :func:`sequence_logprobs` on
+    cache, chosen and rejected side by side (:func:`rlhf_core.models.pair_forward`), as
+    :func:`rlhf_core.reward.pair_scores` does for the reward model. Log-probabilities and gradients equal :func:`sequence_logprobs` on
     ``torch.cat([chosen, rejected])`` up to kernel rounding, for a little over half of the
     backbone's work when responses are short next to their queries, as in TL;DR. Rows that are
     not right-padded, a row with no response token, models with activation checkpointing
@@ -230,56 +229,35 @@ def pair_logprobs(
         ``(chosen_logps, rejected_logps)``, each ``(batch,)`` float32, in nats.
     """
     batch, length = chosen.shape
-    device = chosen.device
-    eos = torch.stack([first_true_indices(chosen == pad_token_id), first_true_indices(rejected == pad_token_id)], 1) - 1
+    (chosen_ok, chosen_eos), (rejected_ok, rejected_eos) = (
+        right_padded(chosen, pad_token_id),
+        right_padded(rejected, pad_token_id),
+    )
+    eos = torch.stack([chosen_eos, rejected_eos], 1)  # (batch, 2)
     common = first_true_indices((chosen != rejected) | (chosen == pad_token_id))
     # every hidden state that predicts a response token is computed in the second pass
     prefix = torch.minimum(common, query_lengths - 1)  # (batch,)
-    width = int(prefix.max()) if batch else 0
-    positions = torch.arange(length, device=device)
-    right_padded = bool(
-        ((chosen != pad_token_id) == (positions < (eos[:, 0] + 1)[:, None])).all()
-        and ((rejected != pad_token_id) == (positions < (eos[:, 1] + 1)[:, None])).all()
-    )
-    has_response = bool((eos >= query_lengths[:, None]).all())
-    backbone = model.base_model
     if (
-        width == 0
-        or not right_padded
-        or not has_response
-        or getattr(backbone, "gradient_checkpointing", False)
+        not batch
+        or int(prefix.max()) == 0
+        or not bool(chosen_ok.all() and rejected_ok.all())
+        or not bool((eos >= query_lengths[:, None]).all())  # a row without a response token
+        or getattr(model.base_model, "gradient_checkpointing", False)
         or is_sharded(model)
     ):
         logps = sequence_logprobs(model, torch.cat([chosen, rejected]), query_lengths.repeat(2), pad_token_id)
         return logps[:batch], logps[batch:]
-    prefix_out = backbone(input_ids=chosen[:, :width], use_cache=True)  # plain causal attention
-    # transformers >= 5.2x names the key/value cache `cache`; `past_key_values` before (removed in 5.40)
-    new_name = "cache" in inspect.signature(backbone.forward).parameters
-    cache = prefix_out.cache if new_name else prefix_out.past_key_values
-    cache.batch_repeat_interleave(2)  # rows (chosen_0, rejected_0, chosen_1, ...)
-    rows = torch.stack([chosen, rejected], 1).reshape(2 * batch, length)
-    start = prefix.repeat_interleave(2)  # (2 * batch,)
-    n_suffix = eos.reshape(-1) - start  # >= 1: from the end of the prefix to the token before EOS
-    offsets = torch.arange(int(n_suffix.max()), device=device)
-    index = start[:, None] + offsets  # (2 * batch, suffix): positions, each < length - 1
-    valid = offsets < n_suffix[:, None]
-    index = index.masked_fill(~valid, 0)
-    input_ids = torch.gather(rows, 1, index).masked_fill(~valid, 0)
-    attention_mask = torch.cat([torch.arange(width, device=device) < start[:, None], valid], 1).long()
-    hidden = backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=index,
-        use_cache=True,
-        **{"cache" if new_name else "past_key_values": cache},
-    ).last_hidden_state  # (2 * batch, suffix, d_model)
+    # from the end of the prefix to the token before EOS: the positions that predict a response token
+    hidden, positions, valid = pair_forward(model.base_model, chosen, rejected, prefix, eos)
     # the hidden state at position p predicts token p + 1: a target from the query's end to EOS
-    target_mask = valid & (index + 1 >= query_lengths.repeat_interleave(2)[:, None])
-    targets = torch.gather(rows, 1, (index + 1).clamp(max=length - 1))[target_mask]
+    rows = torch.stack([chosen, rejected], 1).reshape(2 * batch, length)
+    target_mask = valid & (positions + 1 >= query_lengths.repeat_interleave(2)[:, None])
+    targets = torch.gather(rows, 1, (positions + 1).clamp(max=length - 1))[target_mask]
     head = model.get_output_embeddings()
     logps = linear_logprobs(hidden[target_mask], head.weight, targets, getattr(head, "bias", None))
-    row_of = torch.arange(2 * batch, device=device)[:, None].expand_as(target_mask)[target_mask]
-    summed = torch.zeros(2 * batch, dtype=torch.float32, device=device).index_add(0, row_of, logps).view(batch, 2)
+    row_of = torch.arange(2 * batch, device=chosen.device)[:, None].expand_as(target_mask)[target_mask]
+    summed = torch.zeros(2 * batch, dtype=torch.float32, device=chosen.device).index_add(0, row_of, logps)
+    summed = summed.view(batch, 2)
     return summed[:, 0], summed[:, 1]
 
 

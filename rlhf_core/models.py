@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import logging
 import os
 import time
@@ -389,3 +390,71 @@ def causal_forward(
     index = gather.view(batch, width, *([1] * (out.dim() - 2))).expand_as(out)
     keep = (positions[None, :width] < n_real[:, None]).view(batch, width, *([1] * (out.dim() - 2)))
     return rotated_back.scatter(1, index, out * keep)
+
+
+# ---------------------------------------------------------------- pairs sharing their query
+
+
+def right_padded(rows: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Whether each row of ``rows`` ``(batch, length)`` is its tokens followed only by PAD.
+
+    Returns:
+        ``(is_right_padded, last)``: ``(batch,)`` bool, and ``(batch,)`` long, the index of
+        each row's last token before its first PAD (``-1`` when the row starts with PAD).
+    """
+    last = first_true_indices(rows == pad_token_id) - 1
+    positions = torch.arange(rows.size(1), device=rows.device)
+    return ((rows != pad_token_id) == (positions < (last + 1)[:, None])).all(1), last
+
+
+def pair_forward(
+    backbone: nn.Module, chosen: torch.Tensor, rejected: torch.Tensor, prefix: torch.Tensor, ends: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backbone's hidden states of a pair's two rows, running the tokens they share once.
+
+    A causal model's hidden state at a token depends only on the tokens before it, so tokens
+    that two rows share from their start (a pair's query) give both the same keys and values.
+    The first ``prefix[i]`` tokens of pair ``i`` run once, with plain causal attention; each
+    row's tokens from there up to (not including) its end then run against that prefix's
+    key/value cache, the pair's two rows side by side. Used by the reward model's
+    :func:`rlhf_core.reward.pair_scores` and DPO's :func:`rlhf_core.dpo.pair_logprobs`; the
+    caller checks that the rows share their first ``prefix`` tokens and that the backbone can
+    build a cache (no activation checkpointing in training).
+
+    Args:
+        backbone: a transformers decoder (``model.base_model``).
+        chosen, rejected: ``(batch, length)`` token ids.
+        prefix: ``(batch,)`` long, the shared tokens to run once, at least 1 somewhere.
+        ends: ``(batch, 2)`` long, the exclusive end position of each row's second pass, each
+            above ``prefix``: ``ends[:, 0]`` for ``chosen``, ``ends[:, 1]`` for ``rejected``.
+
+    Returns:
+        ``(hidden, positions, valid)``: hidden states ``(2 * batch, width, d_model)`` of rows
+        ``chosen_0, rejected_0, chosen_1, ...``, each at the positions ``(2 * batch, width)``
+        from its pair's ``prefix`` on; ``valid`` ``(2 * batch, width)`` bool marks the
+        positions before the row's end (the others hold position 0 and are to be ignored).
+    """
+    batch, length = chosen.shape
+    device = chosen.device
+    width = int(prefix.max())
+    prefix_out = backbone(input_ids=chosen[:, :width], use_cache=True)
+    # transformers >= 5.2x names the key/value cache `cache`; `past_key_values` before (removed in 5.40)
+    new_name = "cache" in inspect.signature(backbone.forward).parameters
+    cache = prefix_out.cache if new_name else prefix_out.past_key_values
+    cache.batch_repeat_interleave(2)  # rows (chosen_0, rejected_0, chosen_1, ...)
+    rows = torch.stack([chosen, rejected], 1).reshape(2 * batch, length)
+    start = prefix.repeat_interleave(2)  # (2 * batch,)
+    n_suffix = ends.reshape(-1) - start  # (2 * batch,), each >= 1
+    offsets = torch.arange(int(n_suffix.max()), device=device)
+    valid = offsets < n_suffix[:, None]
+    positions = (start[:, None] + offsets).masked_fill(~valid, 0)
+    input_ids = torch.gather(rows, 1, positions).masked_fill(~valid, 0)
+    attention_mask = torch.cat([torch.arange(width, device=device) < start[:, None], valid], 1).long()
+    hidden = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        **{"cache" if new_name else "past_key_values": cache},
+    ).last_hidden_state
+    return hidden, positions, valid

@@ -26,7 +26,6 @@ PAD, the EOS of a finished summary; Detail 12).
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
@@ -51,7 +50,7 @@ from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
 from .generation import ends_with_eos, first_true_indices, last_token_indices, trim_left_padding
 from .io import write_json_atomic
-from .models import DTYPES, causal_forward, disable_dropout, save_pretrained_atomic
+from .models import DTYPES, causal_forward, disable_dropout, pair_forward, right_padded, save_pretrained_atomic
 from .ppo import apply_eos_trick
 from .tracking import NullTracker, Tracker
 from .training import (
@@ -246,7 +245,7 @@ def pair_scores(
     common prefix of a pair (its query, plus any identical first response tokens) gives the
     same keys and values in both rows. The prefix runs once, without an attention mask; each
     row's remaining tokens up to its EOS then run against that prefix's key/value cache, with
-    the pair's two rows side by side. Scores and gradients equal those of
+    the pair's two rows side by side (:func:`rlhf_core.models.pair_forward`). Scores and gradients equal those of
     :func:`get_reward` on ``torch.cat([chosen, rejected])`` (Details 12, 14) up to kernel
     rounding, for about half of the forward and backward work when responses are short
     next to their queries, as in TL;DR. Rows that are not right-padded, pairs that share
@@ -263,42 +262,27 @@ def pair_scores(
         ``(chosen_scores, rejected_scores)``, each ``(batch,)`` float32, read at each row's EOS
         (the index before its first PAD).
     """
-    batch, length = chosen.shape
-    eos = torch.stack([first_true_indices(chosen == pad_token_id), first_true_indices(rejected == pad_token_id)], 1) - 1
+    batch = chosen.size(0)
+    (chosen_ok, chosen_eos), (rejected_ok, rejected_eos) = (
+        right_padded(chosen, pad_token_id),
+        right_padded(rejected, pad_token_id),
+    )
+    eos = torch.stack([chosen_eos, rejected_eos], 1)  # (batch, 2)
     common = first_true_indices((chosen != rejected) | (chosen == pad_token_id))
     prefix = torch.minimum(common, eos.min(1).values)  # (batch,): at least each row's EOS runs in the second pass
-    width = int(prefix.max()) if batch else 0
-    positions = torch.arange(length, device=chosen.device)
-    right_padded = bool(
-        ((chosen != pad_token_id) == (positions < (eos[:, 0] + 1)[:, None])).all()
-        and ((rejected != pad_token_id) == (positions < (eos[:, 1] + 1)[:, None])).all()
-    )
     checkpointing = getattr(model.backbone, "gradient_checkpointing", False)
-    if width == 0 or not right_padded or bool(eos.min() < 0) or checkpointing or is_sharded(model):
+    if (
+        not batch
+        or int(prefix.max()) == 0
+        or not bool(chosen_ok.all() and rejected_ok.all())
+        or bool(eos.min() < 0)
+        or checkpointing
+        or is_sharded(model)
+    ):
         _, scores, _ = get_reward(model, torch.cat([chosen, rejected]), pad_token_id)
         return scores[:batch], scores[batch:]
-    prefix_out = model.backbone(input_ids=chosen[:, :width], use_cache=True)  # plain causal attention
-    # transformers >= 5.2x names the key/value cache `cache`; `past_key_values` before (removed in 5.40)
-    new_name = "cache" in inspect.signature(model.backbone.forward).parameters
-    cache = prefix_out.cache if new_name else prefix_out.past_key_values
-    cache.batch_repeat_interleave(2)  # rows (chosen_0, rejected_0, chosen_1, ...)
-    rows = torch.stack([chosen, rejected], 1).reshape(2 * batch, length)
-    start = prefix.repeat_interleave(2)  # (2 * batch,)
-    n_suffix = eos.reshape(-1) + 1 - start  # >= 1: from the end of the prefix to the EOS
-    suffix_width = int(n_suffix.max())
-    offsets = torch.arange(suffix_width, device=chosen.device)
-    index = (start[:, None] + offsets).clamp(max=length - 1)
-    valid = offsets < n_suffix[:, None]
-    input_ids = torch.gather(rows, 1, index).masked_fill(~valid, 0)
-    attention_mask = torch.cat([torch.arange(width, device=chosen.device) < start[:, None], valid], 1).long()
-    hidden = model.backbone(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=index,
-        use_cache=True,
-        **{"cache" if new_name else "past_key_values": cache},
-    ).last_hidden_state
-    last = hidden[torch.arange(2 * batch, device=chosen.device), n_suffix - 1]  # (2 * batch, hidden): each EOS
+    hidden, _, valid = pair_forward(model.backbone, chosen, rejected, prefix, eos + 1)
+    last = hidden[torch.arange(2 * batch, device=chosen.device), valid.sum(1) - 1]  # (2 * batch, hidden): each EOS
     scores = model.head(last).squeeze(-1).float().view(batch, 2)
     return scores[:, 0], scores[:, 1]
 

@@ -1,6 +1,16 @@
-"""Helpers for tests that build on the session's smoke stage outputs (``smoke_stages`` in conftest)."""
+"""Helpers for tests that build on the session's smoke stage outputs (``smoke_stages`` in
+conftest), and for the kill-and-resume tests of the trainers."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+# Bitwise equality needs MKL's strict reproducibility mode: by default its matrix products may
+# round differently with the memory alignment of their operands, which varies from run to run.
+BITWISE_ENV = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}
 
 
 def link_stages(smoke_stages: Path, root: Path, **names: str) -> Path:
@@ -9,3 +19,32 @@ def link_stages(smoke_stages: Path, root: Path, **names: str) -> Path:
     for name, target in names.items():
         (root / name).symlink_to(smoke_stages / target, target_is_directory=True)
     return root
+
+
+def kill_then_resume(command: str, stage: str, overrides: list[str], root: Path, step: int = 2) -> dict[str, str]:
+    """Run ``rlhf COMMAND --preset smoke OVERRIDES`` into ``root/killed``, SIGKILL it once stage
+    ``stage`` has written its checkpoint of step ``step``, run it again there (it resumes) and
+    once, uninterrupted, into ``root/clean``, both under :data:`BITWISE_ENV`.
+
+    Returns:
+        ``{"killed": stderr, "clean": stderr}`` of the two complete runs; each exited 0, the
+        killed one died of SIGKILL after that checkpoint and before the stage's ``model``.
+    """
+    exe = str(Path(sys.executable).with_name("rlhf"))
+    argv = [exe, command, "--preset", "smoke", *overrides, "--out"]
+    killed = root / "killed"
+    proc = subprocess.Popen([*argv, str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=BITWISE_ENV)
+    checkpoint = killed / stage / "checkpoints" / f"step-{step:06d}" / "state.pt"
+    deadline = time.time() + 600
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL, "the stage finished before it could be killed"
+    assert checkpoint.exists() and not (killed / stage / "model").exists()
+    logs = {}
+    for name in ("killed", "clean"):
+        result = subprocess.run([*argv, str(root / name)], capture_output=True, text=True, env=BITWISE_ENV, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs[name] = result.stderr
+    assert "resumed from" in logs["killed"] and "resumed from" not in logs["clean"]
+    return logs

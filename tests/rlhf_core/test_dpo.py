@@ -3,11 +3,6 @@ and the trainer on the smoke stages (one process and 2 gloo ranks)."""
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +16,7 @@ from rlhf_core.config import load_config
 from rlhf_core.distributed import world
 from rlhf_core.dpo import dpo_loss, implicit_reward, linear_logprobs, pair_logprobs, sequence_logprobs
 from rlhf_core.tracking import JsonlTracker, NullTracker, read_metrics
+from tests.stages import kill_then_resume
 
 
 def test_dpo_loss_on_a_hand_worked_example():
@@ -274,35 +270,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         "dpo.checkpoint_every=2",
         "reward.eval_max_samples=2",
     ]
-    exe = str(Path(sys.executable).with_name("rlhf"))
-    env = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}  # oneDNN's reductions, run to run alike
+    logs = kill_then_resume("dpo", "dpo", overrides, tmp_path)
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    proc = subprocess.Popen(
-        [exe, "dpo", "--preset", "smoke", *overrides, "--out", str(killed)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-    )
-    checkpoint = killed / "dpo" / "checkpoints" / "step-000002" / "state.pt"
-    deadline = time.time() + 600
-    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the stage finished before it could be killed"
-    assert checkpoint.exists() and not (killed / "dpo" / "model").exists()
-    logs = {}
-    for out in (killed, clean):
-        result = subprocess.run(
-            [exe, "dpo", "--preset", "smoke", *overrides, "--out", str(out)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=900,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        logs[out] = result.stderr
-    assert "resumed from" in logs[killed] and "resumed from" not in logs[clean]
-    assert "stage sft: finished earlier with the same config and code, reused" in logs[killed]
+    assert "stage sft: finished earlier with the same config and code, reused" in logs["killed"]
     assert not (killed / "reward").exists()  # the DPO branch trains no reward model
     a, b = (load_file(str(out / "dpo" / "model" / "model.safetensors")) for out in (killed, clean))
     assert a.keys() == b.keys()

@@ -1,9 +1,4 @@
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +12,7 @@ from rlhf_core.models import build_random_model
 from rlhf_core.sft import linear_cross_entropy_sum, make_loss_mask, masked_token_loss, run_sft, sft_loss_sum
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import native_bf16
+from tests.stages import kill_then_resume
 
 PAD, EOS = 0, 9
 TINY = RandomInitConfig(
@@ -202,11 +198,6 @@ def test_response_only_loss_option(smoke_inputs, tmp_path):
     assert a["train/loss"] != b["train/loss"]
 
 
-# Bitwise equality needs MKL's strict reproducibility mode: by default its matrix products may
-# round differently with the memory alignment of their operands, which varies from run to run.
-_BITWISE_ENV = {**os.environ, "MKL_CBWR": "AUTO,STRICT"}
-
-
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     """Kill `rlhf sft` with SIGKILL after a mid-stage checkpoint; the resumed run ends with identical weights."""
@@ -217,34 +208,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         "sft.checkpoint_every=2",
         "sft.eval_max_samples=1",
     ]
-    exe = str(Path(sys.executable).with_name("rlhf"))
+    logs = kill_then_resume("sft", "sft", overrides, tmp_path)
     killed_dir, clean_dir = tmp_path / "killed", tmp_path / "clean"
-    proc = subprocess.Popen(
-        [exe, "sft", "--preset", "smoke", *overrides, "--out", str(killed_dir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=_BITWISE_ENV,
-    )
-    checkpoint = killed_dir / "sft" / "checkpoints" / "step-000002" / "state.pt"
-    deadline = time.time() + 300
-    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL, "the stage finished before it could be killed"
-    assert checkpoint.exists() and not (killed_dir / "sft" / "model").exists()
-    logs = {}
-    for out in (killed_dir, clean_dir):
-        result = subprocess.run(
-            [exe, "sft", "--preset", "smoke", *overrides, "--out", str(out)],
-            capture_output=True,
-            text=True,
-            env=_BITWISE_ENV,
-            timeout=600,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        logs[out] = result.stderr
-    assert "resumed from" in logs[killed_dir] and "resumed from" not in logs[clean_dir]
-    assert "stage data: finished earlier with the same config and code, reused" in logs[killed_dir]
+    assert "stage data: finished earlier with the same config and code, reused" in logs["killed"]
     resumed, clean = _weights(killed_dir / "sft" / "model"), _weights(clean_dir / "sft" / "model")
     assert resumed.keys() == clean.keys()
     for k in clean:
