@@ -9,11 +9,11 @@ train on, in our batch order, as plain token-id lists (``rows-<stage>.json``) fo
 prints ``BENCH_RESULT {...}`` with the resolved settings (learning rates, lengths, paths) so the
 TRL side gets the same numbers.
 
-``run`` times one stage through our public entry points: ``run_sft`` and
-``run_reward_training`` (a tracker records the time at the end of every optimiser step and stops
-the stage after the last one, so the post-training save and evaluation are neither run nor
-timed), and ``run_ppo`` likewise, its evaluation and checkpoints set beyond the timed updates.
-It prints ``BENCH_RESULT {...}``.
+``run`` times one stage through our public entry points: ``run_sft``, ``run_reward_training``
+and ``run_dpo`` (from the base model, as the reward stage; a tracker records the time at the end
+of every optimiser step and stops the stage after the last one, so the post-training save and
+evaluation are neither run nor timed), and ``run_ppo`` likewise, its evaluation and checkpoints
+set beyond the timed updates. It prints ``BENCH_RESULT {...}``.
 """
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ def _config(spec: dict):
 
 
 # ------------------------------------------------------------------------------ prep
+
+
+def dpo_rows(chosen: list[list[int]], rejected: list[list[int]], query_lengths: list[int], max_length: int) -> dict:
+    """Split unpadded query+response rows into the shared prompt and the two responses (TRL's
+    ``prompt_ids``, ``chosen_ids``, ``rejected_ids``: responses without the query, EOS kept)."""
+    prompts, chosen_resp, rejected_resp = [], [], []
+    for c, r, q in zip(chosen, rejected, query_lengths):
+        if c[:q] != r[:q] or q >= len(c) or q >= len(r) or max(len(c), len(r)) > max_length:
+            raise SystemExit(
+                f"dpo: a pair does not share its {q}-token query, lacks a response or exceeds {max_length}"
+            )
+        prompts.append(c[:q])
+        chosen_resp.append(c[q:])
+        rejected_resp.append(r[q:])
+    return {"prompt_ids": prompts, "chosen_ids": chosen_resp, "rejected_ids": rejected_resp, "max_length": max_length}
 
 
 def prep(spec: dict) -> dict:
@@ -67,8 +82,8 @@ def prep(spec: dict) -> dict:
     for stage, s in spec["stages"].items():
         steps, batch = s["steps"], s["batch_size"]
         info: dict = {"rows": str(work / f"rows-{stage}.json")}
-        if stage in ("sft", "reward"):
-            section = cfg.sft if stage == "sft" else cfg.reward
+        if stage in ("sft", "reward", "dpo"):
+            section = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo}[stage]
             split = sft["train"] if stage == "sft" else pref["train"]
             per_epoch = max(1, len(split) // batch)
             epochs = math.ceil(steps / per_epoch)
@@ -84,11 +99,15 @@ def prep(spec: dict) -> dict:
                 sel = split.select(flat)
                 chosen = [unpad(r) for r in sel["query_chosen_token"]]
                 rejected = [unpad(r) for r in sel["query_rejected_token"]]
-                rows = {
-                    "chosen_ids": chosen,
-                    "rejected_ids": rejected,
-                    "max_length": stats["padded_lengths"]["rm_query_response"]["tldr"],
-                }
+                max_length = stats["padded_lengths"]["rm_query_response"]["tldr"]
+                if stage == "reward":
+                    rows = {"chosen_ids": chosen, "rejected_ids": rejected, "max_length": max_length}
+                else:
+                    rows = dpo_rows(chosen, rejected, list(sel["query_token_len"]), max_length)
+                    info["dpo"] = {"beta": cfg.dpo.beta}
+                    info["responses_ending_with_eos"] = sum(
+                        r[-1] == out["eos_token_id"] for r in rows["chosen_ids"] + rows["rejected_ids"]
+                    ) / (2 * len(chosen))
                 lengths = [len(c) + len(r) for c, r in zip(chosen, rejected)]
             rows["tokens_per_step"] = [sum(lengths[k * batch : (k + 1) * batch]) for k in range(steps)]
             # what each side pads to: ours the dataset-wide padded length, TRL the longest row of a micro-batch
@@ -218,20 +237,25 @@ def run(spec: dict) -> dict:
     cfg = _config(spec)
     stage, steps = spec["stage"], spec["steps"]
     out_dir = Path(spec["out_dir"])
-    section = {"sft": cfg.sft, "reward": cfg.reward, "ppo": cfg.ppo}[stage]
+    section = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo, "ppo": cfg.ppo}[stage]
     result: dict = {"side": "ours", "stage": stage, "gradient_checkpointing": section.gradient_checkpointing}
     t_load = time.perf_counter()
-    if stage in ("sft", "reward"):
+    if stage in ("sft", "reward", "dpo"):
         clock = _StepClock(steps)
         try:
             if stage == "sft":
                 from rlhf_core.sft import run_sft
 
                 run_sft(cfg.sft, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
-            else:
+            elif stage == "reward":
                 from rlhf_core.reward import run_reward_training
 
                 run_reward_training(cfg.reward, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
+            else:
+                from rlhf_core.dpo import run_dpo
+
+                # the base model stands in for the SFT policy: policy and frozen reference start from it
+                run_dpo(cfg.dpo, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
         except _Done:
             pass
         if len(clock.ends) != steps:

@@ -5,16 +5,16 @@ imported by the project. It imports only torch, transformers, datasets and trl (
 not installed in ``.venv-trl``), reads plain paths and numbers from the JSON spec, and prints one
 line ``BENCH_RESULT {...}`` on stdout with its timings.
 
-Spec keys: ``stage`` (sft, reward, ppo), ``model_dir`` (HF causal LM), ``tokenizer_dir``,
+Spec keys: ``stage`` (sft, reward, dpo, ppo), ``model_dir`` (HF causal LM), ``tokenizer_dir``,
 ``rows`` (JSON file written by the benchmark's preparation step), ``steps``, ``batch_size``,
 ``micro_batch_size``, ``threads``, ``device`` (cpu, cuda), ``bf16``, ``seed``, ``out_dir``, and
-the optimiser and PPO settings (``learning_rate``, ``adam_eps``, ``weight_decay``, ``scheduler``,
-``ppo``: {...}).
+the optimiser, DPO and PPO settings (``learning_rate``, ``adam_eps``, ``weight_decay``,
+``scheduler``, ``dpo``: {``beta``}, ``ppo``: {...}).
 
-Timing: a callback takes ``time.perf_counter()`` at the end of every optimiser step (SFT, reward)
-or PPO update; with two or more steps the first is the warm-up and the rate is taken from the end
-of step 1 to the end of the last step. With one step, it is timed from its start (SFT, reward:
-``on_step_begin``; PPO: ``on_train_begin``) and reported as such.
+Timing: a callback takes ``time.perf_counter()`` at the end of every optimiser step (SFT, reward,
+DPO) or PPO update; with two or more steps the first is the warm-up and the rate is taken from
+the end of step 1 to the end of the last step. With one step, it is timed from its start (SFT,
+reward, DPO: ``on_step_begin``; PPO: ``on_train_begin``) and reported as such.
 """
 
 from __future__ import annotations
@@ -43,14 +43,16 @@ def _marks_callback(marks: dict):
 
 
 class _DtypeProbe:
-    """Records the output dtype of one linear layer's first training forward pass (autocast check)."""
+    """Records the output dtype of one linear layer's first training forward pass (autocast check);
+    with ``training_only=False`` its first forward pass in any mode (a frozen reference model)."""
 
-    def __init__(self, module):
+    def __init__(self, module, training_only: bool = True):
         self.dtype = None
+        self.training_only = training_only
         self.handle = module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output):
-        if self.dtype is None and module.training:
+        if self.dtype is None and (module.training or not self.training_only):
             self.dtype = str(output.dtype).replace("torch.", "")
             self.handle.remove()
 
@@ -147,6 +149,61 @@ def run_reward(spec: dict, rows: dict, out_dir: str, marks: dict):
     return trainer, model
 
 
+#: the pre-tokenised columns DPOTrainer's collator reads (responses without the query, EOS kept)
+DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+
+
+def run_dpo(spec: dict, rows: dict, out_dir: str, marks: dict):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    class PreTokenizedDPOTrainer(DPOTrainer):
+        """TRL 1.12's DPOTrainer always extracts a text prompt, appends the EOS text and tokenises
+        (``_prepare_dataset``); its collator then reads only ``prompt_ids``, ``chosen_ids`` and
+        ``rejected_ids``. Our rows are those columns already (responses ending with our EOS), so
+        they go to the collator as they are: no re-tokenisation, no added BOS or EOS."""
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype="float32")
+    ref_model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype="float32").eval()
+    ref_model.requires_grad_(False)  # frozen, as ours
+    max_length = rows["max_length"]
+    longest = max(len(p) + max(len(c), len(r)) for p, c, r in zip(*(rows[k] for k in DPO_COLUMNS)))
+    if longest > max_length:
+        raise RuntimeError(f"a row of {longest} tokens would be truncated to max_length {max_length}")
+    dataset = Dataset.from_dict({k: rows[k] for k in DPO_COLUMNS})
+    args = DPOConfig(
+        **_common_args(spec, out_dir),
+        max_steps=spec["steps"],
+        max_length=max_length,  # our padded length: nothing is truncated (checked above)
+        truncation_mode="keep_start",
+        padding_free=False,
+        pad_to_multiple_of=max_length if spec.get("trl_pad_to_max") else None,
+        loss_type=["sigmoid"],
+        beta=spec["dpo"]["beta"],
+        precompute_ref_log_probs=False,  # reference log-probs per micro-batch, as ours
+        use_weighting=False,
+        ld_alpha=None,
+        sync_ref_model=False,
+        use_liger_kernel=False,
+        disable_dropout=True,
+        train_sampling_strategy="sequential",
+    )
+    trainer = PreTokenizedDPOTrainer(
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[_marks_callback(marks)],
+    )
+    return trainer, model
+
+
 def run_ppo(spec: dict, rows: dict, out_dir: str, marks: dict):
     from datasets import Dataset
     from torch.utils.data import DataLoader
@@ -239,15 +296,23 @@ def main() -> None:
     marks: dict = {}
     with tempfile.TemporaryDirectory(prefix=f"trl-{spec['stage']}-") as out_dir:
         t_load = time.perf_counter()
-        trainer, model = {"sft": run_sft, "reward": run_reward, "ppo": run_ppo}[spec["stage"]](
+        trainer, model = {"sft": run_sft, "reward": run_reward, "dpo": run_dpo, "ppo": run_ppo}[spec["stage"]](
             spec, rows, out_dir, marks
         )
         load_seconds = time.perf_counter() - t_load
         probe = _DtypeProbe(_first_linear(model.model if hasattr(model, "model") else model))
+        ref_probe = None
+        if spec["stage"] == "dpo":  # the frozen reference runs in eval mode, under the same autocast
+            ref_probe = _DtypeProbe(_first_linear(trainer.ref_model), training_only=False)
         device_type = "cuda" if spec["device"] == "cuda" else "cpu"
         trainer.train()
     if spec["bf16"] and probe.dtype != "bfloat16":
         raise RuntimeError(f"bf16 requested but a linear layer computed in {probe.dtype}")
+    if spec["bf16"] and ref_probe is not None and ref_probe.dtype != "bfloat16":
+        raise RuntimeError(f"bf16 requested but a reference model's linear layer computed in {ref_probe.dtype}")
+    counted = getattr(trainer, "_total_train_tokens", None)  # DPOTrainer sums each micro-batch's attention mask
+    if spec["stage"] == "dpo" and counted != sum(rows["tokens_per_step"]):
+        raise RuntimeError(f"DPOTrainer saw {counted} tokens, the rows hold {sum(rows['tokens_per_step'])}")
     ends = marks.get("step_end", [])
     if len(ends) != spec["steps"]:
         raise RuntimeError(f"expected {spec['steps']} step ends, got {len(ends)}")
@@ -269,6 +334,8 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
     }
+    if ref_probe is not None:
+        result.update(ref_autocast_linear_dtype=ref_probe.dtype, trl_counted_tokens=counted)
     if device_type == "cuda":
         result["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     print("BENCH_RESULT " + json.dumps(result), flush=True)

@@ -1,4 +1,4 @@
-"""Training speed of this project's SFT, reward-model and PPO stages against TRL, at identical settings.
+"""Training speed of this project's SFT, reward-model, DPO and PPO stages against TRL, at identical settings.
 
 Benchmark against TRL
 ---------------------
@@ -8,6 +8,8 @@ TRL runs from its own virtual environment, ``.venv-trl`` (never installed into `
     make bench-trl                         # = .venv/bin/python benchmarks/vs_trl.py --setting smoke
     make bench-trl BENCH_ARGS="--setting smollm2 --stages sft,reward --steps 3 --repeats 3"
     .venv/bin/python benchmarks/vs_trl.py --setting smollm2 --stages ppo --steps 2 --repeats 1
+    .venv/bin/python benchmarks/vs_trl.py --setting smollm2 --stages dpo --steps 3 --repeats 2 --fp32 \
+        --out benchmarks/results/vs_trl-smollm2-dpo-fp32.json
     .venv/bin/python benchmarks/vs_trl.py --setting smollm2 --device cuda --peak-tflops 989
 
 Prints a table (stage | ours | TRL | ratio | our peak MB | TRL peak MB | ratio) and writes a JSON
@@ -15,36 +17,43 @@ file (default ``benchmarks/results/vs_trl-<setting>.json``) with every raw run, 
 versions (torch, transformers, trl), threads and date.
 
 Settings: ``smoke`` is the ``smoke`` preset (a tiny random 2-layer Llama around the real SmolLM2
-tokenizer, queries up to 256 tokens; batches as in the preset: SFT 8/4, reward 8/4, PPO 8/4).
-``smollm2`` is the ``cpu-demo`` preset's model and data (SmolLM2-135M-Instruct, queries up to 512
-tokens), with SFT batch 8 (micro-batch 8), reward 8 pairs (micro-batch 8 pairs), PPO 16 episodes
-per update (micro-batch 8), 4 PPO epochs, responses of 53 tokens. ``--batch-size`` and
-``--micro-batch-size`` override every stage's batch sizes.
+tokenizer, queries up to 256 tokens; batches as in the preset: SFT 8/4, reward 8/4, DPO 8/4 pairs,
+PPO 8/4). ``smollm2`` is the ``cpu-demo`` preset's model and data (SmolLM2-135M-Instruct, queries
+up to 512 tokens), with SFT batch 8 (micro-batch 8), reward 8 pairs (micro-batch 8 pairs), DPO 8
+pairs (micro-batch 8 pairs), PPO 16 episodes per update (micro-batch 8), 4 PPO epochs, responses
+of 53 tokens. ``--batch-size`` and ``--micro-batch-size`` override every stage's batch sizes.
+``--stages`` defaults to ``sft,reward,ppo``; DPO runs when named (``--stages dpo``).
 
 How it measures
 ---------------
 1. Preparation, once, in ``.venv`` with our own code (``benchmarks/_ours_worker.py prep``): the
    pipeline's ``data`` and ``base_model`` stages into ``benchmarks/.work/<setting>/`` (reused when
    unchanged), an untrained reward model for our PPO, and the exact rows each stage trains on,
-   in our batch order, as unpadded token-id lists (``rows-<stage>.json``).
+   in our batch order, as unpadded token-id lists (``rows-<stage>.json``). DPO's are the
+   preference train split in DPO's batch order (the reward model's, for equal batch size and
+   seed), each pair split into its shared query (``prompt_ids``) and its two responses
+   (``chosen_ids``, ``rejected_ids``, each ending with the data's EOS).
 2. For each repeat, for each stage: our run, then TRL's, each a fresh subprocess (ours with
    ``.venv/bin/python benchmarks/_ours_worker.py run``, TRL's with ``.venv-trl/bin/python
    benchmarks/_trl_worker.py``, which imports only torch/transformers/datasets/trl). Alternating
    spreads drift on a shared machine over both sides.
 3. Each subprocess times its own training and prints a JSON line; model loading is not timed,
    and with two or more steps the first optimiser step (PPO: update) is the warm-up and is not
-   timed either (with one step it is timed and flagged ``warmup_included``). SFT and reward
+   timed either (with one step it is timed and flagged ``warmup_included``). SFT, reward and DPO
    throughput is non-PAD tokens per second, counted from the rows themselves for both sides
-   (query+response tokens; for the reward model chosen and rejected). PPO throughput is episodes
+   (query+response tokens; for the reward model and DPO chosen and rejected, the query counted in
+   both). PPO throughput is episodes
    (prompts) per second over whole updates: rollout (generation, reference, value and reward
    forward passes, advantages) plus the 4 PPO epochs.
 4. Peak resident memory of each subprocess is its ``ru_maxrss`` from ``os.wait4`` (this process
    stays small and imports nothing heavy, so the child's figure is its own). The table shows the
    median throughput and the largest peak over the repeats of each side; ratios are ours/TRL
    (throughput above 1: we are faster; memory above 1: we use more).
-5. With ``--device cuda`` the table adds model FLOPs utilisation for SFT and reward:
-   ``6 * parameters * tokens/s / (--peak-tflops * 1e12)`` (default 989, H100 bf16 dense); not
-   for PPO, whose FLOPs are not one formula of tokens.
+5. With ``--device cuda`` the table adds model FLOPs utilisation for SFT, reward and DPO:
+   ``6 * parameters * tokens/s / (--peak-tflops * 1e12)`` (default 989, H100 bf16 dense), for DPO
+   ``8 *`` (the frozen reference's forward pass on top of the policy's forward and backward);
+   not for PPO, whose FLOPs are not one formula of tokens. Both sides are credited the same
+   nominal FLOPs per token, whatever work each skips.
 
 Identical on both sides: the model directory (HF format, from our ``base_model`` stage), the
 tokenizer (with our PAD), the rows and their order (TRL gets ``train_sampling_strategy=
@@ -53,16 +62,24 @@ gradient accumulation, the maximum lengths (TRL ``max_length`` = our padded leng
 is truncated or dropped), bf16 autocast, ``torch.set_num_threads`` (default 2), dropout off, no
 evaluation, no saving or checkpoints, no logging services (``report_to="none"``), no full
 gradient checkpointing (TRL's configs default to it: turned off; ours runs each stage's default,
-selective recomputation of elementwise ops for SFT and PPO, none for the reward model;
+selective recomputation of elementwise ops for SFT and PPO, none for the reward model and DPO;
 ``--our-checkpointing false`` turns it off), ``torch.optim.AdamW`` with eps 1e-5,
 weight decay 0.01 (torch's default, which ours uses; TRL applies it to non-bias, non-norm
-weights only) and our learning rate and schedule (cosine for SFT and reward, linear for PPO),
-PPO's response length, temperature, KL coefficient, clip ranges, value coefficient, gamma,
-lambda, 4 epochs and one mini-batch per update.
+weights only) and our learning rate and schedule (cosine for SFT, reward and DPO, linear for
+PPO), PPO's response length, temperature, KL coefficient, clip ranges, value coefficient, gamma,
+lambda, 4 epochs and one mini-batch per update. DPO: policy and reference both start from the
+base model (standing in for the SFT policy, as the reward stage starts from it); TRL gets a
+second copy as ``ref_model``, frozen; both compute the reference's log-probabilities per
+micro-batch without gradients (TRL ``precompute_ref_log_probs=False``); the loss is the sigmoid
+DPO loss with our ``beta`` (``loss_type="sigmoid"``; no label smoothing, weighting or reference
+syncing), on log-probabilities summed over the response tokens, EOS included, the query
+excluded (``benchmarks/dpo_loss_vs_trl.py`` and ``tests/benchmarks/test_dpo_loss_vs_trl.py``
+check that the two losses agree on given log-probabilities).
 
 bf16: ours runs its forward passes (generation included) under ``torch.autocast(bfloat16)``
-with float32 weights. TRL's SFT and reward trainers honour ``bf16=True`` (accelerate wraps the
-model's forward in autocast, CPU included). TRL's PPOTrainer builds its Accelerator without mixed
+with float32 weights. TRL's SFT, reward and DPO trainers honour ``bf16=True`` (accelerate wraps
+the model's forward in autocast, CPU included; DPO's reference model is prepared the same way,
+and its run reports and checks that model's linear-layer dtype too, ``ref_autocast_linear_dtype``). TRL's PPOTrainer builds its Accelerator without mixed
 precision and ignores ``bf16=True``, so the worker wraps the ``forward`` of the policy, the
 reference policy, and the backbones and score heads of the reward and value models in
 ``torch.autocast(device, dtype=torch.bfloat16)`` (forward passes only, like accelerate and like
@@ -83,6 +100,20 @@ Not identical, by design of each library (see the JSON's ``differences``):
   from a score where ours replaces it by ``non_eos_penalty`` (same cost). TRL's generation stops
   early when every row of a micro-batch has produced EOS (``stop_token="eos"``); ours always
   samples the full response length, as the paper does.
+- DPO rows: TRL 1.12's ``DPOTrainer`` has no pre-tokenised input; its ``_prepare_dataset``
+  always extracts a text prompt, appends the EOS text and tokenises. The worker subclasses it
+  with a ``_prepare_dataset`` that returns our ``prompt_ids``/``chosen_ids``/``rejected_ids``
+  as they are, the columns TRL's own preparation would produce and its collator reads (prompt +
+  response per row, right-padded, loss mask on the response): no re-tokenisation, no added BOS or
+  EOS, and ``max_length`` our padded length (no truncation; the worker checks).
+- DPO log-probabilities: ours runs each pair's shared query once and both responses against its
+  key/value cache (``rlhf_core.dpo.pair_logprobs``), then the LM head only at response positions,
+  in chunks of rows; with activation checkpointing (``--our-checkpointing selective`` or
+  ``true``; off by default) it runs chosen and rejected concatenated instead, still without the
+  full logits. TRL runs the chosen and
+  rejected rows in full, materialises full-vocabulary logits at every position for the policy
+  and the reference, and computes its logged statistics (entropy, mean logits, token accuracy)
+  from them at every micro-batch, logging or not.
 - The models' heads start from different random draws; losses differ, work does not.
 
 The machine may be shared; the figures of a run are only as steady as the machine was (the
@@ -108,15 +139,31 @@ OURS_PY = REPO / ".venv" / "bin" / "python"
 TRL_PY = REPO / ".venv-trl" / "bin" / "python"
 OURS_WORKER = REPO / "benchmarks" / "_ours_worker.py"
 TRL_WORKER = REPO / "benchmarks" / "_trl_worker.py"
-STAGE_NAMES = ("sft", "reward", "ppo")
-UNITS = {"sft": "tok/s", "reward": "tok/s", "ppo": "episodes/s"}
+STAGE_NAMES = ("sft", "reward", "dpo", "ppo")
+UNITS = {"sft": "tok/s", "reward": "tok/s", "dpo": "tok/s", "ppo": "episodes/s"}
+#: model FLOPs per token for MFU: forward and backward (6 N); DPO adds the reference's forward (2 N)
+FLOPS_PER_PARAM_TOKEN = {"sft": 6, "reward": 6, "dpo": 8}
 
 #: preset, and (batch size, micro-batch size) per stage; PPO response length (None: from the data).
 SETTINGS = {
-    "smoke": {"preset": "smoke", "sft": (8, 4), "reward": (8, 4), "ppo": (8, 4), "response_length": None},
-    "smollm2": {"preset": "cpu-demo", "sft": (8, 8), "reward": (8, 8), "ppo": (16, 8), "response_length": 53},
+    "smoke": {
+        "preset": "smoke",
+        "sft": (8, 4),
+        "reward": (8, 4),
+        "dpo": (8, 4),
+        "ppo": (8, 4),
+        "response_length": None,
+    },
+    "smollm2": {
+        "preset": "cpu-demo",
+        "sft": (8, 8),
+        "reward": (8, 8),
+        "dpo": (8, 8),
+        "ppo": (16, 8),
+        "response_length": 53,
+    },
 }
-SECTION = {"sft": "sft", "reward": "reward", "ppo": "ppo"}
+SECTION = {"sft": "sft", "reward": "reward", "dpo": "dpo", "ppo": "ppo"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -124,7 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--setting", choices=sorted(SETTINGS), default="smoke")
-    p.add_argument("--stages", default="sft,reward,ppo", help="comma-separated, from sft,reward,ppo")
+    p.add_argument("--stages", default="sft,reward,ppo", help="comma-separated, from sft,reward,dpo,ppo")
     p.add_argument(
         "--steps",
         type=int,
@@ -259,7 +306,7 @@ def our_overrides(args: argparse.Namespace, stage: str, num_epochs: int = 1) -> 
     ]
     if args.our_checkpointing != "default":
         common.append(f"{s}.gradient_checkpointing={args.our_checkpointing}")
-    if stage in ("sft", "reward"):
+    if stage in ("sft", "reward", "dpo"):
         return common + [f"{s}.max_steps={args.steps}", f"{s}.num_epochs={num_epochs}", f"{s}.eval_max_samples=1"]
     rl = args.response_length or SETTINGS[args.setting]["response_length"]
     extra = [f"ppo.response_length={rl}"] if rl else []
@@ -361,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler=info["scheduler"],
                 seed=info["seed"],
                 trl_pad_to_max=args.trl_pad_to_max,
+                dpo=info.get("dpo"),
                 ppo=info.get("ppo"),
             )
             for side, python, worker, spec in (
@@ -402,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
             if mine and args.device == "cuda":
                 row[side]["max_gpu_peak_mb"] = max(r.get("gpu_peak_mb", 0.0) for r in mine)
                 if stage != "ppo":
-                    n_params = prep["n_params"]
-                    row[side]["mfu"] = 6 * n_params * row[side]["median_throughput"] / (args.peak_tflops * 1e12)
+                    flops = FLOPS_PER_PARAM_TOKEN[stage] * prep["n_params"] * row[side]["median_throughput"]
+                    row[side]["mfu"] = flops / (args.peak_tflops * 1e12)
         o, t = row["ours"], row["trl"]
         row["throughput_ratio"] = (
             o["median_throughput"] / t["median_throughput"]
@@ -491,9 +539,27 @@ def main(argv: list[str] | None = None) -> int:
             "PPO generation: TRL stops a micro-batch early when every row has produced EOS; ours samples the full "
             "response length",
             "TRL PPO: forward passes wrapped in torch.autocast(bf16) by the benchmark (its PPOTrainer ignores "
-            "bf16=True); TRL SFT/reward: bf16=True (accelerate autocast)",
+            "bf16=True); TRL SFT/reward/DPO: bf16=True (accelerate autocast, DPO's reference model included)",
             "weight decay 0.01 on both; TRL exempts biases and norm weights",
-        ],
+        ]
+        + (
+            [
+                "DPO rows: TRL's DPOTrainer gets our prompt_ids/chosen_ids/rejected_ids as they are (its "
+                "_prepare_dataset, which would re-tokenise text and append EOS, is bypassed by a subclass)",
+                "DPO log-probs: ours runs each pair's shared query once and the two responses against its "
+                "key/value cache (rlhf_core.dpo.pair_logprobs; with activation checkpointing, off by default, "
+                "it concatenates chosen and rejected instead), then the LM head only at response "
+                "positions, in chunks; TRL runs chosen and rejected rows in full and computes full-vocabulary "
+                "logits at every position (plus its logged statistics: entropy, mean logits, token accuracy)",
+                "DPO loss: the sigmoid loss -logsigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))) on both (ours "
+                "takes beta into each log-ratio first: equal up to float32 rounding), beta "
+                f"{prep['stages']['dpo']['dpo']['beta']}; reference forward per micro-batch on both "
+                "(precompute_ref_log_probs=False); benchmarks/dpo_loss_vs_trl.py and "
+                "tests/benchmarks/test_dpo_loss_vs_trl.py check the loss values",
+            ]
+            if "dpo" in args.stages
+            else []
+        ),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))

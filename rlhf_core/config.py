@@ -250,6 +250,9 @@ class DPOConfig(EpochTrainerConfig):
     defaults do."""
 
     micro_batch_size: int = Field(8, gt=0)
+    #: Off by default, as the reward model's: either kind of checkpointing turns off the
+    #: shared-query forward pass of dpo.pair_logprobs.
+    gradient_checkpointing: bool | Literal["selective"] = False
     #: The KL coefficient of the implicit reward (Table 6: 0.05, PPO's kl_coef).
     beta: float = Field(0.05, gt=0)
 
