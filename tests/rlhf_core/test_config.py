@@ -107,6 +107,7 @@ def test_a_boolean_is_not_a_number(override):
     [
         ("reward.micro_batch_size=3", r"reward\.batch_size 8 is not a multiple of reward\.micro_batch_size 3 x 1 rank"),
         ("sft.micro_batch_size=16", r"sft\.batch_size 8 is not a multiple of sft\.micro_batch_size 16"),
+        ("dpo.micro_batch_size=3", r"dpo\.batch_size 8 is not a multiple of dpo\.micro_batch_size 3 x 1 rank"),
         ("ppo.num_minibatches=3", r"ppo\.batch_size 8 does not split into 1 rank\(s\) x ppo\.num_minibatches 3"),
     ],
 )
