@@ -153,20 +153,27 @@ def run_reward(spec: dict, rows: dict, out_dir: str, marks: dict):
 DPO_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
-def run_dpo(spec: dict, rows: dict, out_dir: str, marks: dict):
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import DPOConfig, DPOTrainer
+def pretokenized_dpo_trainer():
+    """``trl.DPOTrainer`` for rows that are token ids already. TRL 1.12's DPOTrainer always
+    extracts a text prompt, appends the EOS text and tokenises (``_prepare_dataset``); its
+    collator then reads only ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``. Our rows are
+    those columns already (responses ending with our EOS), so they go to the collator as they
+    are: no re-tokenisation, no added BOS or EOS. (A function: trl is imported only here.)"""
+    from trl import DPOTrainer
 
     class PreTokenizedDPOTrainer(DPOTrainer):
-        """TRL 1.12's DPOTrainer always extracts a text prompt, appends the EOS text and tokenises
-        (``_prepare_dataset``); its collator then reads only ``prompt_ids``, ``chosen_ids`` and
-        ``rejected_ids``. Our rows are those columns already (responses ending with our EOS), so
-        they go to the collator as they are: no re-tokenisation, no added BOS or EOS."""
-
         def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
             return dataset
 
+    return PreTokenizedDPOTrainer
+
+
+def run_dpo(spec: dict, rows: dict, out_dir: str, marks: dict):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig
+
+    PreTokenizedDPOTrainer = pretokenized_dpo_trainer()
     tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype="float32")
     ref_model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype="float32").eval()

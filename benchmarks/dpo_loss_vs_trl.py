@@ -88,15 +88,13 @@ def inputs(n_random: int, seed: int) -> tuple[list[str], dict]:
 def tiny_trainer(beta: float, batch: int, out_dir: str):
     """A real DPOTrainer on a tiny random Llama, taking pre-tokenised rows (one-token responses)."""
     import torch
+    from _trl_worker import pretokenized_dpo_trainer  # the benchmark's: rows of token ids, as they are
     from datasets import Dataset
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig
 
-    class PreTokenizedDPOTrainer(DPOTrainer):
-        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-            return dataset
-
+    PreTokenizedDPOTrainer = pretokenized_dpo_trainer()
     vocab = {"<unk>": 0, "<pad>": 1, "</s>": 2, "a": 3, "b": 4, "c": 5}
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from rlhf_core.config import PipelineConfig, flatten, load_config
-from rlhf_core.evaluation import REPORT_FILES
+from rlhf_core.evaluation import POLICIES, REPORT_FILES
 from rlhf_core.io import exclusive_lock, json_digest
 from rlhf_core.pipeline import STAGES, stages_until
 from rlhf_core.report import stamp_report
@@ -186,7 +186,7 @@ def run_markdown(cfg: PipelineConfig, result: dict, client: MlflowClient) -> str
     metrics = result["stages"].get("evaluation", {}).get("metrics", {})
     if metrics:
         lines += ["", "| policy | win rate vs references [95% CI] | RM score |", "|---|---:|---:|"]
-        for policy in ("base", "sft", "ppo", "dpo"):
+        for policy, _ in POLICIES:
             m = {k.removeprefix(f"eval/{policy}/"): v for k, v in metrics.items() if k.startswith(f"eval/{policy}/")}
             if "win_rate" in m:
                 lines.append(

@@ -24,9 +24,8 @@ from transformers import PreTrainedModel
 from .config import DPOConfig, RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
-from .generation import first_true_indices
 from .io import write_json_atomic
-from .models import causal_forward, load_causal_lm, pair_forward, right_padded, save_pretrained_atomic
+from .models import causal_forward, load_causal_lm, pair_forward, pair_layout, save_pretrained_atomic
 from .reward_eval import evaluate_pairs
 from .sft import head_chunking, make_loss_mask
 from .tracking import NullTracker, Tracker
@@ -213,11 +212,12 @@ def pair_logprobs(
     first response token) gives both rows the same keys and values. The prefix runs once; each
     row's tokens from there to the one before its EOS then run against that prefix's key/value
     cache, chosen and rejected side by side (:func:`rlhf_core.models.pair_forward`), as
-    :func:`rlhf_core.reward.pair_scores` does for the reward model. Log-probabilities and gradients equal :func:`sequence_logprobs` on
-    ``torch.cat([chosen, rejected])`` up to kernel rounding, for a little over half of the
-    backbone's work when responses are short next to their queries, as in TL;DR. Rows that are
-    not right-padded, a row with no response token, models with activation checkpointing
-    (:func:`rlhf_core.training.enable_activation_checkpointing`: no cache in training) and models sharded by ZeRO-2/FSDP
+    :func:`rlhf_core.reward.pair_scores` does for the reward model. Log-probabilities and
+    gradients equal :func:`sequence_logprobs` on ``torch.cat([chosen, rejected])`` up to kernel
+    rounding, for a little over half of the backbone's work when responses are short next to
+    their queries, as in TL;DR. Rows that are not right-padded, a row with no response token,
+    models with activation checkpointing (:func:`rlhf_core.training.enable_activation_checkpointing`:
+    no cache in training) and models sharded by ZeRO-2/FSDP
     (:func:`rlhf_core.distributed.is_sharded`) take the concatenated path instead.
 
     Args:
@@ -229,18 +229,13 @@ def pair_logprobs(
         ``(chosen_logps, rejected_logps)``, each ``(batch,)`` float32, in nats.
     """
     batch, length = chosen.shape
-    (chosen_ok, chosen_eos), (rejected_ok, rejected_eos) = (
-        right_padded(chosen, pad_token_id),
-        right_padded(rejected, pad_token_id),
-    )
-    eos = torch.stack([chosen_eos, rejected_eos], 1)  # (batch, 2)
-    common = first_true_indices((chosen != rejected) | (chosen == pad_token_id))
+    right_padded, eos, common = pair_layout(chosen, rejected, pad_token_id)
     # every hidden state that predicts a response token is computed in the second pass
     prefix = torch.minimum(common, query_lengths - 1)  # (batch,)
     if (
         not batch
         or int(prefix.max()) == 0
-        or not bool(chosen_ok.all() and rejected_ok.all())
+        or not right_padded
         or not bool((eos >= query_lengths[:, None]).all())  # a row without a response token
         or getattr(model.base_model, "gradient_checkpointing", False)
         or is_sharded(model)

@@ -395,16 +395,27 @@ def causal_forward(
 # ---------------------------------------------------------------- pairs sharing their query
 
 
-def right_padded(rows: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Whether each row of ``rows`` ``(batch, length)`` is its tokens followed only by PAD.
+def pair_layout(
+    chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """Where the rows of preference pairs end and how many first tokens each pair shares: what
+    :func:`pair_forward`'s callers decide its split from.
+
+    Args:
+        chosen, rejected: ``(batch, length)`` token ids of the same queries.
 
     Returns:
-        ``(is_right_padded, last)``: ``(batch,)`` bool, and ``(batch,)`` long, the index of
-        each row's last token before its first PAD (``-1`` when the row starts with PAD).
+        ``(right_padded, last, common)``: whether every row is its tokens followed only by PAD;
+        ``(batch, 2)`` long, the index of each row's last token before its first PAD
+        (``[:, 0]`` chosen, ``[:, 1]`` rejected; ``-1`` for a row that starts with PAD);
+        ``(batch,)`` long, the number of first tokens the two rows share, PAD excluded.
     """
-    last = first_true_indices(rows == pad_token_id) - 1
-    positions = torch.arange(rows.size(1), device=rows.device)
-    return ((rows != pad_token_id) == (positions < (last + 1)[:, None])).all(1), last
+    rows = torch.stack([chosen, rejected], 1)  # (batch, 2, length)
+    last = first_true_indices((rows == pad_token_id).flatten(0, 1)).view(-1, 2) - 1
+    positions = torch.arange(chosen.size(1), device=chosen.device)
+    right_padded = bool(((rows != pad_token_id) == (positions < (last + 1)[..., None])).all())
+    common = first_true_indices((chosen != rejected) | (chosen == pad_token_id))
+    return right_padded, last, common
 
 
 def pair_forward(

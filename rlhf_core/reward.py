@@ -48,9 +48,9 @@ from transformers import (
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
-from .generation import ends_with_eos, first_true_indices, last_token_indices, trim_left_padding
+from .generation import ends_with_eos, last_token_indices, trim_left_padding
 from .io import write_json_atomic
-from .models import DTYPES, causal_forward, disable_dropout, pair_forward, right_padded, save_pretrained_atomic
+from .models import DTYPES, causal_forward, disable_dropout, pair_forward, pair_layout, save_pretrained_atomic
 from .ppo import apply_eos_trick
 from .tracking import NullTracker, Tracker
 from .training import (
@@ -245,10 +245,10 @@ def pair_scores(
     common prefix of a pair (its query, plus any identical first response tokens) gives the
     same keys and values in both rows. The prefix runs once, without an attention mask; each
     row's remaining tokens up to its EOS then run against that prefix's key/value cache, with
-    the pair's two rows side by side (:func:`rlhf_core.models.pair_forward`). Scores and gradients equal those of
-    :func:`get_reward` on ``torch.cat([chosen, rejected])`` (Details 12, 14) up to kernel
-    rounding, for about half of the forward and backward work when responses are short
-    next to their queries, as in TL;DR. Rows that are not right-padded, pairs that share
+    the pair's two rows side by side (:func:`rlhf_core.models.pair_forward`). Scores and
+    gradients equal those of :func:`get_reward` on ``torch.cat([chosen, rejected])``
+    (Details 12, 14) up to kernel rounding, for about half of the forward and backward work
+    when responses are short next to their queries, as in TL;DR. Rows that are not right-padded, pairs that share
     nothing, and models with gradient checkpointing (which cannot build a cache in training)
     take :func:`get_reward` instead, and so do models sharded by ZeRO-2/FSDP
     (:class:`rlhf_core.distributed.DataParallel`), whose blocks free their gathered weights
@@ -263,18 +263,13 @@ def pair_scores(
         (the index before its first PAD).
     """
     batch = chosen.size(0)
-    (chosen_ok, chosen_eos), (rejected_ok, rejected_eos) = (
-        right_padded(chosen, pad_token_id),
-        right_padded(rejected, pad_token_id),
-    )
-    eos = torch.stack([chosen_eos, rejected_eos], 1)  # (batch, 2)
-    common = first_true_indices((chosen != rejected) | (chosen == pad_token_id))
+    right_padded, eos, common = pair_layout(chosen, rejected, pad_token_id)
     prefix = torch.minimum(common, eos.min(1).values)  # (batch,): at least each row's EOS runs in the second pass
     checkpointing = getattr(model.backbone, "gradient_checkpointing", False)
     if (
         not batch
         or int(prefix.max()) == 0
-        or not bool(chosen_ok.all() and rejected_ok.all())
+        or not right_padded
         or bool(eos.min() < 0)
         or checkpointing
         or is_sharded(model)
