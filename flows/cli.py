@@ -1,4 +1,5 @@
-"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.cli` plus ``rlhf run``.
+"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.cli` plus ``rlhf run``
+and ``rlhf sweep``.
 
 ``rlhf run --preset NAME [key=value ...]`` runs the ``rlhf`` flow in this process (Prefect's
 ephemeral mode when no ``PREFECT_API_URL`` is set), every stage cached, tracking to MLflow:
@@ -8,6 +9,9 @@ stage work directories go to the run directory (``--out``, default ``runs/<prese
     runs/cpu-demo/artifacts/<stage>/<cache key>/   stage artifacts (RLHF_ARTIFACT_ROOT)
     runs/cpu-demo/work/<stage>/<cache key>/        stage work directories and checkpoints
     runs/cpu-demo/mlflow.db, runs/cpu-demo/mlartifacts/   the local MLflow store
+
+``rlhf sweep SPEC`` runs a sweep spec's cells (``configs/sweeps/``) the same way, in
+``runs/sweep-<spec>`` (:func:`sweep_main`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,55 @@ def summary(result: dict, tracking_uri: str) -> str:
     return "\n".join(lines)
 
 
+def sweep_main(argv: list[str]) -> int:
+    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--check] [--json]``: the ``sweep`` flow in
+    this process (:mod:`flows.sweep`), stores under ``--out`` as ``rlhf run``'s (default
+    ``runs/sweep-<spec>``); ``--check`` loads and validates the spec and every cell's
+    configuration, prints the cells and runs nothing."""
+    from rlhf_core.config import ConfigError
+    from rlhf_core.sweep import cell_configs, expand, load_sweep
+    from tasks.storage import ArtifactError
+
+    parser = argparse.ArgumentParser(
+        prog="rlhf sweep", description="run a sweep spec's cells (presets x seeds x grid) and summarise them"
+    )
+    parser.add_argument("spec", help="a spec in configs/sweeps/ (e.g. cpu-seeds) or a YAML path")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every cell")
+    parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/sweep-<spec>)")
+    parser.add_argument("--check", action="store_true", help="validate the spec and its cells; run nothing")
+    parser.add_argument("--json", action="store_true", help="print the sweep's record as JSON")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        spec = load_sweep(args.spec)
+        spec = spec.model_copy(update={"overrides": [*spec.overrides, *args.overrides]})
+        cells = expand(spec)
+        configs = cell_configs(spec, cells)
+        if args.check:
+            print(f"sweep {spec.name}: {len(cells)} cells, until {spec.until or 'the last stage'}")
+            for cell in cells:
+                print(f"  {cell.name}  (preset {configs[cell.name].name})")
+            return 0
+        root = (args.out or Path("runs") / f"sweep-{spec.name}").resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        for key, path in (("RLHF_ARTIFACT_ROOT", root / "artifacts"), ("RLHF_WORK_DIR", root / "work")):
+            if args.out is not None or not os.environ.get(key):  # as `rlhf run`
+                os.environ[key] = str(path)
+        os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+        from flows.sweep import SweepError, sweep
+
+        try:
+            result = sweep(spec=args.spec, overrides=args.overrides)
+        except SweepError as exc:
+            print(f"rlhf sweep: {exc}", file=sys.stderr)
+            return 1
+    except (ConfigError, ArtifactError) as exc:
+        print(f"rlhf sweep: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else Path(result["summary"]).read_text())
+    return 0
+
+
 COMMANDS: dict[str, core.Command] = {
     **core.COMMANDS,
     "run": core.Command(
@@ -81,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks.storage import ArtifactError
 
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["run"] and not {"-h", "--help"} & set(args):
+    if args[:1] == ["sweep"] or (args[:1] == ["run"] and not {"-h", "--help"} & set(args)):
         # Settings Prefect reads on import: nothing phones home, and the ephemeral server, which
         # migrates its database on a first start, gets time to start on a small, busy machine.
         # Prefect also sets up its log handlers on import, before ours.
@@ -95,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         import flows.pipeline  # noqa: F401  (imports Prefect)
 
         logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args[:1] == ["sweep"]:
+        return sweep_main(args[1:])
     return core.main(argv, COMMANDS, user_errors=(ArtifactError,))
 
 

@@ -36,9 +36,17 @@ from tasks.storage import ArtifactStore
 
 
 @flow(name="rlhf")
-def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, until: str | None = None) -> dict:
+def rlhf(
+    preset: str | None = "cpu-demo",
+    overrides: list[str] | None = None,
+    until: str | None = None,
+    sweep_run_id: str | None = None,
+    cell: str | None = None,
+) -> dict:
     """Run the pipeline for ``preset`` with ``key=value`` ``overrides``, up to stage ``until``
     (default: every stage); returns each stage's record and the registered model versions.
+    As a cell of a sweep (:mod:`flows.sweep`), its MLflow run is nested under the sweep's run
+    ``sweep_run_id`` and tagged with the cell's name ``cell``.
     """
     logger = get_run_logger()
     cfg = load_config(preset, overrides or [])
@@ -51,12 +59,13 @@ def rlhf(preset: str | None = "cpu-demo", overrides: list[str] | None = None, un
     end_dead_attempts(work_root(), client)  # what a killed run on this work directory left RUNNING
     parent = client.create_run(
         exp,
-        run_name=f"{cfg.name}-{flow_run.get_name() or 'local'}",
+        run_name=cell or f"{cfg.name}-{flow_run.get_name() or 'local'}",
         tags={
             "prefect.flow_run_id": str(flow_run.get_id() or ""),
             "rlhf.preset": str(preset),
             "rlhf.config_digest": config_digest(cfg),
             **source_tags(),
+            **({"mlflow.parentRunId": sweep_run_id, "rlhf.sweep_cell": cell or ""} if sweep_run_id else {}),
         },
     )
     parent_id = parent.info.run_id

@@ -233,3 +233,20 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     changed = deployment_run(env, "ppo.kl_coef=0.1")
     assert changed.returncode == 0, changed.stdout[-3000:]
     assert task_states(changed.stdout) == {s: "Completed" if s in ("ppo", "evaluation") else "Cached" for s in STAGES}
+
+
+def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
+    """`make stack-up` deploys `rlhf/sweep` (infra/prefect.yaml) from flows/sweep.py, its
+    default spec the one that runs on a CPU."""
+    done = subprocess.run(
+        [str(BIN / "prefect"), "deployment", "inspect", "rlhf/sweep", "--output", "json"],
+        env=server_stack,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    deployment = json.loads(done.stdout[done.stdout.index("{") :])
+    assert deployment["entrypoint"] == "flows/sweep.py:sweep"
+    assert deployment["parameters"] == {"spec": "cpu-seeds", "overrides": []}
+    assert deployment["work_pool_name"] == "rlhf-process"

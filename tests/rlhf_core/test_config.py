@@ -4,7 +4,7 @@ import pytest
 
 from rlhf_core.config import ConfigError, available_presets, flatten, load_config, parse_override
 
-PRESETS = ["smoke", "cpu-demo", "pythia-1b", "llama-3.2-1b-h200"]
+PRESETS = ["smoke", "cpu-demo", "pythia-1b", "pythia-2.8b", "pythia-6.9b", "llama-3.2-1b-h200"]
 
 
 def test_all_presets_exist_and_validate():

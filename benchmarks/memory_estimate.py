@@ -1,0 +1,157 @@
+"""Which data-parallel strategy fits each Pythia size on 8 x 80 GB and on 1 x 141 GB: a
+written estimate of GPU memory per rank for every training stage (no GPU needed).
+
+Usage::
+
+    .venv/bin/python benchmarks/memory_estimate.py [--out benchmarks/results/memory_estimate.json]
+
+Parameter counts are exact: each model is built on PyTorch's ``meta`` device from Pythia's
+published configuration (no weights, no download). Per rank, in bytes, with ``P`` parameters,
+``N`` ranks, ``L`` layers, hidden size ``h``, micro-batch ``b`` rows of ``s`` tokens:
+
+- a trained model under bf16 autocast keeps float32 weights (4P), gradients (4P) and AdamW's
+  two moments (8P): 16P under DDP; 4P + 12P/N under ZeRO-2 (gradients and optimiser state
+  sharded); 16P/N under FSDP2 full sharding (plus one gathered layer at a time, counted);
+- a frozen model (the reference policy; PPO's reward model) keeps float32 weights: 4P, or 4P/N
+  sharded, or nothing on the GPU when offloaded to CPU (the paper's 6.9B PPO, Detail 8);
+- activations with every decoder layer recomputed (activation checkpointing): each layer's
+  float32 input kept, ``4 L b s h``, plus one layer's activations while it is recomputed,
+  ``34 b s h`` (Korthikanti et al. 2022, arXiv:2205.05198, eq. 1, without the attention-score
+  term that a fused attention kernel does not store); the language-model head runs in chunks;
+- PPO's generation adds its key/value cache, ``2 L b s h x 2`` bytes (bf16).
+
+Sequence lengths are the paper's: SFT and PPO 565 tokens (query 512 + response 53), the
+reward model and DPO 638 per row, two rows (chosen, rejected) per pair. Micro-batches, batch
+sizes and strategies are the presets'. A strategy "fits" when the estimate is at most 90% of
+the GPU's memory (CUDA context, allocator fragmentation and communication buffers take the
+rest). This is arithmetic, not a measurement: it ranks the options, and a run decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Pythia's published configurations (EleutherAI/pythia-*-deduped config.json).
+PYTHIA = {
+    "pythia-1b": dict(
+        hidden_size=2048, num_hidden_layers=16, num_attention_heads=8, intermediate_size=8192, vocab_size=50304
+    ),
+    "pythia-2.8b": dict(
+        hidden_size=2560, num_hidden_layers=32, num_attention_heads=32, intermediate_size=10240, vocab_size=50304
+    ),
+    "pythia-6.9b": dict(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=16384, vocab_size=50432
+    ),
+}
+#: Tokens per row (Huang et al. 2024, Details 4 and 14).
+SEQ = {"sft": 565, "reward": 638, "dpo": 638, "ppo": 565}
+GB = 1e9
+
+
+@dataclass
+class Model:
+    params: int
+    layer_params: int
+    layers: int
+    hidden: int
+
+
+def pythia(name: str) -> Model:
+    """The exact parameter counts of a Pythia model (``GPTNeoXForCausalLM`` on the meta device)."""
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    cfg = GPTNeoXConfig(**PYTHIA[name], rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = GPTNeoXForCausalLM(cfg)
+    layer = sum(p.numel() for p in model.gpt_neox.layers[0].parameters())
+    return Model(sum(p.numel() for p in model.parameters()), layer, cfg.num_hidden_layers, cfg.hidden_size)
+
+
+def trained(m: Model, strategy: str, n: int) -> float:
+    """Bytes per rank of a trained model's weights, gradients and AdamW state."""
+    if strategy == "ddp":
+        return 16 * m.params
+    if strategy == "zero2":
+        return 4 * m.params + 12 * m.params / n
+    return 16 * m.params / n + 2 * 4 * m.layer_params  # fsdp: shards + a gathered layer (and its prefetch)
+
+
+def frozen(m: Model, placement: str, n: int) -> float:
+    """Bytes per rank of a frozen float32 model: ``whole``, ``sharded`` or ``cpu`` (offloaded)."""
+    return {"whole": 4 * m.params, "sharded": 4 * m.params / n + 2 * 4 * m.layer_params, "cpu": 0.0}[placement]
+
+
+def activations(m: Model, rows: int, seq: int) -> float:
+    """Bytes of activations of ``rows`` sequences of ``seq`` tokens with every layer recomputed."""
+    return 4 * m.layers * rows * seq * m.hidden + 34 * rows * seq * m.hidden
+
+
+def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placement: str, n: int) -> float:
+    """Bytes per rank of one stage: its trained and frozen models and one micro-batch's activations."""
+    seq = SEQ[stage]
+    if stage == "sft":
+        return trained(m, strategy, n) + activations(m, micro, seq)
+    if stage == "reward":
+        return trained(m, strategy, n) + activations(m, 2 * micro, seq)
+    if stage == "dpo":  # the policy trains, the reference is frozen
+        return trained(m, strategy, n) + frozen(m, frozen_placement, n) + activations(m, 2 * micro, seq)
+    # ppo: policy and value model train; reference and reward model frozen; generation's KV cache
+    kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
+    return 2 * trained(m, strategy, n) + 2 * frozen(m, frozen_placement, n) + activations(m, micro, seq) + kv_cache
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/memory_estimate.json")
+    args = parser.parse_args()
+
+    from rlhf_core.config import load_config
+
+    machines = {"8 x 80 GB": (8, 80), "1 x 141 GB": (1, 141)}
+    rows = []
+    for preset in PYTHIA:
+        cfg = load_config(preset)
+        m = pythia(preset)
+        for stage in ("sft", "reward", "dpo", "ppo"):
+            section = getattr(cfg, stage)
+            preset_strategy = getattr(section, "strategy", "ddp")
+            options = [("ddp", "whole"), ("zero2", "whole"), ("fsdp", "whole"), ("fsdp", "sharded"), ("fsdp", "cpu")]
+            if stage in ("sft", "reward"):
+                options = options[:3]
+            for machine, (n, capacity) in machines.items():
+                micro = section.micro_batch_size
+                for strategy, placement in options:
+                    if n == 1 and strategy != "ddp" or n == 1 and placement == "sharded":
+                        continue  # one rank: nothing to shard
+                    estimate = stage_bytes(stage, m, micro, strategy, placement, n)
+                    rows.append(
+                        {
+                            "preset": preset,
+                            "parameters": m.params,
+                            "stage": stage,
+                            "machine": machine,
+                            "strategy": strategy,
+                            "frozen models": placement if stage in ("dpo", "ppo") else "-",
+                            "micro_batch_size": micro,
+                            "preset strategy": preset_strategy if stage != "ppo" else "ddp (only one built)",
+                            "GB per GPU": round(estimate / GB, 1),
+                            "fits": estimate <= 0.9 * capacity * GB,
+                        }
+                    )
+    width = max(len(r["preset"]) for r in rows)
+    print(f"{'preset':<{width}}  {'params':>13}  stage   machine      strategy  frozen   micro  GB/GPU  fits")
+    for r in rows:
+        print(
+            f"{r['preset']:<{width}}  {r['parameters']:>13,}  {r['stage']:<6}  {r['machine']:<11}  {r['strategy']:<8}  "
+            f"{r['frozen models']:<7}  {r['micro_batch_size']:>5}  {r['GB per GPU']:>6.1f}  {'yes' if r['fits'] else 'no'}"
+        )
+    Path(args.out).write_text(json.dumps({"what": __doc__.splitlines()[0], "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The memory estimate's accounting (benchmarks/memory_estimate.py): exact parameter counts of
+the three Pythia sizes and the per-rank bytes of each strategy."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory_estimate.py"
+spec = importlib.util.spec_from_file_location("memory_estimate", SCRIPT)
+memory_estimate = importlib.util.module_from_spec(spec)
+sys.modules["memory_estimate"] = memory_estimate  # its dataclass looks itself up there
+spec.loader.exec_module(memory_estimate)
+
+
+@pytest.mark.parametrize(
+    "name, published", [("pythia-1b", 1_011_781_632), ("pythia-2.8b", 2_775_208_960), ("pythia-6.9b", 6_857_302_016)]
+)
+def test_parameter_counts_are_pythias_published_ones(name, published):
+    assert memory_estimate.pythia(name).params == published
+
+
+def test_per_rank_bytes_of_weights_gradients_and_adam_under_each_strategy():
+    m = memory_estimate.Model(params=8_000, layer_params=100, layers=4, hidden=8)
+    assert memory_estimate.trained(m, "ddp", 8) == 16 * 8_000
+    assert memory_estimate.trained(m, "zero2", 8) == 4 * 8_000 + 12 * 1_000
+    assert memory_estimate.trained(m, "fsdp", 8) == 16 * 1_000 + 800
+    assert [memory_estimate.frozen(m, p, 8) for p in ("whole", "sharded", "cpu")] == [32_000, 4_000 + 800, 0]
+    # PPO holds two trained models (policy, value) and two frozen ones (reference, reward model)
+    ppo = memory_estimate.stage_bytes("ppo", m, 2, "ddp", "whole", 8)
+    sft = memory_estimate.stage_bytes("sft", m, 2, "ddp", "whole", 8)
+    kv = 2 * 4 * 2 * 565 * 8 * 2
+    assert ppo - sft == 16 * 8_000 + 2 * 32_000 + kv

