@@ -68,8 +68,8 @@ def summary(result: dict, tracking_uri: str) -> str:
 
 
 def sweep_main(argv: list[str]) -> int:
-    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--check] [--json]``: the ``sweep`` flow in
-    this process (:mod:`flows.sweep`), stores under ``--out`` as ``rlhf run``'s (default
+    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--check] [--json]``: the sweep flow
+    (:func:`flows.sweep.sweep`) in this process, stores under ``--out`` as ``rlhf run``'s (default
     ``runs/sweep-<spec>``); ``--check`` loads and validates the spec and every cell's
     configuration, prints the cells and runs nothing."""
     from rlhf_core.config import ConfigError

@@ -83,7 +83,12 @@ def sweep(spec: str = "cpu-seeds", overrides: list[str] | None = None) -> dict:
     parent = client.create_run(
         experiment_id(client, experiment),
         run_name=f"sweep-{s.name}-{flow_run.get_name() or 'local'}",
-        tags={"rlhf.sweep": s.name, "prefect.flow_run_id": str(flow_run.get_id() or ""), **source_tags()},
+        tags={
+            "rlhf.sweep": s.name,
+            "prefect.flow_run_id": str(flow_run.get_id() or ""),
+            **source_tags(),
+            "mlflow.source.name": "flows/sweep.py:sweep",
+        },
     )
     parent_id = parent.info.run_id
     out = work_root() / "sweeps" / parent_id

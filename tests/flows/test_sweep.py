@@ -84,6 +84,7 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     sweep_run = client.get_run(result["mlflow_run_id"])
     assert sweep_run.info.status == "FINISHED" and sweep_run.data.tags["rlhf.sweep"] == "smoke-seeds"
+    assert sweep_run.data.tags["mlflow.source.name"] == "flows/sweep.py:sweep"
     runs = client.search_runs([sweep_run.info.experiment_id], filter_string="tags.`rlhf.sweep` = 'smoke-seeds'")
     assert sorted(r.info.status for r in runs) == ["FINISHED", "KILLED"]  # the killed sweep's run, ended
     rows = result["cells"]

@@ -14,7 +14,8 @@ KEY = "sk-ant-test-tracing-0123456789-secret"
 
 def test_judge_calls_are_traced_in_the_stage_run_without_the_key(tmp_path, sft_rows):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    run_id = client.create_run(client.create_experiment("judge")).info.run_id
+    experiment = client.create_experiment("judge", artifact_location=(tmp_path / "mlartifacts").as_uri())
+    run_id = client.create_run(experiment).info.run_id  # traces under tmp_path, not ./mlruns
     comparisons = [
         Comparison(id=f"c{i}", post=r["post"], title=r["title"], response=r["summary"], reference=r["summary"])
         for i, r in enumerate(sft_rows[:3])
