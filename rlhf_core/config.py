@@ -537,6 +537,35 @@ def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
         raise ConfigError(_format_validation_error(exc, origin)) from None
 
 
+def read_yaml_mapping(name: str | os.PathLike, directory: Path, what: str) -> tuple[Path, dict]:
+    """The YAML mapping of ``directory/NAME.yaml``, else of the file at the path ``name``: how a
+    preset (``what="preset"``) or a sweep spec (``"sweep"``) is read.
+
+    Returns:
+        ``(path, mapping)``; an empty file is an empty mapping.
+
+    Raises:
+        ConfigError: neither file exists (listing the names in ``directory``), the file is not
+            valid YAML, or its top level is not a mapping; each naming the file.
+    """
+    path = directory / f"{name}.yaml"
+    if not path.is_file() and Path(name).is_file():
+        path = Path(name)
+    if not path.is_file():
+        available = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
+        raise ConfigError(
+            f"unknown {what} {str(name)!r}: neither a {what} name (a file NAME.yaml in {directory}) "
+            f"nor an existing YAML file; available: {available}"
+        )
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{what} {path}: the top level must be a mapping")
+    return path, tree
+
+
 def load_config(
     preset: str | os.PathLike | None = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -559,20 +588,7 @@ def load_config(
     tree: dict = {}
     origin = "defaults"
     if preset is not None:
-        path = preset_dir / f"{preset}.yaml"
-        if not path.is_file() and Path(preset).is_file():
-            path = Path(preset)
-        if not path.is_file():
-            raise ConfigError(
-                f"unknown preset {str(preset)!r}: neither a preset name (a file NAME.yaml in {preset_dir}) "
-                f"nor an existing YAML file; available: {', '.join(available_presets(preset_dir))}"
-            )
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"preset {path}: not valid YAML: {exc}") from exc
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"preset {path}: top level must be a mapping of sections")
+        path, loaded = read_yaml_mapping(preset, preset_dir, "preset")
         tree = _deep_merge(tree, loaded)
         origin = f"preset {path.name}"
     for text in overrides:

