@@ -18,7 +18,11 @@ published configuration (no weights, no download). Per rank, in bytes, with ``P`
   float32 input kept, ``4 L b s h``, plus one layer's activations while it is recomputed,
   ``34 b s h`` (Korthikanti et al. 2022, arXiv:2205.05198, eq. 1, without the attention-score
   term that a fused attention kernel does not store); the language-model head runs in chunks;
-- PPO's generation adds its key/value cache, ``2 L b s h x 2`` bytes (bf16).
+- PPO peaks in one of two phases. The update holds both trained models whole (weights,
+  gradients, AdamW state, as above), the frozen ones and one micro-batch's activations.
+  Sampling holds no gradients (they are freed after each optimiser step) but the key/value
+  cache, ``2 L b s h x 2`` bytes (bf16), and under FSDP2 the policy gathered whole
+  (``rlhf_core.distributed.DataParallel.gathered``): its other shards, ``4P (1 - 1/N)``.
 
 Sequence lengths are the paper's: SFT and PPO 565 tokens (query 512 + response 53), the
 reward model and DPO 638 per row, two rows (chosen, rejected) per pair. Micro-batches, batch
@@ -99,9 +103,13 @@ def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placemen
         return trained(m, strategy, n) + activations(m, 2 * micro, seq)
     if stage == "dpo":  # the policy trains, the reference is frozen
         return trained(m, strategy, n) + frozen(m, frozen_placement, n) + activations(m, 2 * micro, seq)
-    # ppo: policy and value model train; reference and reward model frozen; generation's KV cache
+    # ppo: policy and value model train, reference and reward model frozen; the larger of the update
+    # (activations) and sampling (no gradients; KV cache; under FSDP2 the policy's other shards gathered)
+    models = 2 * trained(m, strategy, n) + 2 * frozen(m, frozen_placement, n)
+    gradients = 2 * 4 * m.params / (1 if strategy == "ddp" else n)
     kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
-    return 2 * trained(m, strategy, n) + 2 * frozen(m, frozen_placement, n) + activations(m, micro, seq) + kv_cache
+    gathered = 4 * m.params * (1 - 1 / n) if strategy == "fsdp" else 0.0
+    return models + max(activations(m, micro, seq), kv_cache + gathered - gradients)
 
 
 def main() -> None:
@@ -137,7 +145,7 @@ def main() -> None:
                             "strategy": strategy,
                             "frozen models": placement if stage in ("dpo", "ppo") else "-",
                             "micro_batch_size": micro,
-                            "preset strategy": preset_strategy if stage != "ppo" else "ddp (only one built)",
+                            "preset strategy": preset_strategy,
                             "GB per GPU": round(estimate / GB, 1),
                             "fits": estimate <= 0.9 * capacity * GB,
                         }

@@ -298,6 +298,10 @@ class PPOConfig(TrainerConfig):
     eval_every: int = Field(10, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
     checkpoint_every: int = Field(10, gt=0)
+    #: Data parallelism under torchrun (rlhf_core.distributed.STRATEGIES): ddp, zero2 (policy and
+    #: value model's gradients and optimiser state sharded) or fsdp (their parameters too, and
+    #: the reference and reward models'); rlhf_core.ppo_trainer.
+    strategy: Literal["ddp", "zero2", "fsdp"] = "ddp"
 
     @field_validator("reward")
     @classmethod

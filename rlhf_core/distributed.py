@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,12 @@ class DataParallel:
       factor is 1, as above. ``zero2`` keeps each block's gathered weights from its forward to
       its backward; ``fsdp`` frees them in between.
 
+    A frozen model (no parameter requires a gradient: PPO's reference and reward models) is
+    left whole on every rank under ``ddp`` and ``zero2``, and sharded under ``fsdp``, its
+    parameters freed again after every forward pass. Forward passes without gradients go
+    through :meth:`inference`, and through :meth:`gathered` where the ranks run different
+    numbers of them.
+
     Build it before the optimiser: FSDP2 replaces the parameters by their shards, in place.
     ``model`` keeps its parameters (sharded or not), so its state is read and written with
     :func:`model_state` and :func:`load_model_state`.
@@ -159,7 +165,10 @@ class DataParallel:
             raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         self.model, self.strategy = model, strategy
         self._forward: torch.nn.Module | None = None
-        if world().size == 1:
+        frozen = not any(p.requires_grad for p in model.parameters())
+        # parameters freed after each forward pass: ZeRO-3, and any sharded frozen model (it has no backward)
+        self._reshard_after_forward = strategy == "fsdp"
+        if world().size == 1 or (frozen and strategy != "fsdp"):
             return
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -169,7 +178,12 @@ class DataParallel:
             ddp.register_comm_hook(None, _allreduce_sum_hook)
             self._forward = ddp
         else:
-            self._forward = _fully_shard(model, strategy)
+            self._forward = _fully_shard(model, self._reshard_after_forward, strategy)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded over the ranks (FSDP2)."""
+        return self._forward is not None and self.strategy != "ddp"
 
     def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(model, *args, **kwargs)``, run as the wrapped model's forward pass."""
@@ -189,9 +203,46 @@ class DataParallel:
             with self._forward.no_sync() if local else nullcontext():  # type: ignore[union-attr]
                 yield item
 
+    def inference(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(model, *args, **kwargs)`` for a forward pass whose output is not backpropagated
+        (sampling, scoring, the reference's log-probs). A sharded model runs it as one forward
+        pass of the sharded whole, which gathers each block's parameters for its forward and
+        frees them after it under ``fsdp``: collective, so every rank must make the same calls
+        with the same number of block forward passes (inside :meth:`gathered` they need not).
+        An unsharded model, DDP's included, runs ``fn`` on the plain model."""
+        if not self.sharded:
+            return fn(self.model, *args, **kwargs)
+        return self._forward(fn, *args, **kwargs)  # type: ignore[misc]
 
-def _fully_shard(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
-    """FSDP2 on ``model``'s transformer blocks and on a :class:`_TrainingForward` around it."""
+    @contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Every parameter of a sharded model gathered on every rank for the duration and kept
+        between forward passes, so that :meth:`inference` inside communicates nothing and the
+        ranks may run different numbers of forward passes: generation that stops at EOS,
+        evaluation prompts that do not split evenly. Costs the full model's weights on each
+        rank while it lasts (as DDP always does). Entering and leaving are collective; a no-op
+        for an unsharded model."""
+        if not self.sharded:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self._forward.modules() if isinstance(m, FSDPModule)]  # type: ignore[union-attr]
+        for module in modules:
+            module.set_reshard_after_forward(False, recurse=False)
+        # gathered inside one forward pass of the whole, which initialises FSDP2's root first
+        self._forward(lambda _model: [m.unshard() for m in modules])  # type: ignore[misc]
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_reshard_after_forward(self._reshard_after_forward, recurse=False)
+                module.reshard()
+
+
+def _fully_shard(model: torch.nn.Module, reshard_after_forward: bool, strategy: str) -> torch.nn.Module:
+    """FSDP2 on ``model``'s transformer blocks and on a :class:`_TrainingForward` around it;
+    ``strategy`` names it in the log."""
     from torch.distributed.fsdp import fully_shard
 
     blocks = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
@@ -200,7 +251,7 @@ def _fully_shard(model: torch.nn.Module, strategy: str) -> torch.nn.Module:
         raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules) to shard")
     root = _TrainingForward(model)
     for module in [*targets, root]:
-        fully_shard(module, reshard_after_forward=strategy == "fsdp")
+        fully_shard(module, reshard_after_forward=reshard_after_forward)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     if world().is_main:

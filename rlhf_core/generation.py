@@ -135,7 +135,12 @@ def generate(
     if eos_token_id is None:
         model.generation_config.eos_token_id = None
     try:
-        out = model.generate(input_ids=queries, attention_mask=attention_mask, generation_config=config)
+        # synced_gpus off: transformers turns it on for a sharded model under torch.distributed (every
+        # rank then steps until all have stopped); the callers sample from unsharded or gathered
+        # parameters (DataParallel.gathered), so the ranks' calls are independent.
+        out = model.generate(
+            input_ids=queries, attention_mask=attention_mask, generation_config=config, synced_gpus=False
+        )
     finally:
         model.generation_config.eos_token_id = saved_eos
     responses = out.sequences[:, queries.size(1) :]

@@ -27,7 +27,12 @@ advantage whitening use the statistics of the whole batch
 over all ranks' shares, and the logged rollout statistics are computed on the gathered batch.
 Training statistics (losses, clip fractions, entropy) are means of the ranks' equal-sized
 shares; timings and memory are rank 0's. Evaluation prompts are split over the ranks and
-the results gathered; rank 0 alone logs, checkpoints and saves.
+the results gathered; rank 0 alone logs, checkpoints and saves. ``ppo.strategy`` picks how the
+models are held (:class:`rlhf_core.distributed.DataParallel`): ``ddp`` keeps all four whole on
+every rank; ``zero2`` shards the policy's and value model's gradients and optimiser state;
+``fsdp`` shards their parameters too, and the reference and reward models'. Under either
+sharded strategy the policy is gathered whole for sampling (each rank samples its own
+responses) and for evaluation, which every rank then runs without communicating.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import os
 import resource
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +59,7 @@ from .distributed import (
     all_gather_cat,
     all_gather_object,
     all_reduce_sum,
+    gather_to_main,
     shard,
     split_range,
     world,
@@ -370,6 +377,7 @@ class PPOTrainer:
                 f"ppo.num_minibatches {cfg.num_minibatches} equal parts"
             )
         torch.manual_seed(cfg.seed)
+        self.sft_model_dir, self.reward_model_dir = sft_model_dir, reward_model_dir
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
         self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
         self.reward_model = (
@@ -377,18 +385,17 @@ class PPOTrainer:
             if self.reward_fn is not None
             else (ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
         )
-        if reward_model_dir is not None:
-            self.value_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device)  # Detail 22
-        else:  # no reward model (a rule reward): the SFT backbone with a zero head (V = 0 until it
-            # learns), so the first advantages are the lambda-returns of the rewards. Detail 11's random
-            # head gives values that dwarf a score in [-1, 0] (benchmarks/README.md).
-            self.value_model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(self.device)
-            nn.init.zeros_(self.value_model.head.weight)
+        self.value_model = self.initial_value_model().to(self.device)
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
         enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
-        # DDP per model: the policy's and the value model's losses are backpropagated one after the other
-        self.policy_parallel, self.value_parallel = DataParallel(self.policy), DataParallel(self.value_model)
+        # One wrapper per model, before the optimiser (FSDP2 shards in place): the policy's and the
+        # value model's losses are backpropagated one after the other; the frozen models are sharded
+        # under fsdp only (DataParallel).
+        self.policy_parallel = DataParallel(self.policy, cfg.strategy)
+        self.value_parallel = DataParallel(self.value_model, cfg.strategy)
+        self.ref_parallel = DataParallel(self.ref_policy, cfg.strategy)
+        self.reward_parallel = None if self.reward_model is None else DataParallel(self.reward_model, cfg.strategy)
         self.optimizer = torch.optim.AdamW(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
         self.scheduler = get_scheduler(
@@ -396,6 +403,17 @@ class PPOTrainer:
         )
         if self.world.rank:
             torch.manual_seed(cfg.seed + self.world.rank)  # each rank samples its own responses
+
+    def initial_value_model(self) -> ScalarModel:
+        """The value model before training, on the CPU: the reward model (Detail 22), or without
+        one (a rule reward) the SFT backbone with a zero head (V = 0 until it learns), so the first
+        advantages are the lambda-returns of the rewards; Detail 11's random head gives values
+        that dwarf a score in [-1, 0] (benchmarks/README.md)."""
+        if self.reward_model_dir is not None:
+            return ScalarModel.from_pretrained(str(self.reward_model_dir))
+        model = reward_model_from_causal_lm(self.sft_model_dir, seed=self.cfg.seed)
+        nn.init.zeros_(model.head.weight)
+        return model
 
     # ------------------------------------------------------------------ scoring
 
@@ -419,8 +437,8 @@ class PPOTrainer:
         """
         cfg, pad, eos = self.cfg, self.pad_id, self.eos_id
         if self.reward_fn is None:
-            return score_responses(
-                self.reward_model, queries, responses, pad, eos, cfg.non_eos_penalty, cfg.micro_batch_size, cfg.bf16
+            return self.reward_parallel.inference(  # type: ignore[union-attr]
+                score_responses, queries, responses, pad, eos, cfg.non_eos_penalty, cfg.micro_batch_size, cfg.bf16
             )
         raw = rule_scores(self.reward_fn, cfg.reward, self.tokenizer, queries, responses, pad, eos)
         return response_scores(raw.to(responses.device), responses, eos, pad, cfg.non_eos_penalty)
@@ -440,36 +458,39 @@ class PPOTrainer:
         t_gen = t_score = 0.0
         self.policy.eval()  # KV cache in generation, no activation checkpointing
         self.value_model.eval()
-        for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
-            q = queries[mb]
-            t0 = time.perf_counter()
-            with autocast(self.device, cfg.bf16):
-                responses, logits = generate(
-                    self.policy, q, pad, R, cfg.temperature, eos_token_id=None, return_logits=True
-                )
-            logprobs = logprobs_from_logits(logits, responses, cfg.temperature, pad)
-            del logits
-            t1 = time.perf_counter()
-            query_responses = torch.cat([q, responses], dim=1)
-            with autocast(self.device, cfg.bf16):
-                ref_logprobs = logprobs_from_logits(
-                    response_logits(self.ref_policy, query_responses, pad, context), responses, cfg.temperature, pad
-                )
-                values = response_values(self.value_model, query_responses, pad, context)
-            scored = self.score(q, truncate_after_eos(responses, eos, pad))
-            t_gen += t1 - t0
-            t_score += time.perf_counter() - t1
-            for name, value in (
-                ("query_responses", query_responses),
-                ("responses", responses),
-                ("logprobs", logprobs),
-                ("ref_logprobs", ref_logprobs),
-                ("values", values.float()),
-                ("raw_scores", scored.raw_scores),
-                ("scores", scored.scores),
-                ("has_eos", scored.has_eos),
-            ):
-                parts[name].append(value)
+        # A sharded policy is gathered once for all of this rank's samples; the other models'
+        # forward passes, as many on every rank, gather block by block (DataParallel.inference).
+        with self.policy_parallel.gathered():
+            for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+                q = queries[mb]
+                t0 = time.perf_counter()
+                with autocast(self.device, cfg.bf16):
+                    responses, logits = self.policy_parallel.inference(
+                        generate, q, pad, R, cfg.temperature, eos_token_id=None, return_logits=True
+                    )
+                logprobs = logprobs_from_logits(logits, responses, cfg.temperature, pad)
+                del logits
+                t1 = time.perf_counter()
+                query_responses = torch.cat([q, responses], dim=1)
+                with autocast(self.device, cfg.bf16):
+                    ref_logits = self.ref_parallel.inference(response_logits, query_responses, pad, context)
+                    ref_logprobs = logprobs_from_logits(ref_logits, responses, cfg.temperature, pad)
+                    del ref_logits
+                    values = self.value_parallel.inference(response_values, query_responses, pad, context)
+                scored = self.score(q, truncate_after_eos(responses, eos, pad))
+                t_gen += t1 - t0
+                t_score += time.perf_counter() - t1
+                for name, value in (
+                    ("query_responses", query_responses),
+                    ("responses", responses),
+                    ("logprobs", logprobs),
+                    ("ref_logprobs", ref_logprobs),
+                    ("values", values.float()),
+                    ("raw_scores", scored.raw_scores),
+                    ("scores", scored.scores),
+                    ("has_eos", scored.has_eos),
+                ):
+                    parts[name].append(value)
         batch = {k: torch.cat(v) for k, v in parts.items()}
         scored = ResponseScores(batch.pop("raw_scores"), batch.pop("scores"), batch.pop("has_eos"))
         return make_trajectory(
@@ -513,7 +534,6 @@ class PPOTrainer:
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + update * 101 + epoch))
             for start in range(0, n, minibatch_size):
                 minibatch = perm[start : start + minibatch_size].tolist()
-                self.optimizer.zero_grad(set_to_none=True)
                 mb_sums: dict[str, float] = defaultdict(float)
                 micros = list(micro_batches(minibatch, cfg.micro_batch_size))
                 # the last micro-batch's backward passes sum each model's gradients over the ranks:
@@ -527,6 +547,7 @@ class PPOTrainer:
                         mb_sums[key] += value * len(micro) / len(minibatch)
                     ratios.append(ratio)
                 self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)  # no gradients held while sampling
                 for key, value in mb_sums.items():
                     sums[key] += value
                 steps += 1
@@ -603,13 +624,14 @@ class PPOTrainer:
         mine = ds.select(split_range(len(ds), self.world))
         rows: list[tuple[float, float, bool, float, str]] = []
         self.policy.eval()
-        if len(mine):
-            queries = torch.tensor(mine["query_token"])
-            references = torch.tensor(mine["reference_response_token"])
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-                # the same samples every time, training's RNG untouched
-                summaries = summarize(
-                    self.policy,
+        # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
+        # gathered whole first; a rank without prompts joins the gathering and computes nothing.
+        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+        with self.policy_parallel.gathered(), rng:  # the same samples every time, training's RNG untouched
+            if len(mine):
+                queries = torch.tensor(mine["query_token"])
+                summaries = self.policy_parallel.inference(
+                    summarize,
                     self.tokenizer,
                     queries,
                     self.response_length,
@@ -618,8 +640,11 @@ class PPOTrainer:
                     cfg.seed + self.world.rank,
                     cfg.bf16,
                 )
-            policy = self.score(queries, summaries.responses)
-            reference = self.score(queries, references)
+        with self.reward_parallel.gathered() if self.reward_parallel is not None else nullcontext():
+            if len(mine):
+                policy = self.score(queries, summaries.responses)
+                reference = self.score(queries, torch.tensor(mine["reference_response_token"]))
+        if len(mine):
             rows = list(
                 zip(
                     policy.scores.tolist(),
@@ -838,11 +863,14 @@ def run_ppo(
     if not samples:  # resumed after the last update: evaluate once more
         eval_metrics, samples = trainer.evaluate()
         last |= eval_metrics
+    # sharded models are gathered whole to rank 0 (collective), which saves
+    policy = gather_to_main(trainer.policy, lambda: load_causal_lm(sft_model_dir))
+    value_model = gather_to_main(trainer.value_model, trainer.initial_value_model)
     if not w.is_main:
-        return {}  # rank 0 saves
-    trainer.policy.eval()
-    save_pretrained_atomic(trainer.policy, out_dir / "model", trainer.tokenizer)
-    save_pretrained_atomic(trainer.value_model, out_dir / "value_model")
+        return {}
+    policy.eval()
+    save_pretrained_atomic(policy, out_dir / "model", trainer.tokenizer)
+    save_pretrained_atomic(value_model, out_dir / "value_model")
     with open(out_dir / "samples.jsonl", "w") as fh:
         fh.writelines(json.dumps(s) + "\n" for s in samples)
     last = dict(last, **{"ppo/updates": float(trainer.num_updates), "ppo/seconds": time.perf_counter() - begin})

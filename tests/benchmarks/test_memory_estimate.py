@@ -27,8 +27,12 @@ def test_per_rank_bytes_of_weights_gradients_and_adam_under_each_strategy():
     assert memory_estimate.trained(m, "zero2", 8) == 4 * 8_000 + 12 * 1_000
     assert memory_estimate.trained(m, "fsdp", 8) == 16 * 1_000 + 800
     assert [memory_estimate.frozen(m, p, 8) for p in ("whole", "sharded", "cpu")] == [32_000, 4_000 + 800, 0]
-    # PPO holds two trained models (policy, value) and two frozen ones (reference, reward model)
+    # PPO holds two trained models (policy, value) and two frozen ones (reference, reward model),
+    # and peaks in the update (activations) or in sampling (KV cache, no gradients)
+    acts, kv = memory_estimate.activations(m, 2, 565), 2 * 4 * 2 * 565 * 8 * 2
     ppo = memory_estimate.stage_bytes("ppo", m, 2, "ddp", "whole", 8)
-    sft = memory_estimate.stage_bytes("sft", m, 2, "ddp", "whole", 8)
-    kv = 2 * 4 * 2 * 565 * 8 * 2
-    assert ppo - sft == 16 * 8_000 + 2 * 32_000 + kv
+    assert ppo == 2 * 16 * 8_000 + 2 * 32_000 + max(acts, kv - 2 * 4 * 8_000)
+    # under FSDP2 the policy is gathered whole to sample: the other 7/8 of its weights
+    sharded = memory_estimate.stage_bytes("ppo", m, 2, "fsdp", "sharded", 8)
+    trained, frozen = 16 * 1_000 + 800, 4_000 + 800
+    assert sharded == pytest.approx(2 * trained + 2 * frozen + max(acts, kv + 4 * 7_000 - 2 * 4 * 1_000))

@@ -167,7 +167,11 @@ def inputs(smoke_stages, tmp_path_factory):
     return root
 
 
-def launch(stage: str, inputs: list, out, ranks: int, *overrides: str, expect: str = "") -> list[tuple[int, dict]]:
+def launch(
+    stage: str, inputs: list, out, ranks: int, *overrides: str, expect: str = "", expect_times: int | None = None
+) -> list[tuple[int, dict]]:
+    """Run ``stage`` under ``torchrun`` on ``ranks`` gloo ranks and return its metrics; the output
+    must hold ``expect`` (exactly ``expect_times`` times when given)."""
     cmd = [
         sys.executable,
         "-m",
@@ -188,7 +192,10 @@ def launch(stage: str, inputs: list, out, ranks: int, *overrides: str, expect: s
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    assert expect in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert expect in output
+    if expect_times is not None:
+        assert output.count(expect) == expect_times, output[-4000:]
     return read_metrics(out / "metrics.jsonl")
 
 
@@ -240,23 +247,32 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inp
         torch.testing.assert_close(saved[1][name], tensor, rtol=1e-4, atol=1e-5)
 
 
+#: PPO on 2 ranks: 2 updates of 8 prompts, 4 per rank in micro-batches of 2; 5 evaluation prompts
+#: (3 + 2 over the ranks: 2 micro-batches on rank 0, 1 on rank 1); float32, so that strategies
+#: compare to rounding.
+PPO_TWO_RANKS = (
+    "ppo.total_episodes=16",
+    "ppo.micro_batch_size=2",
+    "ppo.eval_every=2",
+    "ppo.eval_max_samples=5",
+    "ppo.checkpoint_every=1",
+    "ppo.bf16=false",
+)
+
+
+@pytest.fixture(scope="module")
+def ppo_ddp(inputs, tmp_path_factory):
+    """PPO on 2 ranks under DDP: its output directory and metrics."""
+    out = tmp_path_factory.mktemp("ppo-ddp") / "ppo"
+    return out, launch("ppo", [inputs / "data", inputs / "sft", inputs / "reward"], out, 2, *PPO_TWO_RANKS)
+
+
 @pytest.mark.slow
-def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(inputs, tmp_path):
+def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(ppo_ddp):
     """PPO under torchrun with 2 gloo ranks: each samples and trains on half of every update's
     prompts; the logged statistics are those of the gathered global batch, whose whitened
     advantages have mean 0 and variance 1; rank 0 alone saves."""
-    out = tmp_path / "ppo"
-    metrics = launch(
-        "ppo",
-        [inputs / "data", inputs / "sft", inputs / "reward"],
-        out,
-        2,
-        "ppo.total_episodes=16",
-        "ppo.micro_batch_size=2",
-        "ppo.eval_every=2",
-        "ppo.eval_max_samples=3",
-        "ppo.checkpoint_every=1",
-    )
+    out, metrics = ppo_ddp
     updates = [m for step, m in metrics if "advantages/mean" in m]
     assert len(updates) == 2
     for m in updates:
@@ -267,8 +283,63 @@ def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(inputs, tmp_pat
     assert updates[0]["loss/policy"] != updates[1]["loss/policy"]
     assert (out / "model" / "config.json").is_file() and (out / "value_model" / "config.json").is_file()
     lines = (out / "samples.jsonl").read_text().splitlines()
-    assert len(lines) == 3  # the 3 evaluation prompts, split 2 + 1 over the ranks and gathered
+    assert len(lines) == 5  # the 5 evaluation prompts, split 3 + 2 over the ranks and gathered
     assert (out / "checkpoints" / "step-000001" / "state.pt").is_file()
     state = torch.load(out / "checkpoints" / "step-000001" / "state.pt", weights_only=False)
     rngs = state["extra"]["rank_rng"]
     assert len(rngs) == 2 and not torch.equal(rngs[0], rngs[1])  # each rank's own sampling stream
+
+
+def _safetensors(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(next(directory.glob("*.safetensors")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,sharded_models", [("fsdp", 4), ("zero2", 2)])
+def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, sharded_models, ppo_ddp, inputs, tmp_path):
+    """PPO with the policy and value model sharded (ZeRO-2: gradients and optimiser state; FSDP2:
+    parameters too, and the frozen reference and reward models) on the same 2 ranks as DDP, each
+    rank with its own sampling seed: the same samples, per-update losses, statistics and
+    evaluation (whose 5 prompts split 3 + 2: the ranks summarise in different numbers of
+    forward passes, so a sharded policy is gathered first), the
+    same full checkpoint, and the same saved policy and value model. (One rank with the global
+    batch samples other responses: each rank has its own sampling stream.)"""
+    ddp_out, ddp = ppo_ddp
+    out = tmp_path / "ppo"
+    got = launch(
+        "ppo",
+        [inputs / "data", inputs / "sft", inputs / "reward"],
+        out,
+        2,
+        *PPO_TWO_RANKS,
+        f"ppo.strategy={strategy}",
+        expect=f"{strategy}: 2 blocks sharded over 2 ranks",
+        expect_times=sharded_models,
+    )
+    updates = [[m for step, m in run if "loss/policy" in m] for run in (ddp, got)]
+    assert len(updates[0]) == len(updates[1]) == 2
+    keys = ["loss/policy", "loss/value", "policy/approxkl", "objective/scores", "objective/kl", "val/ratio"]
+    keys += ["eval/score_policy", "eval/raw_score_policy", "eval/score_reference"]
+    assert "eval/score_policy" in updates[0][1]  # the second update evaluates
+    for want, have in zip(*updates):
+        assert have.keys() == want.keys()
+        for key in keys:
+            if key in want:
+                assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+    assert updates[0][0]["loss/value"] != updates[0][1]["loss/value"]  # it trained
+    samples = [(run / "samples.jsonl").read_text() for run in (ddp_out, out)]
+    assert samples[1] == samples[0] and len(samples[0].splitlines()) == 5
+    states = [
+        torch.load(run / "checkpoints" / "step-000001" / "state.pt", weights_only=False) for run in (ddp_out, out)
+    ]
+    assert states[1]["model"].keys() == states[0]["model"].keys()
+    for name, tensor in states[0]["model"].items():
+        torch.testing.assert_close(states[1]["model"][name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert len(states[1]["optimizer"]["state"]) == len(states[0]["optimizer"]["state"])
+    for model in ("model", "value_model"):
+        saved = [_safetensors(run / model) for run in (ddp_out, out)]
+        assert saved[1].keys() == saved[0].keys()
+        for name, tensor in saved[0].items():
+            torch.testing.assert_close(saved[1][name], tensor, rtol=1e-4, atol=1e-5, msg=f"{model} {name}")
