@@ -68,12 +68,14 @@ def summary(result: dict, tracking_uri: str) -> str:
 
 
 def sweep_main(argv: list[str]) -> int:
-    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--check] [--json]``: the sweep flow
+    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--max-concurrent N] [--check] [--json]``: the sweep flow
     (:func:`flows.sweep.sweep`) in this process, stores under ``--out`` as ``rlhf run``'s (default
     ``runs/sweep-<spec>``); ``--check`` loads and validates the spec and every cell's
     configuration, prints the cells and runs nothing."""
+    from pydantic import ValidationError
+
     from rlhf_core.config import ConfigError
-    from rlhf_core.sweep import cell_configs, expand, load_sweep
+    from rlhf_core.sweep import SweepSpec, cell_configs, expand, load_sweep
     from tasks.storage import ArtifactError
 
     parser = argparse.ArgumentParser(
@@ -82,6 +84,13 @@ def sweep_main(argv: list[str]) -> int:
     parser.add_argument("spec", help="a spec in configs/sweeps/ (e.g. cpu-seeds) or a YAML path")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every cell")
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/sweep-<spec>)")
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        metavar="N",
+        help="cells at once (default: the spec's max_concurrent)",
+    )
     parser.add_argument("--check", action="store_true", help="validate the spec and its cells; run nothing")
     parser.add_argument("--json", action="store_true", help="print the sweep's record as JSON")
     args = parser.parse_args(argv)
@@ -89,10 +98,15 @@ def sweep_main(argv: list[str]) -> int:
     try:
         spec = load_sweep(args.spec)
         spec = spec.model_copy(update={"overrides": [*spec.overrides, *args.overrides]})
+        if args.max_concurrent is not None:
+            spec = SweepSpec.model_validate(spec.model_dump() | {"max_concurrent": args.max_concurrent})
         cells = expand(spec)
         configs = cell_configs(spec, cells)
         if args.check:
-            print(f"sweep {spec.name}: {len(cells)} cells, until {spec.until or 'the last stage'}")
+            print(
+                f"sweep {spec.name}: {len(cells)} cells, {spec.max_concurrent} at a time, "
+                f"until {spec.until or 'the last stage'}"
+            )
             for cell in cells:
                 print(f"  {cell.name}  (preset {configs[cell.name].name})")
             return 0
@@ -105,11 +119,11 @@ def sweep_main(argv: list[str]) -> int:
         from flows.sweep import SweepError, sweep
 
         try:
-            result = sweep(spec=args.spec, overrides=args.overrides)
+            result = sweep(spec=args.spec, overrides=args.overrides, max_concurrent=args.max_concurrent)
         except SweepError as exc:
             print(f"rlhf sweep: {exc}", file=sys.stderr)
             return 1
-    except (ConfigError, ArtifactError) as exc:
+    except (ConfigError, ArtifactError, ValidationError) as exc:
         print(f"rlhf sweep: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else Path(result["summary"]).read_text())

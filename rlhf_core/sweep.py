@@ -18,7 +18,7 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -51,7 +51,13 @@ class HealthRule(BaseModel):
 
 class SweepSpec(BaseModel):
     """A sweep: ``presets`` x ``seeds`` x the product of ``grid``'s values, every cell with
-    ``overrides`` too, run up to stage ``until`` (every stage when None)."""
+    ``overrides`` too, run up to stage ``until`` (every stage when None).
+
+    ``max_concurrent`` cells run at once. ``concurrency_limits`` maps task tags to how many
+    stage tasks with the tag may run at once on the orchestrator (its tag concurrency limits,
+    which hold across every flow and worker using it; the stage tasks' tags are ``gpu`` and
+    ``judge-api``, ``tasks.stages.stage_tags``); a limit is set where the orchestrator has none
+    for the tag, and an existing one is kept."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,6 +69,8 @@ class SweepSpec(BaseModel):
     grid: dict[str, list[Any]] = {}
     until: str | None = None
     health: HealthRule = Field(default_factory=HealthRule)
+    max_concurrent: int = Field(1, gt=0)
+    concurrency_limits: dict[str, Annotated[int, Field(gt=0)]] = {}
 
     @field_validator("grid")
     @classmethod

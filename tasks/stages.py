@@ -173,11 +173,29 @@ def result_storage(store: ArtifactStore | None = None):
     return block
 
 
+#: Stages that run a model (on the accelerator, where there is one): tagged ``gpu``.
+MODEL_STAGES = frozenset(STAGES) - {"data", "base_model"}
+
+
+def stage_tags(stage: str, cfg: PipelineConfig) -> set[str]:
+    """The Prefect tags of stage ``stage``'s task: ``gpu`` for a stage that runs a model
+    (:data:`MODEL_STAGES`), ``judge-api`` for the evaluation with the Anthropic judge. A tag
+    concurrency limit on the orchestrator (``prefect concurrency-limit create gpu 8``, or a
+    sweep spec's ``concurrency_limits``) bounds how many such tasks run at once, across flows
+    and workers."""
+    tags = {"gpu"} if stage in MODEL_STAGES else set()
+    if stage == "evaluation" and cfg.eval.judge == "anthropic":
+        tags.add("judge-api")
+    return tags
+
+
 def stage_task(stage: str, cfg: PipelineConfig, storage: Any):
     """:func:`run_stage` with the stage's orchestration settings (``cfg.orchestration``:
-    retries, their delay, its time limit) and result storage (:func:`result_storage`)."""
+    retries, their delay, its time limit), tags (:func:`stage_tags`) and result storage
+    (:func:`result_storage`)."""
     o = cfg.orchestration
     return run_stage.with_options(
+        tags=stage_tags(stage, cfg),
         retries=o.retries,
         retry_delay_seconds=o.retry_delay_seconds,
         retry_condition_fn=worth_retrying,

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -60,6 +61,8 @@ def server_stack(tmp_path_factory):
         "PREFECT_PORT": str(free_port()),
         "MLFLOW_PORT": str(free_port()),
         "VENV": str(BIN.parent),
+        # a task that finds no free slot under a tag concurrency limit asks again after 1 s, not 30
+        "PREFECT_TASK_RUN_TAG_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
     }
     up = subprocess.run([str(REPO / "infra" / "stack.sh"), "up"], env=env, capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout + up.stderr
@@ -250,3 +253,65 @@ def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
     assert deployment["entrypoint"] == "flows/sweep.py:sweep"
     assert deployment["parameters"] == {"spec": "cpu-seeds", "overrides": []}
     assert deployment["work_pool_name"] == "rlhf-process"
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_its_cells_at_once_on_the_workers_one_model_stage_at_a_time(server_stack, tmp_path):
+    """`rlhf/sweep` with 3 cells at a time and a spec that sets a `gpu` tag limit of 1: each cell
+    is its own flow run of `rlhf/full-pipeline` in the worker's processes, linked to the sweep's;
+    the cells' runs overlap in time, no two model stages do (the server's limit holds across
+    processes), the stages the cells share run once, and the summary holds every cell."""
+    import yaml
+
+    spec = yaml.safe_load((REPO / "configs" / "sweeps" / "smoke-seeds.yaml").read_text())
+    spec |= {"name": "smoke-seeds-at-once", "max_concurrent": 3, "concurrency_limits": {"gpu": 1}}
+    spec["overrides"].append("tracking.experiment_name=e2e-sweep")
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    job_env = {"RLHF_WORK_DIR": str(tmp_path / "work"), "RLHF_ARTIFACT_ROOT": str(tmp_path / "artifacts")}
+    cmd = [str(BIN / "prefect"), "deployment", "run", "rlhf/sweep", "--param", f"spec={tmp_path / 'spec.yaml'}"]
+    cmd += ["--job-variable", "env=" + json.dumps(job_env | {"PREFECT_LOGGING_EXTRA_LOGGERS": "rlhf_core"})]
+    try:
+        done = subprocess.run(
+            cmd + ["--watch", "--watch-timeout", "1500"], env=server_stack, capture_output=True, text=True, timeout=1600
+        )
+        assert done.returncode == 0 and "Completed" in done.stdout, (done.stdout + done.stderr)[-4000:]
+        sweep_id = flow_run_id(done.stdout)
+        api = server_stack["PREFECT_API_URL"]
+        import httpx
+
+        cell_names = ["smoke/seed=1", "smoke/seed=2", "smoke/seed=3"]
+        found = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": cell_names}}}).json()
+        assert sorted(r["name"] for r in found) == cell_names
+        deployment = httpx.get(f"{api}/deployments/name/rlhf/full-pipeline").json()
+        for run in found:  # a run of the pipeline's deployment, on a worker, linked to the sweep
+            assert run["deployment_id"] == deployment["id"] and run["state_type"] == "COMPLETED"
+            assert run["parent_task_run_id"] is not None and run["id"] != sweep_id
+        limit = httpx.get(f"{api}/concurrency_limits/tag/gpu").json()
+        assert limit["concurrency_limit"] == 1  # set by the spec, the server had none
+    finally:
+        subprocess.run([str(BIN / "prefect"), "concurrency-limit", "delete", "gpu"], env=server_stack, timeout=120)
+
+    client = MlflowClient(tracking_uri=server_stack["MLFLOW_TRACKING_URI"])
+    exp = client.get_experiment_by_name("e2e-sweep")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    sweep_run = next(r for r in runs if r.data.tags.get("rlhf.sweep") == "smoke-seeds-at-once")
+    assert sweep_run.info.status == "FINISHED" and sweep_run.data.params["max_concurrent"] == "3"
+    cells = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == sweep_run.info.run_id]
+    assert sorted(r.data.tags["rlhf.sweep_cell"] for r in cells) == ["smoke/seed=1", "smoke/seed=2", "smoke/seed=3"]
+    assert max(r.info.start_time for r in cells) < min(r.info.end_time for r in cells)  # all three in flight at once
+    stages = [r for r in runs if "rlhf.stage" in r.data.tags]
+    assert Counter(r.data.tags["rlhf.stage"] for r in stages) == {
+        s: 1 if s in ("data", "base_model") else 3 for s in STAGES
+    }
+    timed = sorted((r.info.start_time, r.info.end_time, r.data.tags["rlhf.stage"]) for r in stages)
+    model_stages = [t for t in timed if t[2] not in ("data", "base_model")]
+    for before, after in zip(model_stages, model_stages[1:]):
+        assert before[1] <= after[0], (before, after)  # one model stage at a time
+    # the summary's values are the cells' own, read back from their runs
+    summary = Path(client.download_artifacts(sweep_run.info.run_id, "summary/cells.json", str(tmp_path / "dl")))
+    rows = json.loads(summary.read_text())["cells"]
+    for row in rows:
+        cell_run = next(r for r in cells if r.data.tags["rlhf.sweep_cell"] == row["cell"])
+        assert row["mlflow_run_id"] == cell_run.info.run_id and row["error"] is None
+        assert row["PPO KL"] == pytest.approx(cell_run.data.metrics["ppo/objective/kl"], rel=1e-12)
+        assert row["SFT ROUGE-L"] == pytest.approx(cell_run.data.metrics["sft/eval/rougeL"], rel=1e-12)

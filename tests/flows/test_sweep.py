@@ -137,3 +137,13 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path):
     )
     assert f"| smoke/seed=1/model.tokenizer={good} | " in summary  # the second cell's SFT ROUGE-L
     assert finished_states(run.stdout + run.stderr)["sft", "Completed"] == 1
+
+
+def test_concurrent_cells_need_the_pipeline_deployment(tmp_path):
+    """More than one cell at a time runs each as a run of `rlhf/full-pipeline` on the workers:
+    in Prefect's ephemeral mode there is no such deployment, and the sweep says so before any
+    cell starts."""
+    run = rlhf_sweep(tmp_path, "smoke-seeds", "--max-concurrent", "3", timeout=600)
+    assert run.returncode == 2, (run.stdout + run.stderr)[-4000:]
+    assert "max_concurrent=3 runs each cell as a run of the deployment rlhf/full-pipeline" in run.stderr
+    assert not (tmp_path / "work" / "data").exists()

@@ -85,6 +85,8 @@ def test_cells_are_presets_by_grid_by_seeds_with_the_seed_last():
         ({"name": "t", "presets": ["smoke"], "grid": {"ppo.kl_coef": []}}, "grid.ppo.kl_coef"),
         ({"name": "t", "presets": []}, "presets"),
         ({"name": "t", "presets": ["smoke"], "sedes": [1]}, "sedes"),
+        ({"name": "t", "presets": ["smoke"], "max_concurrent": 0}, "max_concurrent"),
+        ({"name": "t", "presets": ["smoke"], "concurrency_limits": {"gpu": 0}}, "concurrency_limits.gpu"),
     ],
 )
 def test_a_bad_spec_fails_naming_its_file_and_field(tmp_path, tree, message):

@@ -8,7 +8,7 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data import DataError
 from rlhf_core.errors import TrainingError
 from rlhf_core.judging import JudgeConfigError
-from tasks.stages import run_stage, stage_task, worth_retrying
+from tasks.stages import run_stage, stage_tags, stage_task, worth_retrying
 from tasks.storage import ArtifactError
 
 
@@ -55,3 +55,16 @@ def test_orchestration_settings_are_in_no_stage_key():
     b = load_config("smoke", ["orchestration.retries=5", "orchestration.timeout_seconds.ppo=60"])
     for stage in STAGES:
         assert stage_key(stage, a, []) == stage_key(stage, b, [])
+
+
+def test_stages_that_run_a_model_are_tagged_gpu_and_the_api_judge_judge_api():
+    """The tags that Prefect's tag concurrency limits bound (sweeps: cells at once)."""
+    offline, api = load_config("smoke"), load_config("smoke", ["eval.judge=anthropic", "eval.judge_model=m"])
+    assert stage_task("sft", offline, None).tags == {"gpu"}
+    assert {s for s in ("data", "base_model", "sft", "ppo", "evaluation") if stage_tags(s, offline)} == {
+        "sft",
+        "ppo",
+        "evaluation",
+    }
+    assert stage_tags("evaluation", offline) == {"gpu"}
+    assert stage_tags("evaluation", api) == {"gpu", "judge-api"} and stage_tags("ppo", api) == {"gpu"}
