@@ -221,7 +221,7 @@ def cell_result_from_mlflow(client: MlflowClient, cell: Cell, parent_id: str) ->
 
 
 def _run_cells(s: SweepSpec, cells: list[Cell], client: MlflowClient, parent_id: str, out: Path, logger: Any) -> dict:
-    """The cells as ``rlhf`` subflows, ``s.max_concurrent`` at a time, under the sweep's MLflow
+    """The cells (:func:`run_cell`), ``s.max_concurrent`` at a time, under the sweep's MLflow
     run ``parent_id``; then the summary in ``out``, in that run and as a Prefect artifact."""
     try:
         client.log_dict(parent_id, s.model_dump(mode="json"), "sweep.yaml")
