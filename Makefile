@@ -30,7 +30,7 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install packages lock demo demo-local test test-fast lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl
+.PHONY: install packages lock demo demo-local test test-fast lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl gpu-bundle
 
 install: $(STAMP)
 
@@ -114,6 +114,13 @@ $(TRL_STAMP): Makefile
 
 bench-trl: $(STAMP) $(TRL_STAMP)
 	$(BIN)/python benchmarks/vs_trl.py $(BENCH_ARGS)
+
+# An offline CUDA machine: wheels of what its Python lacks, the tokenizer and the TL;DR rows into
+# $(GPU_BUNDLE)/ (infra/offline-gpu/README.md); there, `source .gpu/env.sh && python3 benchmarks/gpu_stages.py`.
+GPU_BUNDLE ?= .gpu
+
+gpu-bundle: $(STAMP)
+	BUNDLE=$(GPU_BUNDLE) PY=$(BIN)/python infra/offline-gpu/prepare.sh
 
 clean: stack-down
 	rm -rf $(VENV) runs .pytest_cache $(STACK_DIR)

@@ -167,8 +167,17 @@ class _Done(Exception):
     """Raised by the tracker after the last timed step: skips the stage's save and evaluation."""
 
 
+def _now() -> float:
+    """``time.perf_counter()`` once the GPU, where there is one, has run the work queued on it."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class _StepClock:
-    """A tracker that records ``time.perf_counter()`` at the end of each optimiser step."""
+    """A tracker that records the clock (:func:`_now`) at the end of each optimiser step."""
 
     def __init__(self, steps: int):
         self.steps = steps
@@ -182,7 +191,7 @@ class _StepClock:
     def log_metrics(self, metrics, step=None):
         if "tokens_per_s" not in metrics:
             return
-        self.ends.append(time.perf_counter())
+        self.ends.append(_now())
         self.tokens_per_s.append(metrics["tokens_per_s"])
         if step is not None and step >= self.steps:
             raise _Done
@@ -207,7 +216,7 @@ class _UpdateClock(_StepClock):
     def log_metrics(self, metrics, step=None):
         if "time/train" not in metrics:
             return
-        self.ends.append(time.perf_counter())
+        self.ends.append(_now())
         self.phases.append(
             {
                 "rollout_s": metrics["time/generate"] + metrics["time/score"],
@@ -220,10 +229,12 @@ class _UpdateClock(_StepClock):
             raise _Done
 
 
-def _timed_window(ends: list[float], first_step_seconds: float) -> dict:
-    """Steps 2.. when there are two or more (the first is the warm-up), else the first step alone."""
-    if len(ends) >= 2:
-        return {"timed_seconds": ends[-1] - ends[0], "timed_from_step": 1, "warmup_included": False}
+def _timed_window(ends: list[float], first_step_seconds: float, warmup: int = 1) -> dict:
+    """The steps after the first ``warmup`` (untimed warm-up), at most all but the first; the
+    first step alone, flagged, when there is only one."""
+    skip = min(warmup, len(ends) - 1)
+    if skip >= 1:
+        return {"timed_seconds": ends[-1] - ends[skip - 1], "timed_from_step": skip, "warmup_included": False}
     return {"timed_seconds": first_step_seconds, "timed_from_step": 0, "warmup_included": True}
 
 
@@ -262,8 +273,9 @@ def run(spec: dict) -> dict:
             raise RuntimeError(f"expected {steps} steps, got {len(clock.ends)}")
         tokens = spec["tokens_per_step"]
         first = tokens[0] / clock.tokens_per_s[0]  # train_loop's own timing of step 1
-        result.update(_timed_window(clock.ends, first))
+        result.update(_timed_window(clock.ends, first, spec.get("warmup", 1)))
         result["step_seconds"] = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+        result["step_ends"] = clock.ends
         result["train_loop_tokens_per_s"] = clock.tokens_per_s
         result["load_seconds"] = (clock.params_at or t_load) - t_load
         model_params = None
@@ -288,8 +300,9 @@ def run(spec: dict) -> dict:
             raise RuntimeError(f"expected {steps} updates, got {len(clock.ends)}")
         result["load_seconds"] = (clock.params_at or t_load) - t_load
         first = clock.ends[0] - (clock.params_at or t_load)
-        result.update(_timed_window(clock.ends, first))
+        result.update(_timed_window(clock.ends, first, spec.get("warmup", 1)))
         result["step_seconds"] = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
+        result["step_ends"] = clock.ends
         result["phases"] = clock.phases
         model_params = None
     result["n_params"] = model_params
@@ -297,6 +310,8 @@ def run(spec: dict) -> dict:
     result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__}
     if spec["device"] == "cuda":
         result["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        result["device_name"] = torch.cuda.get_device_name()
+        result["cuda"] = torch.version.cuda
     return result
 
 

@@ -134,13 +134,14 @@ def linear_logprobs(
     weight: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None = None,
-    chunk_bytes: int = 32 * 2**20,
+    chunk_bytes: int | None = None,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T (+ bias))`` at each row's target, without full logits.
 
     Equal, with its gradients, to ``F.log_softmax(F.linear(hidden, weight, bias).float(),
     -1).gather(1, targets[:, None]).squeeze(1)``, but ``(n, vocab)`` logits exist only a chunk of
-    rows (``chunk_bytes`` of float32 logits) at a time, in the forward pass and again in the
+    rows (``chunk_bytes`` of float32 logits, by default the device's:
+    :func:`rlhf_core.sft.head_chunking`) at a time, in the forward pass and again in the
     backward pass, which recomputes them (the per-row incoming gradients are known only then).
     Under autocast the matrix products run in the autocast dtype; logits and the softmax are
     float32. SFT's summed loss uses :func:`rlhf_core.sft.linear_cross_entropy_sum` instead, which

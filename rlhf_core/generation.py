@@ -4,14 +4,24 @@ PAD is never sampled: it marks where a response ends (Details 3, 12), so a sampl
 end a response before its EOS. :func:`generate` removes it from the sampling distribution,
 and :func:`rlhf_core.ppo.sampling_logits` removes it from the distribution PPO trains, so the
 two are the same.
+
+How the decoding steps run is chosen once, by the model's device (:func:`decoding_for`): on
+CUDA a static KV cache and a compiled, CUDA-graph-replayed decoding step, elsewhere
+transformers' dynamic cache, eagerly. From the same seed both sample the same tokens, from
+logits equal up to rounding (:class:`Decoding`).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 
 def first_true_indices(bools: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -87,6 +97,101 @@ def ends_with_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id: int)
     return torch.gather(responses, 1, last.unsqueeze(1)).squeeze(1) == eos_token_id
 
 
+#: A static KV cache's length is a multiple of this many tokens (:func:`static_cache_length`).
+CACHE_LENGTH_MULTIPLE = 256
+
+
+def static_cache_length(query_length: int, max_new_tokens: int, multiple: int = CACHE_LENGTH_MULTIPLE) -> int:
+    """Slots per sequence of a static KV cache for ``query_length + max_new_tokens`` tokens,
+    rounded up to a multiple of ``multiple``.
+
+    The compiled decoding step is specialised to the cache's shape, ``(batch, kv_heads,
+    length, head_dim)`` per layer, and the attention mask is built to that length outside it,
+    so one length serves every query length up to it: a length that followed each batch's
+    (trimmed) query length would compile and capture the step again for nearly every batch.
+    transformers keeps the longest length a model has used (``_previous_max_cache_length``),
+    so over a run the cache only grows, by whole multiples.
+    """
+    needed = query_length + max_new_tokens
+    return -(-needed // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """How :func:`generate` runs its decoding steps; what it samples does not depend on it.
+
+    ``static_cache=False``: transformers' dynamic KV cache, whose keys and values grow by one
+    position a step, run eagerly (every decoding step launches each kernel from Python).
+    ``static_cache=True``: transformers' ``StaticCache``, keys and values preallocated per
+    layer as ``(batch, kv_heads, static_cache_length(...), head_dim)`` zeros, written in place
+    step by step, the slots not yet written masked out of attention. Every decoding step then
+    has the same shapes, so with ``compile_config`` (transformers' ``CompileConfig``: the
+    arguments of ``torch.compile``; ``mode="reduce-overhead"`` replays the step as a CUDA graph)
+    it is compiled once per batch size and cache length and replayed; the prefill (the query's
+    forward pass) always runs eagerly. ``compile_config=None`` runs the static cache eagerly.
+
+    The cache's keys and values take the dtype of the first keys and values written into it
+    (transformers allocates them lazily), so under bf16 autocast with float32 weights the keys
+    are float32 (rotary embeddings promote them) and the values bfloat16, as in the dynamic
+    cache; a cache allocated up front in one dtype would fail its in-place writes. Chunked
+    prefill (``prefill_chunk_size``) allocates it up front, so it is not used here.
+
+    Attributes:
+        static_cache: a static cache instead of the dynamic one.
+        compile_config: compile the decoding step (static cache only), on whatever device
+            this decoding was chosen for.
+        cache_length_multiple: the static cache's length is rounded up to a multiple of this
+            (:func:`static_cache_length`).
+    """
+
+    static_cache: bool = False
+    compile_config: CompileConfig | None = None
+    cache_length_multiple: int = CACHE_LENGTH_MULTIPLE
+
+    def generation_config_kwargs(self, query_length: int, max_new_tokens: int) -> dict[str, Any]:
+        """The ``GenerationConfig`` arguments of this decoding for ``(batch, query_length)``
+        queries; none for the dynamic cache (transformers' default)."""
+        if not self.static_cache:
+            return {}
+        kwargs: dict[str, Any] = {
+            "cache_implementation": "static",
+            "max_cache_len": static_cache_length(query_length, max_new_tokens, self.cache_length_multiple),
+        }
+        if self.compile_config is None:
+            kwargs["disable_compile"] = True  # transformers would compile a static cache's step on CUDA
+        else:
+            # transformers compiles only on accelerators unless this flag is set: the choice was made already.
+            # Copies compare equal, so the model's compiled step (``_compiled_call``) is reused across calls.
+            config = copy.copy(self.compile_config)
+            config._compile_all_devices = True
+            kwargs["compile_config"] = config
+        return kwargs
+
+
+#: transformers' dynamic KV cache, eager: what :func:`decoding_for` picks off CUDA.
+DYNAMIC_CACHE = Decoding()
+#: A static KV cache and the decoding step compiled with CUDA graphs: what :func:`decoding_for`
+#: picks on CUDA, where a small model's eager decoding step is bound by kernel launches.
+COMPILED_STATIC_CACHE = Decoding(static_cache=True, compile_config=CompileConfig(mode="reduce-overhead"))
+
+
+#: Why compiling the decoding step failed in this process, once it has: :func:`generate` then
+#: samples with :data:`DYNAMIC_CACHE` instead of any compiled decoding.
+_compile_failure: list[str] = []
+
+
+def decoding_for(device: torch.device | str) -> Decoding:
+    """The decoding :func:`generate` uses for a model on ``device``: :data:`COMPILED_STATIC_CACHE`
+    on CUDA, :data:`DYNAMIC_CACHE` elsewhere.
+
+    On CUDA an eager decoding step of a small model spends its time launching kernels, which
+    a CUDA graph replays in one launch; the first call per batch size and cache length pays
+    for compiling and capturing the step. On the CPU there are no CUDA graphs and compiling
+    costs more than it saves over the few calls a CPU run makes.
+    """
+    return COMPILED_STATIC_CACHE if torch.device(device).type == "cuda" else DYNAMIC_CACHE
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -96,6 +201,7 @@ def generate(
     temperature: float,
     eos_token_id: int | None = None,
     return_logits: bool = False,
+    decoding: Decoding | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sample responses for a batch of left-padded queries with the KV cache.
 
@@ -110,37 +216,61 @@ def generate(
         queries: ``(batch, query_length)`` token ids, left-padded with ``pad_token_id``.
         return_logits: also return the raw logits of every sampled position (untempered,
             PAD included).
+        decoding: how the decoding steps run; ``None``: :func:`decoding_for` the model's
+            device. The same seed gives the same tokens either way. Should compiling the
+            decoding step fail (a ``torch._dynamo`` error), a warning names the error and this
+            call and every later one in the process sample with :data:`DYNAMIC_CACHE`.
 
     Returns:
         ``(batch, max_new_tokens)`` response token ids, PAD after a stop; with
         ``return_logits`` also ``(batch, max_new_tokens, vocab)`` float logits.
     """
+    if decoding is None:
+        decoding = decoding_for(next(model.parameters()).device)
+    if decoding.compile_config is not None and _compile_failure:
+        decoding = DYNAMIC_CACHE
     attention_mask = (queries != pad_token_id).long()
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        pad_token_id=pad_token_id,
-        eos_token_id=eos_token_id,
-        bos_token_id=None,
-        suppress_tokens=[pad_token_id],
-        output_logits=return_logits,
-        return_dict_in_generate=True,
-    )
+
+    def sample(decoding: Decoding):
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            bos_token_id=None,
+            suppress_tokens=[pad_token_id],
+            output_logits=return_logits,
+            return_dict_in_generate=True,
+            **decoding.generation_config_kwargs(queries.size(1), max_new_tokens),
+        )
+        # synced_gpus off: transformers turns it on for a sharded model under torch.distributed (every
+        # rank then steps until all have stopped); the callers sample from unsharded or gathered
+        # parameters (DataParallel.gathered), so the ranks' calls are independent.
+        return model.generate(
+            input_ids=queries, attention_mask=attention_mask, generation_config=config, synced_gpus=False
+        )
+
     # generate() falls back on the model's own EOS when none is given; clear it to sample through.
     saved_eos = model.generation_config.eos_token_id
     if eos_token_id is None:
         model.generation_config.eos_token_id = None
     try:
-        # synced_gpus off: transformers turns it on for a sharded model under torch.distributed (every
-        # rank then steps until all have stopped); the callers sample from unsharded or gathered
-        # parameters (DataParallel.gathered), so the ranks' calls are independent.
-        out = model.generate(
-            input_ids=queries, attention_mask=attention_mask, generation_config=config, synced_gpus=False
-        )
+        try:
+            out = sample(decoding)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            if decoding.compile_config is None:
+                raise
+            # a speed lever never stops a run: the eager dynamic cache samples the same distribution
+            _compile_failure.append(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            log.warning(
+                "compiling the decoding step failed (%s); sampling with the dynamic KV cache, eagerly, from now on",
+                _compile_failure[0],
+            )
+            out = sample(DYNAMIC_CACHE)
     finally:
         model.generation_config.eos_token_id = saved_eos
     responses = out.sequences[:, queries.size(1) :]

@@ -32,6 +32,7 @@ from .config import ModelConfig, RandomInitConfig
 from .errors import ModelSourceError  # noqa: F401  (re-exported: ModelSourceError of this module)
 from .generation import first_true_indices
 from .io import atomic_directory, content_digest, file_sha256, write_json_atomic
+from .training import device_tuning
 
 log = logging.getLogger(__name__)
 
@@ -350,10 +351,78 @@ def padding_aware_inputs(
     return input_ids, attention_mask.long(), position_ids
 
 
+@dataclass(frozen=True)
+class CausalLayout:
+    """Where the real tokens of a batch's rows are: what :func:`causal_forward` decides its call from.
+
+    Attributes:
+        contiguous: every row is one run of real tokens (PAD only before and after it).
+        width: the columns ``fn`` is called with: the longest run (at least 1) rounded up to a
+            multiple of ``width_multiple`` and capped at the batch's length.
+        start: ``(batch,)`` long, the column of each row's first real token (the length for a
+            row of PAD only).
+        n_real: ``(batch,)`` long, each row's number of real tokens.
+    """
+
+    contiguous: bool
+    width: int
+    start: torch.Tensor
+    n_real: torch.Tensor
+
+    def to(self, device: torch.device | str) -> CausalLayout:
+        """The same layout with its tensors on ``device``, copied without waiting for the copy
+        (``non_blocking``): from the CPU the copy is queued behind the device's work, in order."""
+        return CausalLayout(
+            self.contiguous,
+            self.width,
+            self.start.to(device, non_blocking=True),
+            self.n_real.to(device, non_blocking=True),
+        )
+
+
+def causal_layout(
+    query_responses: torch.Tensor,
+    pad_token_id: int,
+    device: torch.device | str | None = None,
+    width_multiple: int | None = None,
+) -> CausalLayout:
+    """The :class:`CausalLayout` of ``query_responses``, for a :func:`causal_forward` on ``device``.
+
+    Reading ``contiguous`` and ``width`` makes the host wait for ``query_responses``' device;
+    computed from a CPU copy before the ids move to a GPU, the layout costs the GPU no
+    synchronisation, and its tensors are then copied to ``device`` (:meth:`CausalLayout.to`).
+
+    Args:
+        query_responses: ``(batch, length)`` token ids, on any device.
+        device: where the forward pass runs, and where the returned tensors are
+            (default: ``query_responses``' device).
+        width_multiple: round the width up to a multiple of this (default: the
+            ``width_multiple`` of ``device``, :func:`rlhf_core.training.device_tuning`; 1 on the
+            CPU, which keeps the longest run's width).
+
+    Raises:
+        ValueError: ``width_multiple`` below 1.
+    """
+    device = query_responses.device if device is None else torch.device(device)
+    multiple = device_tuning(device).width_multiple if width_multiple is None else width_multiple
+    if multiple < 1:
+        raise ValueError(f"width_multiple must be at least 1, not {multiple}")
+    real = query_responses != pad_token_id
+    length = query_responses.size(1)
+    n_real = real.sum(1)
+    start = first_true_indices(real)
+    positions = torch.arange(length, device=query_responses.device)
+    contiguous = bool((real == ((positions >= start[:, None]) & (positions < (start + n_real)[:, None]))).all())
+    width = max(int(n_real.max()), 1) if len(n_real) else 1
+    width = min(-(-width // multiple) * multiple, length)
+    return CausalLayout(contiguous, width, start, n_real).to(device)
+
+
 def causal_forward(
     fn: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
     query_responses: torch.Tensor,
     pad_token_id: int,
+    layout: CausalLayout | None = None,
 ) -> torch.Tensor:
     """``fn(input_ids, attention_mask, position_ids)`` with padding invisible, at the cost of no mask.
 
@@ -367,28 +436,35 @@ def causal_forward(
     tokens sends the whole batch through the mask of :func:`padding_aware_inputs` instead.
     Real positions get the same values as the masked call (Detail 14), up to kernel rounding.
 
+    The width of the call is the layout's (:func:`causal_layout`): on a device whose
+    ``width_multiple`` is above 1 (CUDA) the longest run rounded up, the extra columns token 0
+    after every row's run, which causal attention keeps from every real position (their outputs
+    are dropped). Pass ``layout``, computed from a CPU copy of the ids, to spare the host the
+    wait for the device that deciding the call from device tensors costs.
+
     Args:
         fn: a model call returning ``(batch, width, ...)`` for ``(batch, width)`` inputs.
         query_responses: ``(batch, length)`` token ids.
+        layout: :func:`causal_layout` of ``query_responses`` (any copy), its tensors on
+            ``query_responses``' device; computed here when not given.
 
     Returns:
         ``(batch, length, ...)``, the output of ``fn`` with gradients flowing through it.
     """
-    real = query_responses != pad_token_id
-    batch, length = query_responses.shape
-    n_real = real.sum(1)
-    start = first_true_indices(real)
-    positions = torch.arange(length, device=query_responses.device)
-    contiguous = real == ((positions >= start[:, None]) & (positions < (start + n_real)[:, None]))
-    if not bool(contiguous.all()):
+    if layout is None:
+        layout = causal_layout(query_responses, pad_token_id)
+    if not layout.contiguous:
         return fn(*padding_aware_inputs(query_responses, pad_token_id))
-    width = max(int(n_real.max()), 1)
-    gather = (positions[None, :width] + start[:, None]) % length  # (batch, width): rotated column -> original
-    input_ids = torch.gather(query_responses, 1, gather).masked_fill(positions[None, :width] >= n_real[:, None], 0)
+    batch, length = query_responses.shape
+    width, start, n_real = layout.width, layout.start, layout.n_real
+    positions = torch.arange(width, device=query_responses.device)
+    gather = (positions[None, :] + start[:, None]) % length  # (batch, width): rotated column -> original
+    real = positions[None, :] < n_real[:, None]  # (batch, width)
+    input_ids = torch.gather(query_responses, 1, gather).masked_fill(~real, 0)
     out = fn(input_ids, None, None)  # (batch, width, ...)
     rotated_back = out.new_zeros((batch, length, *out.shape[2:]))
     index = gather.view(batch, width, *([1] * (out.dim() - 2))).expand_as(out)
-    keep = (positions[None, :width] < n_real[:, None]).view(batch, width, *([1] * (out.dim() - 2)))
+    keep = real.view(batch, width, *([1] * (out.dim() - 2)))
     return rotated_back.scatter(1, index, out * keep)
 
 

@@ -92,7 +92,9 @@ from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
 from .training import (
     StepProgress,
+    adamw,
     autocast,
+    device_clock,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
@@ -396,7 +398,7 @@ class PPOTrainer:
         self.value_parallel = DataParallel(self.value_model, cfg.strategy)
         self.ref_parallel = DataParallel(self.ref_policy, cfg.strategy)
         self.reward_parallel = None if self.reward_model is None else DataParallel(self.reward_model, cfg.strategy)
-        self.optimizer = torch.optim.AdamW(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
+        self.optimizer = adamw(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
         self.scheduler = get_scheduler(
             cfg.scheduler, self.optimizer, num_warmup_steps=0, num_training_steps=self.num_updates
@@ -463,14 +465,14 @@ class PPOTrainer:
         with self.policy_parallel.gathered():
             for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
                 q = queries[mb]
-                t0 = time.perf_counter()
+                t0 = device_clock(self.device)
                 with autocast(self.device, cfg.bf16):
                     responses, logits = self.policy_parallel.inference(
                         generate, q, pad, R, cfg.temperature, eos_token_id=None, return_logits=True
                     )
                 logprobs = logprobs_from_logits(logits, responses, cfg.temperature, pad)
                 del logits
-                t1 = time.perf_counter()
+                t1 = device_clock(self.device)
                 query_responses = torch.cat([q, responses], dim=1)
                 with autocast(self.device, cfg.bf16):
                     ref_logits = self.ref_parallel.inference(response_logits, query_responses, pad, context)
@@ -479,7 +481,7 @@ class PPOTrainer:
                     values = self.value_parallel.inference(response_values, query_responses, pad, context)
                 scored = self.score(q, truncate_after_eos(responses, eos, pad))
                 t_gen += t1 - t0
-                t_score += time.perf_counter() - t1
+                t_score += device_clock(self.device) - t1
                 for name, value in (
                     ("query_responses", query_responses),
                     ("responses", responses),
@@ -836,13 +838,13 @@ def run_ppo(
         # step 3. advantages and returns by GAE, advantages whitened (Detail 25)
         advantages, returns = whitened_advantages(traj, rewards, cfg)
         # step 4. optimise: ppo_epochs passes of the clipped policy and value losses over minibatches
-        t0 = time.perf_counter()
+        t0 = device_clock(trainer.device)
         try:
             _raise_if_non_finite(scores=traj.scores, rewards=rewards.rewards, advantages=advantages, values=traj.values)
             stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update)
         except _NonFinite as exc:
             raise progress.stop(str(exc), update) from None
-        t_train = time.perf_counter() - t0
+        t_train = device_clock(trainer.device) - t0
         lr = trainer.scheduler.get_last_lr()[0]
         trainer.scheduler.step()
 

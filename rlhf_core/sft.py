@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,11 +26,12 @@ from .diagnostics import rouge_l
 from .distributed import DataParallel, all_reduce_sum, world
 from .generation import summarize
 from .io import write_json_atomic
-from .models import causal_forward, load_causal_lm, save_pretrained_atomic
+from .models import CausalLayout, causal_forward, causal_layout, load_causal_lm, save_pretrained_atomic
 from .tracking import NullTracker, Tracker
 from .training import (
     accumulation_steps,
     autocast,
+    device_tuning,
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
@@ -82,6 +84,78 @@ def masked_token_loss(
     return F.cross_entropy(logits, targets, reduction="sum"), int(target_mask.sum())
 
 
+@dataclass(frozen=True)
+class SFTBatch:
+    """A micro-batch of SFT rows on its device, with what the loss needs to know about it worked out
+    beforehand (:func:`sft_batch`): computed from CPU tensors, none of it makes the host wait for
+    the device.
+
+    Attributes:
+        input_ids: ``(batch, length)`` long token ids, right-padded.
+        pad_token_id: the PAD id.
+        layout: :func:`rlhf_core.models.causal_layout` of ``input_ids``.
+        predict: ``(n_targets,)`` long, ``row * length + t`` for each position ``t`` whose hidden
+            state predicts a target (the token at ``t + 1``), in row-major order.
+        targets: ``(n_targets,)`` long, those target tokens, in the same order.
+        n_targets: the number of target tokens.
+    """
+
+    input_ids: torch.Tensor
+    pad_token_id: int
+    layout: CausalLayout
+    predict: torch.Tensor
+    targets: torch.Tensor
+    n_targets: int
+
+
+def sft_batch(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_token_id: int, device: torch.device | str | None = None
+) -> SFTBatch:
+    """An :class:`SFTBatch` on ``device`` from ``input_ids`` and ``loss_mask`` wherever they are.
+
+    The layout, the positions that predict a target, the targets and their count are computed
+    where the inputs are; from CPU tensors that costs ``device`` no synchronisation, and the
+    tensors are then copied to ``device`` without waiting (``non_blocking``).
+
+    Args:
+        input_ids: ``(batch, length)`` right-padded token ids.
+        loss_mask: ``(batch, length)`` bool target mask (:func:`make_loss_mask`), on
+            ``input_ids``' device.
+        device: where the loss is computed (default: ``input_ids``' device).
+    """
+    device = input_ids.device if device is None else torch.device(device)
+    target_mask = loss_mask[:, 1:]
+    rows, cols = target_mask.nonzero(as_tuple=True)
+    predict = rows * input_ids.size(1) + cols
+    return SFTBatch(
+        input_ids=input_ids.to(device, non_blocking=True),
+        pad_token_id=pad_token_id,
+        layout=causal_layout(input_ids, pad_token_id, device),
+        predict=predict.to(device, non_blocking=True),
+        targets=input_ids[:, 1:][target_mask].to(device, non_blocking=True),
+        n_targets=predict.numel(),
+    )
+
+
+def sft_batch_loss_sum(model: PreTrainedModel, batch: SFTBatch) -> torch.Tensor:
+    """The summed SFT loss of ``batch`` (:func:`sft_loss_sum`), the host never waiting for the device.
+
+    Returns:
+        A float32 scalar on the batch's device: the summed next-token loss in nats.
+    """
+    hidden = causal_forward(
+        lambda ids, mask, pos: (
+            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        ),
+        batch.input_ids,
+        batch.pad_token_id,
+        batch.layout,
+    )
+    head = model.get_output_embeddings()
+    predicting = hidden.flatten(0, 1).index_select(0, batch.predict)  # (n_targets, d_model)
+    return linear_cross_entropy_sum(predicting, head.weight, batch.targets, getattr(head, "bias", None))
+
+
 def sft_loss_sum(
     model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor, pad_token_id: int
 ) -> tuple[torch.Tensor, int]:
@@ -89,7 +163,8 @@ def sft_loss_sum(
 
     The backbone runs through :func:`~rlhf_core.models.causal_forward` (no attention mask,
     no PAD columns past the longest row); its hidden states are gathered at the positions
-    that predict a target, and only those go through the language-model head.
+    that predict a target, and only those go through the language-model head
+    (:func:`sft_batch` then :func:`sft_batch_loss_sum`, on ``input_ids``' device).
 
     Args:
         input_ids: ``(batch, length)`` right-padded token ids.
@@ -98,18 +173,8 @@ def sft_loss_sum(
     Returns:
         ``(loss_sum, n_targets)`` as :func:`masked_token_loss`.
     """
-    hidden = causal_forward(
-        lambda ids, mask, pos: (
-            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
-        ),
-        input_ids,
-        pad_token_id,
-    )
-    target_mask = loss_mask[:, 1:]
-    head = model.get_output_embeddings()
-    targets = input_ids[:, 1:][target_mask]
-    loss = linear_cross_entropy_sum(hidden[:, :-1][target_mask], head.weight, targets, getattr(head, "bias", None))
-    return loss, int(target_mask.sum())
+    batch = sft_batch(input_ids, loss_mask, pad_token_id)
+    return sft_batch_loss_sum(model, batch), batch.n_targets
 
 
 class _LinearCrossEntropySum(torch.autograd.Function):
@@ -157,10 +222,12 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 
 def head_chunking(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_bytes: int
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None = None
 ) -> tuple[torch.dtype, int]:
     """How a chunked output layer runs ``hidden @ weight.T``: the matmul dtype (autocast's, else
-    the inputs' promoted dtype) and the rows per chunk (``chunk_bytes`` of float32 logits).
+    the inputs' promoted dtype) and the rows per chunk, at least 1: ``chunk_bytes`` of float32
+    logits, by default the ``head_chunk_bytes`` of ``hidden``'s device
+    (:func:`rlhf_core.training.device_tuning`).
 
     Raises:
         ValueError: ``hidden`` is not ``(n, d)`` or ``targets`` not ``(n,)``.
@@ -172,6 +239,8 @@ def head_chunking(
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if chunk_bytes is None:
+        chunk_bytes = device_tuning(hidden.device).head_chunk_bytes
     return compute_dtype, max(1, chunk_bytes // (4 * weight.size(0)))
 
 
@@ -180,18 +249,19 @@ def linear_cross_entropy_sum(
     weight: torch.Tensor,
     targets: torch.Tensor,
     bias: torch.Tensor | None = None,
-    chunk_bytes: int = 32 * 2**20,
+    chunk_bytes: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without full logits.
 
     Equal, with its gradients, to ``F.cross_entropy(F.linear(hidden, weight, bias).float(),
     targets, reduction="sum")``, but the ``(n, vocab)`` logits exist only a chunk of rows at a
-    time (``chunk_bytes`` of float32 logits): the forward pass computes each chunk's loss and
-    its gradients with respect to ``hidden``, ``weight`` and ``bias`` right away, and backward
-    only scales them. The language-model head of SFT on the full sequence would otherwise
-    hold ``n x vocab`` float32 logits, their log-softmax and their gradient (0.9 GB each for 8
-    x 562 tokens and SmolLM2's 49,153 tokens). Under autocast the matrix products run in the
-    autocast dtype, like ``F.linear``; logits and the softmax are float32.
+    time (``chunk_bytes`` of float32 logits, by default the device's: :func:`head_chunking`):
+    the forward pass computes each chunk's loss and its gradients with respect to ``hidden``,
+    ``weight`` and ``bias`` right away, and backward only scales them. The language-model head
+    of SFT on the full sequence would otherwise hold ``n x vocab`` float32 logits, their
+    log-softmax and their gradient (0.9 GB each for 8 x 562 tokens and SmolLM2's 49,153 tokens).
+    Under autocast the matrix products run in the autocast dtype, like ``F.linear``; logits and
+    the softmax are float32.
 
     Args:
         hidden: ``(n, d_model)`` hidden states at the positions that predict a target.
@@ -256,14 +326,15 @@ def run_sft(
         loss_mask = make_loss_mask(input_ids, pad_id, query_lengths)
         # normalised by the target tokens of the whole global batch, over every rank
         n_targets = int(all_reduce_sum([loss_mask[:, 1:].sum().item()])[0])
-        total = 0.0
+        # float64 on the device, summed in Python's order: read once, after the last micro-batch
+        total = torch.zeros((), dtype=torch.float64, device=device)
         for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
-            ids, mask = input_ids[mb].to(device), loss_mask[mb].to(device)
+            batch = sft_batch(input_ids[mb], loss_mask[mb], pad_id, device)  # worked out on the host
             with autocast(device, cfg.bf16):
-                loss_sum, _ = parallel(sft_loss_sum, ids, mask, pad_id)
+                loss_sum = parallel(sft_batch_loss_sum, batch)
             (loss_sum / n_targets).backward()
-            total += loss_sum.item()
-        total, tokens = all_reduce_sum([total, (input_ids != pad_id).sum().item()])
+            total += loss_sum.detach().double()
+        total, tokens = all_reduce_sum([total.item(), (input_ids != pad_id).sum().item()])
         return {"loss": total / n_targets, "tokens": tokens}
 
     model, train_metrics = train_loop(

@@ -19,7 +19,8 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +49,18 @@ log = logging.getLogger(__name__)
 def pick_device() -> torch.device:
     """``cuda`` when a GPU is visible, else ``cpu``."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def device_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` read once the work queued on ``device`` has finished, so that the
+    difference of two readings times the device's work, not only its launch (seconds).
+
+    A GPU runs kernels after the host has queued them; reading the clock without waiting would
+    credit one step's tail to the next. ``torch.<device type>.synchronize`` waits (a no-op on
+    the CPU, whose work is done when the call returns).
+    """
+    getattr(torch, device.type).synchronize(device)
+    return time.perf_counter()
 
 
 #: The ``bf16`` setting of every stage: ``true`` (bf16 autocast), ``false`` (float32) or
@@ -115,6 +128,87 @@ def autocast(device: torch.device, bf16: Precision) -> contextlib.AbstractContex
     if not resolve_bf16(bf16, device):
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DeviceTuning:
+    """Kernel choices that depend only on the type of device the tensors live on.
+
+    Each one changes how fast a result is computed, never what it is beyond floating-point
+    rounding; the CPU's choices are the code's original ones, so CPU results are unchanged bit
+    for bit. Read through :func:`device_tuning`, the one place they are picked.
+
+    Attributes:
+        fused_adamw: AdamW's fused kernel (torch's ``fused=True``: the whole update of many
+            parameters per launch) instead of torch's default implementation (:func:`adamw`).
+        head_chunk_bytes: float32 logits per chunk of the chunked language-model head
+            (:func:`rlhf_core.sft.linear_cross_entropy_sum`, :func:`rlhf_core.dpo.linear_logprobs`):
+            larger chunks are fewer, larger matrix products, for more transient memory.
+        width_multiple: :func:`rlhf_core.models.causal_forward` rounds its micro-batch width
+            up to a multiple of this (capped at the batch's length), so attention kernels that
+            build a plan per sequence length (cuDNN's) meet few distinct lengths; 1 keeps the
+            width at the longest row.
+    """
+
+    fused_adamw: bool
+    head_chunk_bytes: int
+    width_multiple: int
+
+
+#: The CPU's choices (and any device but CUDA's): those the code had before there was a choice.
+DEFAULT_TUNING = DeviceTuning(fused_adamw=False, head_chunk_bytes=32 * 2**20, width_multiple=1)
+#: CUDA's choices: the fused AdamW kernel, 256 MiB logit chunks, widths rounded to 64 tokens.
+CUDA_TUNING = DeviceTuning(fused_adamw=True, head_chunk_bytes=256 * 2**20, width_multiple=64)
+
+
+def device_tuning(device: torch.device | str) -> DeviceTuning:
+    """The :class:`DeviceTuning` of ``device``: :data:`CUDA_TUNING` for a CUDA device,
+    :data:`DEFAULT_TUNING` for any other (the CPU)."""
+    return CUDA_TUNING if torch.device(device).type == "cuda" else DEFAULT_TUNING
+
+
+#: AdamW's implementation settings: they choose a kernel, not the update's arithmetic.
+_ADAMW_KERNEL_KEYS = ("fused", "foreach")
+
+
+def adamw(params: Iterable[torch.Tensor], lr: float, eps: float, fused: bool | None = None) -> torch.optim.AdamW:
+    """The AdamW optimiser of every trainer, with the kernel its parameters' device calls for.
+
+    ``torch.optim.AdamW(params, lr=lr, eps=eps)`` (its other settings at torch's defaults),
+    with ``fused=True`` where :func:`device_tuning` of the parameters' device says so (CUDA:
+    torch's fused kernel) and torch's default implementation otherwise. Both compute the same
+    update up to floating-point rounding.
+
+    A checkpoint's optimiser state records the kernel that wrote it; loading it
+    (``load_state_dict``, :meth:`CheckpointManager.load_latest`) keeps this optimiser's kernel,
+    so a run resumed on another kind of device uses that device's kernel.
+
+    Args:
+        params: the trained parameters (``requires_grad``), all on one device; a generator is
+            consumed.
+        lr, eps: AdamW's learning rate and epsilon (the trainer configs' ``learning_rate``,
+            ``adam_eps``).
+        fused: force the fused kernel on (``True``) or off (``False``) instead of the device's
+            choice (``None``).
+
+    Raises:
+        ValueError: no parameters (torch's error; ``fused=True`` on parameters the fused kernel
+            does not take fails at the first step, with torch's RuntimeError).
+    """
+    params = list(params)
+    if fused is None:
+        fused = bool(params) and all(device_tuning(p.device).fused_adamw for p in params)
+    optimizer = torch.optim.AdamW(params, lr=lr, eps=eps, **({"fused": True} if fused else {}))
+    kernel = [{k: g[k] for k in _ADAMW_KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+
+    def keep_kernel(_optimizer: torch.optim.Optimizer, state: dict) -> dict:
+        # the loaded groups replace the optimiser's, kernel settings included; restore this
+        # optimiser's before loading, so the state (AdamW's step counts) is placed for its kernel
+        groups = [dict(saved, **own) for saved, own in zip(state["param_groups"], kernel)]
+        return {**state, "param_groups": groups}
+
+    optimizer.register_load_state_dict_pre_hook(keep_kernel)
+    return optimizer
 
 
 #: ``gradient_checkpointing`` values of the stage configs: off, every decoder layer recomputed
@@ -415,8 +509,9 @@ def train_loop(
     (:func:`rlhf_core.distributed.shard`), ``step_fn`` normalises by counts summed over the
     ranks and returns global metrics, and ``parallel`` sums the gradients over the ranks in the
     last micro-batch's backward pass (strategy ``optim.strategy``); rank 0 alone reports and
-    checkpoints. This loop zeroes gradients, steps AdamW (``eps`` from the config)
-    and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens_per_s`` and
+    checkpoints. This loop zeroes gradients, steps AdamW (:func:`adamw`, ``eps`` from the config)
+    and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens`` (non-pad tokens of
+    the step), ``tokens_per_s`` (over the step's device time, :func:`device_clock`) and
     ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
     checkpoints every ``optim.checkpoint_every`` steps.
 
@@ -440,7 +535,7 @@ def train_loop(
     parallel = DataParallel(model, optim.strategy)  # before the optimiser: FSDP2 shards the parameters in place
     total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=optim.learning_rate, eps=optim.adam_eps)
+    optimizer = adamw(params, lr=optim.learning_rate, eps=optim.adam_eps)
     scheduler = get_scheduler(optim.scheduler, optimizer, num_warmup_steps=0, num_training_steps=total)
     resumed = checkpoints.load_latest(model, optimizer, scheduler)
     start = resumed["step"] if resumed else 0
@@ -457,7 +552,7 @@ def train_loop(
     begin = time.perf_counter()
     last: dict[str, float] = {}
     for step in range(start, total):
-        t0 = time.perf_counter()
+        t0 = device_clock(device)
         optimizer.zero_grad(set_to_none=True)
         metrics = step_fn(shard(order[step], w), parallel)  # gradients summed over the ranks
         if not math.isfinite(metrics["loss"]):
@@ -466,9 +561,10 @@ def train_loop(
         optimizer.step()
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
-        seconds = time.perf_counter() - t0
+        seconds = device_clock(device) - t0
         last = {f"{metric_prefix}{k}": v for k, v in metrics.items() if k != "tokens"}
-        last.update({"lr": lr, "tokens_per_s": metrics.get("tokens", 0.0) / max(seconds, 1e-9), "step": step + 1})
+        tokens = metrics.get("tokens", 0.0)
+        last.update({"lr": lr, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step": step + 1})
         progress.report(
             step + 1,
             last,

@@ -402,3 +402,20 @@ def test_gpu_deployment_preset_pool_and_image():
         assert set(job_variables) <= set(properties), kind
         assert properties["image"]["default"] == job_variables["image"]
     assert job_variables["image"] == f"rlhf-tldr-worker:{PYPROJECT['project']['version']}"
+
+
+def test_the_offline_gpu_bundle_pins_every_package_it_carries_and_its_scripts_parse():
+    """`make gpu-bundle` (infra/offline-gpu/prepare.sh) downloads each default package at the
+    lock's version and stops on one the lock lacks: every name in its list must be pinned."""
+    import subprocess
+
+    script = REPO / "infra" / "offline-gpu" / "prepare.sh"
+    text = script.read_text()
+    listed = re.search(r'default_packages="([^"]+)"', text).group(1).split()
+    pinned = lock()
+    assert len(listed) >= 10
+    assert not [p for p in listed if re.sub(r"[-_.]+", "-", p).lower() not in pinned]
+    for path in (script, script.with_name("env.sh")):
+        assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, path
+    makefile = (REPO / "Makefile").read_text()
+    assert "infra/offline-gpu/prepare.sh" in makefile[makefile.index("\ngpu-bundle:") :].split("\n\n", 1)[0]

@@ -1,10 +1,16 @@
 import math
 
+import pytest
 import torch
+from transformers import CompileConfig
 
 from rlhf_core.config import RandomInitConfig
 from rlhf_core.generation import (
+    COMPILED_STATIC_CACHE,
+    DYNAMIC_CACHE,
+    Decoding,
     decode_responses,
+    decoding_for,
     ends_with_eos,
     first_true_indices,
     generate,
@@ -121,3 +127,169 @@ def test_left_padded_generation_matches_unpadded(smol_tokenizer):
     alone = generate(model, torch.tensor([b]), tok.pad_token_id, 8, temperature=1e-4)
     assert padded.shape == (2, 8)
     assert padded[1].tolist() == alone[0].tolist()
+
+
+# ---------------------------------------------------------------- static KV cache vs dynamic
+
+TEMPERATURE = 0.7
+QUERIES = (
+    QUERY,
+    "SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: x\n\nTL;DR:",
+    "SUBREDDIT: r/tifu\n\nTITLE: a title\n\nPOST: some words\n\nTL;DR:",
+)  # 32, 26 and 29 tokens with SmolLM2's tokenizer
+
+
+def left_padded(tok, texts) -> torch.Tensor:
+    """``(len(texts), longest)`` token ids, each row left-padded with PAD."""
+    rows = [tok(t)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    return torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+
+
+def eos_prone_model(tok):
+    """The tiny random model with EOS's logit raised: at ``TEMPERATURE``, EOS with probability
+    about 1/3 a step."""
+    model = build_random_model(tok, TINY).eval()
+    head = torch.nn.Linear(TINY.hidden_size, len(tok), bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[tok.eos_token_id] = TEMPERATURE * math.log(len(tok) / 2)  # tempered: odds 1 : 2 against the rest
+    model.lm_head = head
+    return model
+
+
+def sample_both(model, queries, pad, eos, decodings, seed=3, n=10):
+    """``generate`` with each decoding from the same seed: a list of ``(responses, logits)``."""
+    outs = []
+    for decoding in decodings:
+        torch.manual_seed(seed)
+        outs.append(
+            generate(
+                model, queries, pad, n, temperature=TEMPERATURE, eos_token_id=eos, return_logits=True, decoding=decoding
+            )
+        )
+    return outs
+
+
+def check_stop_behaviour(responses, logits, tok, stop_at_eos):
+    """The sample exercises what it is meant to: stops at EOS (rows ending at different steps,
+    all before the last, so the zero-padded logits too), or EOS sampled through."""
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    if stop_at_eos:
+        assert truncate_after_eos(responses, eos, pad).equal(responses)
+        assert ends_with_eos(responses, eos, pad).all()
+        assert len(set(last_token_indices(responses, pad).tolist())) > 1
+        assert (logits[:, -1] == 0).all()  # every row stopped before the last step
+    else:
+        assert (responses == eos).any() and (responses != pad).all()
+        assert (logits[:, -1] != 0).any()
+
+
+@pytest.mark.parametrize("stop_at_eos", [False, True], ids=["sample-through", "stop-at-eos"])
+def test_static_cache_samples_what_the_dynamic_cache_samples(smol_tokenizer, stop_at_eos):
+    """float32: from the same seed, the static cache (its slots beyond each step masked)
+    samples the same tokens from the same logits, for queries of three lengths, left-padded."""
+    tok = smol_tokenizer
+    model = eos_prone_model(tok)
+    queries = left_padded(tok, QUERIES)
+    eos = tok.eos_token_id if stop_at_eos else None
+    (dyn, dyn_logits), (sta, sta_logits) = sample_both(
+        model, queries, tok.pad_token_id, eos, [DYNAMIC_CACHE, Decoding(static_cache=True)]
+    )
+    check_stop_behaviour(dyn, dyn_logits, tok, stop_at_eos)
+    assert sta.shape == dyn.shape == (3, 10) and sta_logits.shape == dyn_logits.shape == (3, 10, len(tok))
+    assert sta.tolist() == dyn.tolist()
+    torch.testing.assert_close(sta_logits, dyn_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("stop_at_eos", [False, True], ids=["sample-through", "stop-at-eos"])
+def test_static_cache_under_bf16_autocast_with_float32_weights(smol_tokenizer, stop_at_eos):
+    """The PPO rollout's setting: float32 weights under bf16 autocast. The static cache holds
+    float32 keys and bfloat16 values (each the dtype first written) and samples what the
+    dynamic cache samples; the logits agree to bf16 rounding (attention over the cache's
+    masked slots sums in another order)."""
+    tok = smol_tokenizer
+    model = eos_prone_model(tok)
+    queries = left_padded(tok, QUERIES)
+    eos = tok.eos_token_id if stop_at_eos else None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (dyn, dyn_logits), (sta, sta_logits) = sample_both(
+            model, queries, tok.pad_token_id, eos, [DYNAMIC_CACHE, Decoding(static_cache=True)]
+        )
+    check_stop_behaviour(dyn, dyn_logits, tok, stop_at_eos)
+    assert sta_logits.dtype == torch.float32
+    assert sta.tolist() == dyn.tolist()
+    torch.testing.assert_close(sta_logits, dyn_logits, rtol=1e-2, atol=1e-2)
+
+
+def test_decoding_is_chosen_by_device():
+    """CUDA gets the compiled static cache, anything else the dynamic one; the static cache's
+    length is rounded up, so one length serves every query length below it."""
+    assert decoding_for(torch.device("cpu")) is DYNAMIC_CACHE and decoding_for("cpu") is DYNAMIC_CACHE
+    assert decoding_for(torch.device("cuda", 1)) is COMPILED_STATIC_CACHE
+    assert COMPILED_STATIC_CACHE.static_cache and COMPILED_STATIC_CACHE.compile_config.mode == "reduce-overhead"
+    assert not DYNAMIC_CACHE.static_cache and DYNAMIC_CACHE.generation_config_kwargs(40, 53) == {}
+    lengths = {COMPILED_STATIC_CACHE.generation_config_kwargs(q, 53)["max_cache_len"] for q in range(1, 204)}
+    assert lengths == {256}
+    assert COMPILED_STATIC_CACHE.generation_config_kwargs(204, 53)["max_cache_len"] == 512
+
+
+def test_compiled_static_cache_step_is_traced_once_for_every_query_length(smol_tokenizer):
+    """The compiled path on the CPU, with a backend that records each graph TorchDynamo
+    captures and runs it eagerly (inductor's CPU compile is too slow for a unit test; CUDA
+    graphs need CUDA): queries of three lengths, stopping at EOS or not, share one captured
+    decoding step, and sample what the dynamic cache samples."""
+    tok = smol_tokenizer
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = Decoding(static_cache=True, compile_config=CompileConfig(backend=record, mode=None))
+    model = eos_prone_model(tok)
+    torch._dynamo.reset()
+    try:
+        # batches of two, 26, 29 and 32 tokens wide: without a rounded-up cache length each would
+        # need a longer cache than the one before, and a new graph
+        for texts, eos in (((1, 1), None), ((1, 2), tok.eos_token_id), ((0, 1), None)):
+            queries = left_padded(tok, [QUERIES[i] for i in texts])
+            (dyn, dyn_logits), (com, com_logits) = sample_both(
+                model, queries, tok.pad_token_id, eos, [DYNAMIC_CACHE, compiled]
+            )
+            assert com.tolist() == dyn.tolist()
+            torch.testing.assert_close(com_logits, dyn_logits, rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+
+
+def test_a_decoding_step_that_fails_to_compile_falls_back_to_the_dynamic_cache(smol_tokenizer, monkeypatch, caplog):
+    """A compiler error never stops a run: the call that hit it samples with the dynamic cache,
+    a warning names the error, and later calls no longer try to compile."""
+    import rlhf_core.generation as generation
+
+    tok = smol_tokenizer
+    monkeypatch.setattr(generation, "_compile_failure", [])
+    calls = []
+
+    def broken(gm, example_inputs):
+        calls.append(gm)
+        raise RuntimeError("no kernel for this step")
+
+    compiled = Decoding(static_cache=True, compile_config=CompileConfig(backend=broken, mode=None))
+    model = eos_prone_model(tok)
+    queries = left_padded(tok, QUERIES)
+    torch._dynamo.reset()
+    try:
+        with caplog.at_level("WARNING", logger="rlhf_core.generation"):
+            (first, first_logits), (second, _) = sample_both(model, queries, tok.pad_token_id, None, [compiled] * 2)
+        (dyn, dyn_logits), _ = sample_both(model, queries, tok.pad_token_id, None, [DYNAMIC_CACHE] * 2)
+    finally:
+        torch._dynamo.reset()
+    assert len(calls) == 1  # tried once, in the first call; the second went straight to the dynamic cache
+    assert "no kernel for this step" in caplog.text and "dynamic KV cache" in caplog.text
+    assert generation._compile_failure and "no kernel for this step" in generation._compile_failure[0]
+    assert first.shape == (3, 10) and (first != tok.pad_token_id).all()
+    assert second.tolist() == dyn.tolist()  # from the same seed, the dynamic cache's tokens

@@ -9,11 +9,14 @@ from rlhf_core.data import format_query
 from rlhf_core.models import (
     ModelSourceError,
     build_random_model,
+    causal_forward,
+    causal_layout,
     disable_dropout,
     ensure_pad_token,
     gguf_to_safetensors,
     import_base_model,
     load_causal_lm,
+    padding_aware_inputs,
     resolve_source,
 )
 from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
@@ -172,3 +175,114 @@ def test_gguf_import_matches_the_dequantised_gguf_model(tmp_path, smol_tokenizer
     stamp = cached.stat().st_mtime_ns
     import_base_model(ModelConfig(base=SMOL_GGUF), tmp_path / "smol2")
     assert gguf_to_safetensors(src) / "model.safetensors" == cached and cached.stat().st_mtime_ns == stamp
+
+
+# ---------------------------------------------------------------- causal_forward's layout
+
+PAD = 1
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A float32 Llama of 40 tokens, dropout off; PAD is token 1."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    return disable_dropout(LlamaForCausalLM(config)).eval()
+
+
+def _padded_rows() -> torch.Tensor:
+    """``(4, 20)`` rows, each one run of real tokens (2..39) between left and right PAD; the
+    longest run is 11 tokens, one row has no left PAD and one no right PAD."""
+    g = torch.Generator().manual_seed(3)
+    rows = torch.full((4, 20), PAD)
+    for i, (start, n) in enumerate([(0, 7), (3, 11), (9, 11), (2, 5)]):
+        rows[i, start : start + n] = torch.randint(2, 40, (n,), generator=g)
+    return rows
+
+
+def _recording(model, calls):
+    def fn(ids, mask, pos):
+        calls.append((ids.shape[1], mask))
+        return model.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+
+    return fn
+
+
+def test_causal_layout_of_a_batch():
+    rows = _padded_rows()
+    layout = causal_layout(rows, PAD)  # the CPU's width: the longest run
+    assert layout.contiguous and layout.width == 11
+    assert layout.start.tolist() == [0, 3, 9, 2] and layout.n_real.tolist() == [7, 11, 11, 5]
+    assert causal_layout(rows, PAD, width_multiple=8).width == 16
+    assert causal_layout(rows, PAD, width_multiple=64).width == 20  # capped at the length
+    holed = rows.clone()
+    holed[1, 5] = PAD
+    assert not causal_layout(holed, PAD).contiguous
+    with pytest.raises(ValueError, match="width_multiple"):
+        causal_layout(rows, PAD, width_multiple=0)
+
+
+def test_causal_forward_from_a_host_layout_equals_the_device_path_exactly(tiny_lm):
+    """A layout computed from another (CPU) copy of the ids gives the call and the outputs that
+    deciding the layout from the ids themselves gives, bit for bit; also for the masked path."""
+    rows = _padded_rows()
+    calls: list = []
+    fn = _recording(tiny_lm, calls)
+    with torch.no_grad():
+        own = causal_forward(fn, rows, PAD)
+        host = causal_forward(fn, rows, PAD, causal_layout(rows.clone(), PAD))
+        assert [c[0] for c in calls] == [11, 11] and calls[1][1] is None
+        assert torch.equal(host, own)
+        holed = rows.clone()
+        holed[1, 5] = PAD
+        calls.clear()
+        masked = causal_forward(fn, holed, PAD, causal_layout(holed.clone(), PAD))
+        assert calls[0][1] is not None  # the padding-aware mask
+        assert torch.equal(masked, tiny_lm.model(*padding_aware_inputs(holed, PAD)).last_hidden_state)
+
+
+def test_causal_forward_rounded_width_equals_the_longest_row_width(tiny_lm):
+    """Rounding the width up adds token-0 columns after every row's run: under causal attention
+    the real positions' outputs and every gradient are those of the exact width, PAD outputs 0."""
+    rows = _padded_rows()
+    real = rows != PAD
+    params = list(tiny_lm.model.parameters())  # the backbone's (the untied head is not called)
+    weights = torch.randn((*rows.shape, 16), generator=torch.Generator().manual_seed(4))
+    calls: list = []
+    fn = _recording(tiny_lm, calls)
+    results = []
+    for multiple in (1, 8, 64):
+        out = causal_forward(fn, rows, PAD, causal_layout(rows, PAD, width_multiple=multiple))
+        results.append((out, torch.autograd.grad((out * weights).sum(), params)))
+    assert [c[0] for c in calls] == [11, 16, 20]
+    (exact, exact_grads), *rounded = results
+    for out, grads in rounded:
+        assert out.shape == exact.shape == (*rows.shape, 16)
+        assert (out[~real] == 0).all()
+        torch.testing.assert_close(out[real], exact[real], rtol=1e-5, atol=1e-6)
+        for g, e in zip(grads, exact_grads):  # sums over more (zero) terms: float32 rounding
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisation is a GPU matter")
+def test_causal_forward_from_a_host_layout_does_not_synchronise():
+    """With the layout computed on the CPU, the call makes the host wait for the GPU nowhere."""
+    rows = _padded_rows()
+    layout = causal_layout(rows, PAD, device="cuda")
+    ids = rows.to("cuda", non_blocking=True)
+    embedding = torch.nn.Embedding(40, 8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = causal_forward(lambda i, m, p: embedding(i).cumsum(1), ids, PAD, layout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert layout.width == 20 and out.shape == (4, 20, 8)  # 11 rounded to CUDA's 64, capped at the length

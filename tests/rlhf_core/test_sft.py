@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,8 +9,17 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import RandomInitConfig, load_config
 from rlhf_core.diagnostics import rouge_l
-from rlhf_core.models import build_random_model
-from rlhf_core.sft import linear_cross_entropy_sum, make_loss_mask, masked_token_loss, run_sft, sft_loss_sum
+from rlhf_core.models import build_random_model, causal_forward, causal_layout
+from rlhf_core.sft import (
+    head_chunking,
+    linear_cross_entropy_sum,
+    make_loss_mask,
+    masked_token_loss,
+    run_sft,
+    sft_batch,
+    sft_batch_loss_sum,
+    sft_loss_sum,
+)
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import native_bf16
 from tests.stages import kill_then_resume
@@ -60,6 +70,74 @@ def test_sft_loss_sum_matches_full_logits(smol_tokenizer):
     full, n_full = masked_token_loss(logits, ids, mask)
     assert n_fast == n_full == sum(len(r) - 1 for r in rows)
     torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-4)
+
+
+def _sft_rows(tok) -> torch.Tensor:
+    rows = [
+        tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: some post\n\nTL;DR:")["input_ids"] + [tok.eos_token_id],
+        tok("SUBREDDIT: r/b\n\nTITLE: t\n\nPOST: x\n\nTL;DR: y")["input_ids"] + [tok.eos_token_id],
+        tok("SUBREDDIT: r/c\n\nTITLE: a title\n\nPOST: a longer post than the others\n\nTL;DR:")["input_ids"],
+    ]
+    width = max(map(len, rows)) + 9
+    return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+
+
+def _loss_and_grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("response_only", [False, True])
+def test_sft_batch_from_the_host_equals_the_boolean_mask_path_bit_for_bit(smol_tokenizer, response_only):
+    """The loss of a batch worked out on the host (layout, target positions, targets, count)
+    equals, with every gradient, the former path that read them from the device's tensors with
+    boolean masks: SFT's CPU figures do not move."""
+    tok, pad = smol_tokenizer, smol_tokenizer.pad_token_id
+    model = build_random_model(tok, TINY)
+    ids = _sft_rows(tok)
+    mask = make_loss_mask(ids, pad, torch.tensor([5, 7, 9]) if response_only else None)
+
+    def boolean_mask_path():
+        hidden = causal_forward(
+            lambda i, m, p: model.base_model(input_ids=i, attention_mask=m, position_ids=p).last_hidden_state, ids, pad
+        )
+        target_mask = mask[:, 1:]
+        head = model.get_output_embeddings()
+        return linear_cross_entropy_sum(hidden[:, :-1][target_mask], head.weight, ids[:, 1:][target_mask])
+
+    batch = sft_batch(ids, mask, pad, torch.device("cpu"))
+    assert batch.n_targets == int(mask[:, 1:].sum()) and batch.targets.shape == (batch.n_targets,)
+    assert batch.layout.width == int((ids != pad).sum(1).max())  # the CPU's width: the longest row
+    want_loss, want_grads = _loss_and_grads(model, boolean_mask_path())
+    got_loss, got_grads = _loss_and_grads(model, sft_batch_loss_sum(model, batch))
+    assert torch.equal(got_loss, want_loss)
+    assert all(torch.equal(g, w) for g, w in zip(got_grads, want_grads))
+    loss, n = sft_loss_sum(model, ids, mask, pad)  # the same, from the ids alone
+    assert torch.equal(loss.detach(), want_loss) and n == batch.n_targets
+
+
+def test_sft_loss_with_a_rounded_width_equals_the_longest_row_width(smol_tokenizer):
+    """CUDA rounds the backbone's width up (PAD-as-0 columns after every row): the SFT loss and
+    its gradients are those of the longest row's width."""
+    tok, pad = smol_tokenizer, smol_tokenizer.pad_token_id
+    model = build_random_model(tok, TINY)
+    ids = _sft_rows(tok)
+    batch = sft_batch(ids, make_loss_mask(ids, pad), pad)
+    rounded = dataclasses.replace(batch, layout=causal_layout(ids, pad, width_multiple=12))
+    assert rounded.layout.width > batch.layout.width
+    want_loss, want_grads = _loss_and_grads(model, sft_batch_loss_sum(model, batch))
+    got_loss, got_grads = _loss_and_grads(model, sft_batch_loss_sum(model, rounded))
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_head_chunking_default_is_the_devices():
+    """The chunked head's default chunk is the device's (32 MiB of float32 logits on the CPU);
+    an explicit ``chunk_bytes`` wins."""
+    hidden, weight, targets = torch.zeros(3, 4), torch.zeros(1000, 4), torch.zeros(3, dtype=torch.long)
+    assert head_chunking(hidden, weight, targets) == (torch.float32, 32 * 2**20 // (4 * 1000))
+    assert head_chunking(hidden, weight, targets, chunk_bytes=4 * 1000 * 5) == (torch.float32, 5)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -132,3 +132,60 @@ def test_read_metrics_replaces_the_steps_a_resumed_run_did_again(tmp_path):
         (5, {"train/loss": 15.0}),
         (6, {"train/loss": 16.0}),
     ]
+
+
+def test_device_tuning_keeps_the_cpu_as_it_was_and_speeds_up_cuda():
+    """One place picks each kernel choice by device type; the CPU's are the code's original
+    ones (its learning figures must not move)."""
+    cpu = training.device_tuning(torch.device("cpu"))
+    assert cpu == training.DEFAULT_TUNING
+    assert (cpu.fused_adamw, cpu.head_chunk_bytes, cpu.width_multiple) == (False, 32 * 2**20, 1)
+    assert training.device_tuning("cuda:1") == training.device_tuning("cuda") == training.CUDA_TUNING
+    assert training.CUDA_TUNING.fused_adamw and training.CUDA_TUNING.width_multiple > 1
+    assert training.CUDA_TUNING.head_chunk_bytes > cpu.head_chunk_bytes
+
+
+def _adamw_run(init, grads, fused, state=None):
+    params = [p.clone().requires_grad_() for p in init]
+    optimizer = training.adamw(params, lr=1e-2, eps=1e-5, fused=fused)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        optimizer.step()
+    return [p.detach() for p in params], optimizer
+
+
+def test_adamw_is_the_default_kernel_on_cpu_and_the_fused_one_steps_the_same():
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(7, 5, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in init] for _ in range(5)]
+    picked, optimizer = _adamw_run(init, grads, fused=None)  # the device's choice: CPU parameters
+    assert optimizer.param_groups[0]["fused"] is None and optimizer.param_groups[0]["foreach"] is None
+    assert optimizer.defaults["lr"] == 1e-2 and optimizer.defaults["eps"] == 1e-5
+    plain, _ = _adamw_run(init, grads, fused=False)
+    fused, fused_optimizer = _adamw_run(init, grads, fused=True)  # torch has the fused kernel on the CPU too
+    assert fused_optimizer.param_groups[0]["fused"] is True
+    for a, b, c in zip(picked, plain, fused):
+        assert torch.equal(a, b)  # the CPU's choice is torch's default, bit for bit
+        assert not torch.equal(a, init[0] if a.dim() == 2 else init[1])
+        torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("saved_fused", [False, True])
+def test_adamw_keeps_its_kernel_when_it_loads_the_other_kernels_state(saved_fused):
+    """A checkpoint written by one kernel resumes with the loading optimiser's kernel, and the
+    run continues as if it had not stopped."""
+    g = torch.Generator().manual_seed(1)
+    init = [torch.randn(6, 3, generator=g), torch.randn(3, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in init] for _ in range(6)]
+    whole, _ = _adamw_run(init, grads, fused=saved_fused)
+    first, writer = _adamw_run(init, grads[:3], fused=saved_fused)
+    state = writer.state_dict()
+    resumed, reader = _adamw_run(first, grads[3:], fused=not saved_fused, state=state)
+    assert reader.param_groups[0]["fused"] is (True if not saved_fused else None)
+    assert state["param_groups"][0]["fused"] is (True if saved_fused else None)  # the saved state is untouched
+    assert reader.state_dict()["state"][0]["step"].item() == 6
+    for a, b in zip(resumed, whole):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
