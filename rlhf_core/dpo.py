@@ -35,6 +35,7 @@ from .training import (
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
+    row_order,
     train_loop,
 )
 
@@ -308,7 +309,8 @@ def run_dpo(
         chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
         n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
         sums: dict[str, float] = defaultdict(float)
-        for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
+        lengths = torch.maximum((chosen_all != pad_id).sum(1), (rejected_all != pad_id).sum(1))
+        for mb in parallel.accumulate(micro_batches(row_order(lengths, device), cfg.micro_batch_size)):
             chosen, rejected = chosen_all[mb].to(device), rejected_all[mb].to(device)
             query_lengths = rows["query_token_len"][mb].to(device)
             with torch.no_grad(), autocast(device, cfg.bf16):

@@ -59,6 +59,7 @@ from .training import (
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
+    row_order,
     train_loop,
 )
 
@@ -321,7 +322,8 @@ def run_reward_training(
         chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
         n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
         sums = defaultdict(float)
-        for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
+        lengths = torch.maximum((chosen_all != pad_id).sum(1), (rejected_all != pad_id).sum(1))
+        for mb in parallel.accumulate(micro_batches(row_order(lengths, device), cfg.micro_batch_size)):
             with autocast(device, cfg.bf16):
                 chosen, rejected = parallel(pair_scores, chosen_all[mb].to(device), rejected_all[mb].to(device), pad_id)
             loss = preference_loss(chosen, rejected).sum()

@@ -35,6 +35,7 @@ from .training import (
     enable_activation_checkpointing,
     micro_batches,
     pick_device,
+    row_order,
     train_loop,
 )
 
@@ -328,7 +329,8 @@ def run_sft(
         n_targets = int(all_reduce_sum([loss_mask[:, 1:].sum().item()])[0])
         # float64 on the device, summed in Python's order: read once, after the last micro-batch
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for mb in parallel.accumulate(micro_batches(list(range(len(indices))), cfg.micro_batch_size)):
+        order = row_order((input_ids != pad_id).sum(1), device)  # by length on CUDA
+        for mb in parallel.accumulate(micro_batches(order, cfg.micro_batch_size)):
             batch = sft_batch(input_ids[mb], loss_mask[mb], pad_id, device)  # worked out on the host
             with autocast(device, cfg.bf16):
                 loss_sum = parallel(sft_batch_loss_sum, batch)

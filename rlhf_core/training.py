@@ -148,17 +148,22 @@ class DeviceTuning:
             up to a multiple of this (capped at the batch's length), so attention kernels that
             build a plan per sequence length (cuDNN's) meet few distinct lengths; 1 keeps the
             width at the longest row.
+        group_lengths: a rank's rows of a global batch run shortest first, so that each
+            micro-batch holds rows of similar length and pads less (:func:`row_order`); the
+            update is the same sum over the same rows, in another order.
     """
 
     fused_adamw: bool
     head_chunk_bytes: int
     width_multiple: int
+    group_lengths: bool = False
 
 
 #: The CPU's choices (and any device but CUDA's): those the code had before there was a choice.
 DEFAULT_TUNING = DeviceTuning(fused_adamw=False, head_chunk_bytes=32 * 2**20, width_multiple=1)
-#: CUDA's choices: the fused AdamW kernel, 256 MiB logit chunks, widths rounded to 64 tokens.
-CUDA_TUNING = DeviceTuning(fused_adamw=True, head_chunk_bytes=256 * 2**20, width_multiple=64)
+#: CUDA's choices: the fused AdamW kernel, 256 MiB logit chunks, widths rounded to 64 tokens,
+#: micro-batches of rows of similar length.
+CUDA_TUNING = DeviceTuning(fused_adamw=True, head_chunk_bytes=256 * 2**20, width_multiple=64, group_lengths=True)
 
 
 def device_tuning(device: torch.device | str) -> DeviceTuning:
@@ -311,6 +316,31 @@ def batch_order(n_rows: int, batch_size: int, num_epochs: int, seed: int) -> lis
             continue
         order += [perm[i * batch_size : (i + 1) * batch_size] for i in range(n_rows // batch_size)]
     return order
+
+
+def row_order(lengths: torch.Tensor, device: torch.device | str, group: bool | None = None) -> list[int]:
+    """The order in which a rank's rows of a global batch run, before
+    :func:`micro_batches` cuts it into consecutive micro-batches.
+
+    Shortest first (a stable sort of ``lengths``) where ``group`` is true, by default where
+    :func:`device_tuning` of ``device`` says ``group_lengths`` (CUDA): each micro-batch then
+    holds rows of similar length, and the padding-free forward pass
+    (:func:`rlhf_core.models.causal_forward`) computes few PAD columns. Elsewhere the rows keep
+    their order (the CPU's results are those of the order drawn by :func:`batch_order`). The
+    stages normalise every loss by counts of the whole global batch, so the update is the same
+    sum in either order, up to floating-point rounding.
+
+    Args:
+        lengths: ``(n,)`` each row's length in tokens (a pair: its longer row), on the CPU.
+
+    Returns:
+        A permutation of ``range(n)``.
+    """
+    if group is None:
+        group = device_tuning(device).group_lengths
+    if not group:
+        return list(range(len(lengths)))
+    return torch.sort(lengths, stable=True).indices.tolist()
 
 
 def micro_batches(indices: list[int], micro_batch_size: int) -> Iterator[list[int]]:

@@ -21,7 +21,7 @@ from rlhf_core.sft import (
     sft_loss_sum,
 )
 from rlhf_core.tracking import JsonlTracker, read_metrics
-from rlhf_core.training import native_bf16
+from rlhf_core.training import micro_batches, native_bf16, row_order
 from tests.stages import kill_then_resume
 
 PAD, EOS = 0, 9
@@ -303,3 +303,33 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     assert losses(killed_dir) == losses(clean_dir) and [s for s, _ in losses(clean_dir)] == [1, 2, 3, 4, 5, 6]
     raw = [json.loads(line) for line in (killed_dir / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert {"resume/from_step": 2.0} in [r.get("metrics") for r in raw]
+
+
+def test_sft_micro_batches_grouped_by_length_pad_less_for_the_same_loss_and_gradients(smol_tokenizer):
+    """The order CUDA runs a global batch in (rows by length, :func:`row_order`): fewer PAD
+    columns through the backbone, and the same summed loss and gradients as the drawn order."""
+    tok, pad = smol_tokenizer, smol_tokenizer.pad_token_id
+    model = build_random_model(tok, TINY)
+    short = tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: x\n\nTL;DR: y")["input_ids"] + [tok.eos_token_id]
+    long = tok("SUBREDDIT: r/c\n\nTITLE: a title\n\nPOST: " + "a longer post " * 6 + "\n\nTL;DR: z")["input_ids"]
+    rows = [long, short, long[:-3], short[:-1]]
+    width = max(map(len, rows)) + 4
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = make_loss_mask(ids, pad)
+
+    def run(order):
+        loss, columns = 0.0, 0
+        for mb in micro_batches(order, 2):
+            batch = sft_batch(ids[mb], mask[mb], pad)
+            loss = loss + sft_batch_loss_sum(model, batch)
+            columns += batch.layout.width * len(mb)
+        return (*_loss_and_grads(model, loss), columns)
+
+    grouped = row_order((ids != pad).sum(1), "cpu", group=True)
+    assert grouped == [3, 1, 2, 0]
+    want_loss, want_grads, drawn_columns = run(list(range(4)))
+    got_loss, got_grads, grouped_columns = run(grouped)
+    assert grouped_columns < drawn_columns
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,14 @@ from rlhf_core import training
 from rlhf_core.config import load_config
 from rlhf_core.models import load_causal_lm
 from rlhf_core.reward import reward_model_from_causal_lm
-from rlhf_core.training import autocast, enable_activation_checkpointing, precision_name, resolve_bf16
+from rlhf_core.training import (
+    autocast,
+    device_tuning,
+    enable_activation_checkpointing,
+    precision_name,
+    resolve_bf16,
+    row_order,
+)
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +196,13 @@ def test_adamw_keeps_its_kernel_when_it_loads_the_other_kernels_state(saved_fuse
     assert reader.state_dict()["state"][0]["step"].item() == 6
     for a, b in zip(resumed, whole):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_row_order_groups_rows_by_length_only_where_the_device_says_so():
+    """CUDA runs a global batch's rows shortest first (stable among equal lengths), so each
+    micro-batch pads less; the CPU keeps the drawn order, so its results do not move."""
+    lengths = torch.tensor([30, 5, 30, 12, 5, 40])
+    assert row_order(lengths, "cpu") == [0, 1, 2, 3, 4, 5]
+    assert row_order(lengths, torch.device("cuda", 0)) == [1, 4, 3, 0, 2, 5]
+    assert row_order(lengths, "cpu", group=True) == [1, 4, 3, 0, 2, 5]
+    assert device_tuning("cuda").group_lengths and not device_tuning("cpu").group_lengths
