@@ -180,16 +180,28 @@ COMPILED_STATIC_CACHE = Decoding(static_cache=True, compile_config=CompileConfig
 _compile_failure: list[str] = []
 
 
-def decoding_for(device: torch.device | str) -> Decoding:
+def decoding_for(device: torch.device | str, sharded: bool = False) -> Decoding:
     """The decoding :func:`generate` uses for a model on ``device``: :data:`COMPILED_STATIC_CACHE`
-    on CUDA, :data:`DYNAMIC_CACHE` elsewhere.
+    on CUDA, :data:`DYNAMIC_CACHE` elsewhere and for a ``sharded`` model (FSDP2).
 
     On CUDA an eager decoding step of a small model spends its time launching kernels, which
     a CUDA graph replays in one launch; the first call per batch size and cache length pays
     for compiling and capturing the step. On the CPU there are no CUDA graphs and compiling
-    costs more than it saves over the few calls a CPU run makes.
+    costs more than it saves over the few calls a CPU run makes. A sharded model is gathered
+    afresh for each rollout (:meth:`rlhf_core.distributed.DataParallel.gathered`), into new
+    memory, and runs FSDP2's hooks in every forward pass: a captured graph's fixed addresses
+    would not hold, so it decodes eagerly.
     """
-    return COMPILED_STATIC_CACHE if torch.device(device).type == "cuda" else DYNAMIC_CACHE
+    if sharded or torch.device(device).type != "cuda":
+        return DYNAMIC_CACHE
+    return COMPILED_STATIC_CACHE
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` or one of its modules is sharded by FSDP2 (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 @torch.no_grad()
@@ -217,7 +229,7 @@ def generate(
         return_logits: also return the raw logits of every sampled position (untempered,
             PAD included).
         decoding: how the decoding steps run; ``None``: :func:`decoding_for` the model's
-            device. The same seed gives the same tokens either way. Should compiling the
+            device (and whether it is sharded). The same seed gives the same tokens either way. Should compiling the
             decoding step fail (a ``torch._dynamo`` error), a warning names the error and this
             call and every later one in the process sample with :data:`DYNAMIC_CACHE`.
 
@@ -226,7 +238,7 @@ def generate(
         ``return_logits`` also ``(batch, max_new_tokens, vocab)`` float logits.
     """
     if decoding is None:
-        decoding = decoding_for(next(model.parameters()).device)
+        decoding = decoding_for(next(model.parameters()).device, sharded=_is_sharded(model))
     if decoding.compile_config is not None and _compile_failure:
         decoding = DYNAMIC_CACHE
     attention_mask = (queries != pad_token_id).long()

@@ -228,6 +228,7 @@ def test_decoding_is_chosen_by_device():
     length is rounded up, so one length serves every query length below it."""
     assert decoding_for(torch.device("cpu")) is DYNAMIC_CACHE and decoding_for("cpu") is DYNAMIC_CACHE
     assert decoding_for(torch.device("cuda", 1)) is COMPILED_STATIC_CACHE
+    assert decoding_for("cuda", sharded=True) is DYNAMIC_CACHE  # FSDP2: gathered afresh each rollout
     assert COMPILED_STATIC_CACHE.static_cache and COMPILED_STATIC_CACHE.compile_config.mode == "reduce-overhead"
     assert not DYNAMIC_CACHE.static_cache and DYNAMIC_CACHE.generation_config_kwargs(40, 53) == {}
     lengths = {COMPILED_STATIC_CACHE.generation_config_kwargs(q, 53)["max_cache_len"] for q in range(1, 204)}
@@ -293,3 +294,25 @@ def test_a_decoding_step_that_fails_to_compile_falls_back_to_the_dynamic_cache(s
     assert generation._compile_failure and "no kernel for this step" in generation._compile_failure[0]
     assert first.shape == (3, 10) and (first != tok.pad_token_id).all()
     assert second.tolist() == dyn.tolist()  # from the same seed, the dynamic cache's tokens
+
+
+def test_a_model_sharded_by_fsdp2_decodes_with_the_dynamic_cache():
+    """A sharded policy is gathered into new memory for each rollout: its model is recognised as
+    sharded (one-rank FSDP2 on the CPU, in its own process), a plain model is not."""
+    import subprocess
+    import sys
+
+    code = """
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from rlhf_core.generation import _is_sharded
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+plain = _is_sharded(model)
+fully_shard(model[0]); fully_shard(model)
+print("SHARDED", plain, _is_sharded(model))
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "SHARDED False True" in out.stdout, out.stderr[-2000:]
