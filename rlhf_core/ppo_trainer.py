@@ -518,42 +518,52 @@ class PPOTrainer:
             value_mask, advantages, returns: ``(B, R)``, from steps 2 and 3.
             update: 0-based update number (seeds the minibatch order).
 
+        Statistics stay on the device until the update ends, and the losses are checked once
+        per minibatch, before its optimiser step: the host waits for the device once per
+        minibatch, not in every micro-batch.
+
         Returns:
             :class:`PPOStats`, averaged over the minibatches and the ranks.
 
         Raises:
-            _NonFinite: a loss was not finite on some rank (every rank raises together).
+            _NonFinite: a loss was not finite on some rank (every rank raises together, before
+                the minibatch's optimiser step: the parameters are the last good ones).
         """
         cfg, ranks = self.cfg, self.world.size
         n = traj.responses.size(0)
         minibatch_size = max(1, n // cfg.num_minibatches)
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict[str, torch.Tensor] = {}
         ratios: list[torch.Tensor] = []
+        masks: list[torch.Tensor] = []
         steps = 0
         self.policy.train()
         self.value_model.train()
         for epoch in range(cfg.ppo_epochs):
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + update * 101 + epoch))
+            on_device = perm.to(self.device)  # sliced into each micro-batch's indices without a copy per micro-batch
             for start in range(0, n, minibatch_size):
-                minibatch = perm[start : start + minibatch_size].tolist()
-                mb_sums: dict[str, float] = defaultdict(float)
-                micros = list(micro_batches(minibatch, cfg.micro_batch_size))
+                end = min(start + minibatch_size, n)  # the minibatch: perm[start:end]
+                mb_sums: dict[str, torch.Tensor] = {}
+                micros = list(micro_batches(list(range(start, end)), cfg.micro_batch_size))  # positions in perm
                 # the last micro-batch's backward passes sum each model's gradients over the ranks:
                 # with the scale below, the global minibatch's mean gradient
                 for micro, _ in zip(self.policy_parallel.accumulate(micros), self.value_parallel.accumulate(micros)):
-                    idx = torch.tensor(micro, device=self.device)
-                    stats, ratio = self._ppo_step(
-                        traj, value_mask, advantages, returns, idx, scale=len(micro) / len(minibatch) / ranks
+                    idx = on_device[micro[0] : micro[-1] + 1]
+                    stats, ratio, token_mask = self._ppo_step(
+                        traj, value_mask, advantages, returns, idx, scale=len(micro) / (end - start) / ranks
                     )
-                    for key, value in stats.items():
-                        mb_sums[key] += value * len(micro) / len(minibatch)
+                    for key, value in stats.items():  # float64, the operations Python floats would do
+                        mb_sums[key] = mb_sums.get(key, 0.0) + value.detach().double() * len(micro) / (end - start)
                     ratios.append(ratio)
+                    masks.append(token_mask)
+                _raise_if_non_finite(**{"loss (policy)": mb_sums["policy_loss"], "loss (value)": mb_sums["value_loss"]})
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)  # no gradients held while sampling
                 for key, value in mb_sums.items():
-                    sums[key] += value
+                    sums[key] = sums.get(key, 0.0) + value
                 steps += 1
-        return _reduce_stats(sums, steps, torch.cat(ratios).double())
+        ratios_on_tokens = torch.cat(ratios)[torch.cat(masks)].double().cpu()
+        return _reduce_stats({k: v.item() for k, v in sums.items()}, steps, ratios_on_tokens)
 
     def _ppo_step(
         self,
@@ -563,14 +573,17 @@ class PPOTrainer:
         returns: torch.Tensor,
         idx: torch.Tensor,
         scale: float,
-    ) -> tuple[dict[str, float], torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
         surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus ``vf_coef`` times the
-        clipped value loss. Returns its statistics and the ratios on its response tokens.
+        clipped value loss.
 
-        Raises:
-            _NonFinite: a loss is not finite on some rank; every rank raises before the
-                backward pass, so none waits in a gradient all-reduce the others never join.
+        Returns:
+            ``(stats, ratio, token_mask)``: its statistics as scalar tensors on the device
+            (``policy_loss``, ``value_loss``, ``clipfrac``, ``approxkl``, ``value_clipfrac``,
+            ``entropy``), and ``(len(idx), R)`` probability ratios and the response-token mask
+            they count on. A non-finite loss is backpropagated like any other (every rank joins
+            every gradient all-reduce); :meth:`optimise` checks the losses before stepping.
         """
         cfg, pad, context = self.cfg, self.pad_id, traj.context_length
         qr, resp, token_mask, vmask = (
@@ -586,7 +599,6 @@ class PPOTrainer:
         new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
         new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
         pl = policy_loss(new_logprobs, traj.logprobs[idx], advantages[idx], token_mask, cfg.cliprange)
-        _raise_if_non_finite(**{"loss (policy)": pl["loss"]})
         (pl["loss"] * scale).backward()
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
@@ -595,7 +607,6 @@ class PPOTrainer:
             vpred = self.value_parallel(response_values, qr, pad, context)
         vpred = vpred.float() * vmask
         vl = value_loss(vpred, traj.values[idx], returns[idx], vmask, cfg.cliprange_value)
-        _raise_if_non_finite(**{"loss (value)": vl["loss"]})
         (cfg.vf_coef * vl["loss"] * scale).backward()
         stats = {
             "policy_loss": pl["loss"],
@@ -605,7 +616,7 @@ class PPOTrainer:
             "value_clipfrac": vl["clipfrac"],
             "entropy": entropy,
         }
-        return {k: v.item() for k, v in stats.items()}, pl["ratio"][token_mask].detach().float().cpu()
+        return stats, pl["ratio"].detach().float(), token_mask
 
     # --------------------------------------------------------------- evaluation
 

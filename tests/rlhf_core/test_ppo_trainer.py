@@ -263,6 +263,36 @@ def test_non_finite_scores_stop_with_the_update_named(smoke, tmp_path):
     assert not (tmp_path / "ppo" / "model").exists()
 
 
+def test_a_non_finite_loss_stops_before_the_minibatchs_step_with_the_update_named(smoke, tmp_path, monkeypatch):
+    """The losses are checked once per minibatch, before its optimiser step: a value loss that
+    turns NaN in the second micro-batch of update 2 stops the run naming it, and the state
+    saved is the last good one (finite, one update trained), not one stepped with NaN."""
+    from rlhf_core import ppo_trainer
+
+    cfg, root = smoke
+    p = cfg.ppo.model_copy(update={"total_episodes": 3 * cfg.ppo.batch_size, "checkpoint_every": 100})
+    per_update = p.ppo_epochs * p.num_minibatches * (p.batch_size // p.num_minibatches // p.micro_batch_size)
+    calls, original = [], ppo_trainer.value_loss
+
+    def value_loss(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == per_update + 2:
+            out = dict(out, loss=out["loss"] * float("nan"))
+        return out
+
+    monkeypatch.setattr(ppo_trainer, "value_loss", value_loss)
+    with pytest.raises(TrainingError, match=r"non-finite loss \(value\) at update 2"):
+        run_ppo(p, root / "data", root / "sft", root / "rm", tmp_path / "ppo")
+    assert len(calls) == per_update + 2  # the first minibatch's micro-batches of update 2, no more
+    state = torch.load(tmp_path / "ppo" / "checkpoints" / "step-000001" / "state.pt", weights_only=False)
+    assert state["step"] == 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    sft = load_file(str(root / "sft" / "model.safetensors"))
+    policy = {k.removeprefix("policy."): v for k, v in state["model"].items() if k.startswith("policy.")}
+    assert any(not torch.equal(policy[k], sft[k]) for k in sft if k in policy)  # update 1 was applied
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     """Kill `rlhf ppo` with SIGKILL after a checkpoint; the resumed run's final policy is identical."""
