@@ -330,13 +330,14 @@ def stage_figures(
 
 
 def estimated_hours(stage: str, figures: dict, preset_cfg) -> float:
-    """The preset's whole stage at the timed speed: steps on the full hub rows (PPO: updates)."""
-    section = getattr(preset_cfg, stage)
+    """The preset's whole stage at the timed speed and batch size (``figures``): its epochs over
+    the full hub rows (PPO: its episodes) in steps of the timed batch."""
+    section, batch = getattr(preset_cfg, stage), figures["batch_size"]
     if stage == "ppo":
-        steps = math.ceil(section.total_episodes / section.batch_size)
+        steps = math.ceil(section.total_episodes / batch)
     else:
         rows = FULL_ROWS["sft" if stage == "sft" else "preference"]
-        steps = rows // section.batch_size * section.num_epochs
+        steps = rows // batch * section.num_epochs
     return steps * figures["seconds_per_step"] / 3600
 
 
