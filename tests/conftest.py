@@ -140,3 +140,24 @@ def mlflow_server(tmp_path_factory):
     server = start_mlflow(tmp_path_factory.mktemp("mlflow"))
     yield server.url
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A float32 Llama of 40 tokens (hidden 16, two layers, untied head) from seed 0, dropout off,
+    in eval mode; one per test module."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core.models import disable_dropout
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    return disable_dropout(LlamaForCausalLM(config)).eval()

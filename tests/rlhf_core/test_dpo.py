@@ -62,22 +62,6 @@ def test_linear_logprobs_equal_full_log_softmax_with_gradients():
         linear_logprobs(hidden, weight, targets[:3])
 
 
-@pytest.fixture(scope="module")
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
 def _row_logprob(model, query: list[int], response: list[int]) -> float:
     """One unpadded row through the model's own forward: the sum of log p over the response."""
     ids = torch.tensor([query + response])

@@ -182,22 +182,6 @@ def test_gguf_import_matches_the_dequantised_gguf_model(tmp_path, smol_tokenizer
 PAD = 1
 
 
-@pytest.fixture(scope="module")
-def tiny_lm():
-    """A float32 Llama of 40 tokens, dropout off; PAD is token 1."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    return disable_dropout(LlamaForCausalLM(config)).eval()
-
-
 def _padded_rows() -> torch.Tensor:
     """``(4, 20)`` rows, each one run of real tokens (2..39) between left and right PAD; the
     longest run is 11 tokens, one row has no left PAD and one no right PAD."""
@@ -230,12 +214,12 @@ def test_causal_layout_of_a_batch():
         causal_layout(rows, PAD, width_multiple=0)
 
 
-def test_causal_forward_from_a_host_layout_equals_the_device_path_exactly(tiny_lm):
+def test_causal_forward_from_a_host_layout_equals_the_device_path_exactly(tiny_llama):
     """A layout computed from another (CPU) copy of the ids gives the call and the outputs that
     deciding the layout from the ids themselves gives, bit for bit; also for the masked path."""
     rows = _padded_rows()
     calls: list = []
-    fn = _recording(tiny_lm, calls)
+    fn = _recording(tiny_llama, calls)
     with torch.no_grad():
         own = causal_forward(fn, rows, PAD)
         host = causal_forward(fn, rows, PAD, causal_layout(rows.clone(), PAD))
@@ -246,18 +230,18 @@ def test_causal_forward_from_a_host_layout_equals_the_device_path_exactly(tiny_l
         calls.clear()
         masked = causal_forward(fn, holed, PAD, causal_layout(holed.clone(), PAD))
         assert calls[0][1] is not None  # the padding-aware mask
-        assert torch.equal(masked, tiny_lm.model(*padding_aware_inputs(holed, PAD)).last_hidden_state)
+        assert torch.equal(masked, tiny_llama.model(*padding_aware_inputs(holed, PAD)).last_hidden_state)
 
 
-def test_causal_forward_rounded_width_equals_the_longest_row_width(tiny_lm):
+def test_causal_forward_rounded_width_equals_the_longest_row_width(tiny_llama):
     """Rounding the width up adds token-0 columns after every row's run: under causal attention
     the real positions' outputs and every gradient are those of the exact width, PAD outputs 0."""
     rows = _padded_rows()
     real = rows != PAD
-    params = list(tiny_lm.model.parameters())  # the backbone's (the untied head is not called)
+    params = list(tiny_llama.model.parameters())  # the backbone's (the untied head is not called)
     weights = torch.randn((*rows.shape, 16), generator=torch.Generator().manual_seed(4))
     calls: list = []
-    fn = _recording(tiny_lm, calls)
+    fn = _recording(tiny_llama, calls)
     results = []
     for multiple in (1, 8, 64):
         out = causal_forward(fn, rows, PAD, causal_layout(rows, PAD, width_multiple=multiple))
