@@ -40,6 +40,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import DataConfig, PipelineConfig, QueryFormat, SplitSpec
 from .errors import DataError  # noqa: F401  (re-exported: DataError of this module)
 from .io import atomic_directory, content_digest, write_json_atomic
+from .sources import data_fingerprint, local_split_files
 
 log = logging.getLogger(__name__)
 
@@ -97,25 +98,6 @@ def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[st
             yield where, obj
 
 
-def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> list[Path]:
-    """The JSONL files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``.
-
-    The second form lets one source split span several files, as the offline data's
-    ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split.
-
-    Raises:
-        DataError: no such file.
-    """
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise DataError(f"local data directory {root} does not exist (set RLHF_TLDR_DIR or data.local_dir)")
-    files = sorted(root.glob(f"{kind}_{split}.jsonl")) + sorted(root.glob(f"{kind}_{split}_*.jsonl"))
-    if not files:
-        present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*.jsonl"))) or "none"
-        raise DataError(f"no file {kind}_{split}.jsonl in {root} for {kind} split {split!r} (present: {present})")
-    return files
-
-
 def iter_hub_split(
     dataset: str, config: str | None, split: str, revision: str | None = None
 ) -> Iterator[tuple[str, dict]]:
@@ -126,36 +108,6 @@ def iter_hub_split(
     ds = datasets.load_dataset(dataset, config, split=split, revision=revision)
     for i, row in enumerate(ds):
         yield f"{dataset}[{split}] row {i}", row
-
-
-def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
-    """What the data stage reads beside its settings, for its cache key
-    (:func:`rlhf_core.pipeline.stage_key`): for a local source, a digest of the contents of
-    every JSONL file its splits read (:func:`local_split_files`), named relative to the
-    directory, so the same files elsewhere give the same key and one edited row another; for
-    the hub, each dataset's id and ``data.revision``, or a digest of its files when the id is
-    a local directory in the hub layout.
-
-    Raises:
-        DataError: the local directory is unset or missing, or a split has no file.
-    """
-    source = data_cfg.resolved_source()
-    if source == "local":
-        local_dir = data_cfg.resolved_local_dir()
-        if not local_dir:
-            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
-        files = {
-            path
-            for kind, specs in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits))
-            for spec in specs.values()
-            for path in local_split_files(local_dir, kind, spec.source)
-        }
-        return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}
-    hub: dict[str, Any] = {"source": "hub", "revision": data_cfg.revision}
-    for name in (data_cfg.sft_dataset, data_cfg.preference_dataset):
-        path = Path(name).expanduser()
-        hub[name] = content_digest([path]) if path.is_dir() else None
-    return hub
 
 
 def flatten_comparison(row: dict) -> dict:

@@ -33,6 +33,7 @@ from .generation import Summaries, summarize, trim_left_padding
 from .io import atomic_file, write_json_atomic, write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .models import ModelSourceError, load_causal_lm, resolve_source
+from .pipeline import POLICIES, REPORT_FILES
 from .report import plot_training_curves, write_report
 from .reward import ResponseScores, ScalarModel, score_responses
 from .tracking import NullTracker, Tracker, read_metrics
@@ -40,10 +41,8 @@ from .training import pick_device, precision_name
 
 log = logging.getLogger(__name__)
 
+
 #: The policies compared with the references, in report order: (key, display name).
-POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
-
-
 @torch.no_grad()
 def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> list[list[int]]:
     """Rank of each response token under ``model`` (1 = its top prediction), per row
@@ -268,18 +267,6 @@ def _last_record_with(path: Path, key: str) -> dict[str, float]:
         return {}
     records = [m for step, m in read_metrics(path) if step is not None and key in m]
     return records[-1] if records else {}
-
-
-#: The files of the report, in ``out_dir``, that are logged as artifacts (those present).
-REPORT_FILES = (
-    "report.html",
-    "report.md",
-    "length_control.png",
-    "training_curves.png",
-    "ppo_curves.png",
-    "calibration.png",
-    "token_shift.html",
-)
 
 
 @dataclass

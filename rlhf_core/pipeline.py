@@ -1,6 +1,8 @@
 """The pipeline's stages in order: what each reads, which config sections it depends on, and
 the ``rlhf_core`` function that runs it. The command line (``rlhf run``) and the Prefect
-tasks (``tasks/stages.py``) both run stages from this one table.
+tasks (``tasks/stages.py``) both run stages from this one table. What a stage key reads of the
+data and of the model sources comes from :mod:`rlhf_core.sources`, which loads neither torch,
+transformers nor datasets: a command whose stages are all finished finds so at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 from .config import PipelineConfig
 from .io import json_digest
+from .sources import data_fingerprint, reward_code_digest, source_fingerprint
 from .tracking import Tracker
 
 
@@ -50,9 +53,6 @@ class Stage:
 
 
 def _data_reads(cfg: PipelineConfig) -> dict[str, Any]:
-    from .data import data_fingerprint
-    from .models import source_fingerprint
-
     return {
         "data": data_fingerprint(cfg.data),
         "tokenizer": source_fingerprint(cfg.model.tokenizer_source, cfg.model.revision),
@@ -60,8 +60,6 @@ def _data_reads(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _base_model_reads(cfg: PipelineConfig) -> dict[str, Any]:
-    from .models import source_fingerprint
-
     m = cfg.model
     return {
         "tokenizer": source_fingerprint(m.tokenizer_source, m.revision),
@@ -70,14 +68,11 @@ def _base_model_reads(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _ppo_reads(cfg: PipelineConfig) -> dict[str, Any]:
-    from .rule_rewards import reward_code_digest  # a reward function may live outside rlhf_core
-
+    # a reward function may live outside rlhf_core
     return {"reward_code": reward_code_digest(cfg.ppo.reward)}
 
 
 def _evaluation_reads(cfg: PipelineConfig) -> dict[str, Any]:
-    from .models import source_fingerprint
-
     local_judge = cfg.eval.judge == "offline" and cfg.eval.judge_model  # default: the base model, an input
     return {"judge": source_fingerprint(cfg.eval.judge_model) if local_judge else None}  # type: ignore[arg-type]
 
@@ -168,6 +163,22 @@ def _evaluation(cfg, inputs, out, tracker):
         cache,
         dpo_dirs={"dpo": dpo, "dpo_eval": dpo_eval},
     )
+
+
+#: The policies the evaluation stage compares: ``(stage or "base", label)``.
+POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
+
+#: The files of the evaluation stage's report, in its output, that are logged as artifacts
+#: (those present).
+REPORT_FILES = (
+    "report.html",
+    "report.md",
+    "length_control.png",
+    "training_curves.png",
+    "ppo_curves.png",
+    "calibration.png",
+    "token_shift.html",
+)
 
 
 STAGES: dict[str, Stage] = {

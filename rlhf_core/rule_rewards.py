@@ -28,7 +28,6 @@ Rewards shipped here (each ``ppo.reward: python:rlhf_core.rule_rewards:NAME``):
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import re
@@ -37,32 +36,13 @@ from pathlib import Path
 
 import torch
 
-from .config import REWARD_SPEC
+from .sources import RewardSpecError, parse_reward_spec, reward_code_digest, reward_source  # noqa: F401
 
 #: ``f(queries, responses, query_ids, response_ids) -> n floats``.
 RewardFunction = Callable[[list[str], list[str], list[list[int]], list[list[int]]], "Sequence[float] | torch.Tensor"]
 
 
-class RewardSpecError(ValueError):
-    """``ppo.reward`` names no usable function: bad format, module not importable, not callable,
-    or a result that is not one float per response."""
-
-
 # ----------------------------------------------------------------------- loading
-
-
-def parse_reward_spec(spec: str) -> tuple[str, str] | None:
-    """``None`` for ``"model"``; ``(module, function)`` for ``"python:MODULE:FUNCTION"``.
-
-    Raises:
-        RewardSpecError: any other string.
-    """
-    if spec == "model":
-        return None
-    match = REWARD_SPEC.fullmatch(spec)
-    if not match:
-        raise RewardSpecError(f"ppo.reward {spec!r}: expected 'model' or 'python:MODULE:FUNCTION'")
-    return match.group(1), match.group(2)
 
 
 def load_reward_function(spec: str) -> RewardFunction | None:
@@ -88,37 +68,6 @@ def load_reward_function(spec: str) -> RewardFunction | None:
     if not callable(fn):
         raise RewardSpecError(f"ppo.reward {spec!r}: {module_name}.{name} is a {type(fn).__name__}, not a function")
     return fn
-
-
-def reward_source(spec: str) -> Path | None:
-    """The file that defines the module of a ``python:`` spec (``None`` for ``"model"``), found
-    without running the module.
-
-    Raises:
-        RewardSpecError: the module cannot be found.
-    """
-    parsed = parse_reward_spec(spec)
-    if parsed is None:
-        return None
-    try:
-        found = importlib.util.find_spec(parsed[0])
-    except (ImportError, ValueError) as exc:
-        found, error = None, f": {exc}"
-    else:
-        error = ""
-    if found is None or not found.origin or not Path(found.origin).is_file():
-        raise RewardSpecError(f"ppo.reward {spec!r}: cannot find module {parsed[0]!r}{error}")
-    return Path(found.origin)
-
-
-def reward_code_digest(spec: str) -> str | None:
-    """SHA-256 (16 hex) of the source file of a ``python:`` spec's module; ``None`` for ``"model"``.
-
-    Part of the PPO stage's cache key (:func:`rlhf_core.pipeline.stage_key`), so that editing a
-    reward function outside ``rlhf_core`` re-runs PPO.
-    """
-    path = reward_source(spec)
-    return None if path is None else hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
 
 def describe_reward(spec: str, reward_model_dir: str | Path | None) -> str:

@@ -73,12 +73,14 @@ def test_ensure_pad_token_adds_only_when_needed():
 
 
 def test_gguf_tokenizer_cache_matches_the_gguf_tokenizer(smol_tokenizer, sft_rows):
+    """The cached tokenizer encodes as transformers' conversion does; its EOS is the GGUF
+    metadata's (tests/rlhf_core/test_special_tokens.py: where a conversion gets it wrong)."""
     src = resolve_source(SMOL_GGUF)
     direct = AutoTokenizer.from_pretrained(src.location, gguf_file=src.gguf_file)
     for row in sft_rows[:20]:
         text = format_query(row, QueryFormat()) + " " + row["summary"]
         assert smol_tokenizer(text)["input_ids"] == direct(text)["input_ids"]
-    assert smol_tokenizer.eos_token_id == direct.eos_token_id
+    assert (smol_tokenizer.eos_token, smol_tokenizer.eos_token_id) == ("<|im_end|>", 2)
 
 
 def test_disable_dropout_makes_train_mode_deterministic(llama_tokenizer):
@@ -163,6 +165,8 @@ def test_gguf_import_matches_the_dequantised_gguf_model(tmp_path, smol_tokenizer
     assert info["vocab_size"] == 49153 and info["pad_token_id"] == 49152  # 49,152 + [PAD]
     assert info["parameters"] > 130_000_000
     converted = load_causal_lm(tmp_path / "smol")
+    assert (converted.config.bos_token_id, converted.config.eos_token_id) == (1, 2)  # the GGUF metadata's
+    assert converted.generation_config.eos_token_id == 2 and converted.generation_config.pad_token_id == 49152
     src = resolve_source(SMOL_GGUF)
     gguf = AutoModelForCausalLM.from_pretrained(src.location, gguf_file=src.gguf_file, dtype=torch.float32)
     ids = torch.tensor([smol_tokenizer(format_query(sft_rows[0], QueryFormat()))["input_ids"][:64]])

