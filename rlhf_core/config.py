@@ -196,8 +196,16 @@ class TrainerConfig(_Strict):
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
     batch_size: int = Field(64, gt=0)
     micro_batch_size: int = Field(16, gt=0)
-    #: Optimiser steps (PPO: updates) between mid-stage checkpoints.
-    checkpoint_every: int = Field(50, gt=0)
+    #: Mid-stage checkpoints (rlhf_core.training.StepProgress): every `checkpoint_every`
+    #: optimiser steps (PPO: updates) when it is set; otherwise every `checkpoint_every_minutes`
+    #: minutes of wall-clock time (rank 0's clock) since the attempt started or the last
+    #: checkpoint was written. The step count takes precedence, so that an override
+    #: `sft.checkpoint_every=N` replaces a time cadence; both null is an error.
+    checkpoint_every: int | None = Field(None, gt=0)
+    checkpoint_every_minutes: float | None = Field(30.0, gt=0)
+    #: Complete mid-stage checkpoints kept, the newest; an older one is removed only once the
+    #: new one is complete on disk, so a stage needs room for this many plus the one being written.
+    keep_checkpoints: int = Field(1, gt=0)
     #: bf16 autocast: true, false (float32) or "auto" (where the hardware has native bf16;
     #: rlhf_core.training.resolve_bf16). The resolved precision is logged as a param.
     bf16: bool | Literal["auto"] = "auto"
@@ -207,6 +215,17 @@ class TrainerConfig(_Strict):
     #: Rows of each evaluation split used (None: all).
     eval_max_samples: int | None = Field(None, gt=0)
     seed: int = 1
+
+    @field_validator("checkpoint_every_minutes")
+    @classmethod
+    def _a_checkpoint_cadence(cls, minutes: float | None, info: ValidationInfo) -> float | None:
+        # a null checkpoint_every_minutes is only ever given: its default is a number
+        if minutes is None and info.data.get("checkpoint_every", 0) is None:
+            raise ValueError(
+                "checkpoint_every and checkpoint_every_minutes are both null: set checkpoint_every "
+                "(optimiser steps between mid-stage checkpoints) or checkpoint_every_minutes (minutes between them)"
+            )
+        return minutes
 
 
 class EpochTrainerConfig(TrainerConfig):
@@ -297,7 +316,6 @@ class PPOConfig(TrainerConfig):
     score_position: Literal["eos", "after_eos"] = "eos"
     eval_every: int = Field(10, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
-    checkpoint_every: int = Field(10, gt=0)
     #: Data parallelism under torchrun (rlhf_core.distributed.STRATEGIES): ddp, zero2 (policy and
     #: value model's gradients and optimiser state sharded) or fsdp (their parameters too, and
     #: the reference and reward models'); rlhf_core.ppo_trainer.
@@ -459,15 +477,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """Split ``"a.b.c=value"`` into ``(["a", "b", "c"], value)``; the value is parsed as YAML.
 
     Raises:
-        ConfigError: when there is no ``=`` or the key is empty.
+        ConfigError: when there is no ``=``, the key is empty or the value is not YAML (a value
+            that may be a credential is not shown).
     """
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. ppo.kl_coef=0.1)")
+        shown = "(not shown: it looks like a credential)" if _holds_key(text) else repr(text)
+        raise ConfigError(f"override {shown} is not of the form key=value (e.g. ppo.kl_coef=0.1)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
+        if _holds_key(raw) or _credential_name(key.rsplit(".", 1)[-1]):  # the error quotes the value
+            raise ConfigError(f"override {key}: the value (not shown) is not valid YAML") from None
         raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {exc}") from exc
     return key.split("."), value
 
@@ -494,22 +516,123 @@ def _deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
-#: Setting names that could hold a credential, and values that look like one (an API key's
-#: prefix, or a long run of letters and digits without spaces).
-_CREDENTIAL_NAME = re.compile(r"secret|key|token|password", re.IGNORECASE)
-_CREDENTIAL_VALUE = re.compile(r"^(sk-|sk_|AKIA|ASIA|ghp_|gho_|xox[abp]-|hf_)|^(?=.*\d)(?=.*[A-Za-z])[\w\-+/=.]{32,}$")
+# Settings are stored as Prefect flow-run parameters and MLflow params, so a credential given as
+# a setting is refused (and never shown). Two rules:
+#
+# * a value holding a known key shape is refused whatever the setting is called (_KEY_SHAPE), as
+#   is a URL with a password (``scheme://user:password@host``);
+# * a setting named like a credential (_credential_name) also refuses a long random string: a run
+#   of 20 or more key characters (letters, digits, ``+/=``) holding a letter and a digit. A model
+#   or data source there (``org/name``, ``org/name@revision``, a path starting with ``/``, ``~``
+#   or ``.``, ``pkg:PACKAGE/PATH``, a URL) is a setting unless a run of 20 or more letters and
+#   digits between its separators holds a letter and a digit (a 40-hex git revision excepted). A
+#   relative path of several parts in such a field is judged as a string: write it ``./a/b``.
+#
+# Hub ids, paths and URLs in the other fields (model.base, model.tokenizer, eval.judge_model, ...)
+# are only checked for key shapes.
+
+#: API keys by their prefix: Anthropic, OpenAI, Stripe, AWS access key ids, Hugging Face, GitHub, Slack.
+_KEY_SHAPE = re.compile(
+    r"(?<![A-Za-z0-9])(?:"
+    r"sk-ant-[A-Za-z0-9_\-]{20,}"
+    r"|sk-(?:proj-|svcacct-|admin-)?(?P<openai>[A-Za-z0-9_\-]{20,})"
+    r"|sk_(?:live|test)_[A-Za-z0-9]{20,}"
+    r"|(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])"
+    r"|hf_(?P<hf>[A-Za-z0-9]{30,})"
+    r"|gh[pousr]_[A-Za-z0-9]{36,}"
+    r"|github_pat_[A-Za-z0-9_]{22,}"
+    r"|xox[abprs]-[A-Za-z0-9\-]{10,}"
+    r")"
+)
+_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@\s:]*:[^/?#@\s]+@")
+_SOURCE_SHAPE = re.compile(
+    r"[A-Za-z][A-Za-z0-9+.\-]*://\S*"  # URL: s3://, https://, file://
+    r"|pkg:\S+"  # a file shipped in a Python package
+    r"|[/~.]\S*"  # absolute, home or relative path
+    r"|[A-Za-z0-9][\w.\-]*/[\w.\-]+(?:@[\w.\-/]+)?"  # hub id, optionally @revision
+)
+_KEY_RUN = re.compile(r"[A-Za-z0-9+/=]{20,}")
+_ALNUM_RUN = re.compile(r"[A-Za-z0-9]{20,}")
+_GIT_REVISION = re.compile(r"[0-9a-f]{40}")
+_LETTER_AND_DIGIT = re.compile(r"(?=.*[A-Za-z])(?=.*\d)")
+#: Whole words of a setting's name that make it credential-like anywhere in the name.
+_CREDENTIAL_WORDS = frozenset(
+    {"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials", "apikey"}
+)
+#: ``key`` and ``token`` make a name credential-like after one of these words (``api_key_id``) ...
+_CREDENTIAL_QUALIFIERS = frozenset({"api", "access", "auth", "private", "bearer", "refresh", "session"})
+#: ... or as the name's last word (``key``, ``hf_token``, ``secret_access_key``), unless the word
+#: before says the key or token is no secret: a tokenizer's special token (``pad_token``) or a
+#: lookup key (``cache_key``). ``max_tokens``, ``token_budget`` and ``cache_key_prefix`` are not
+#: credential-like.
+_PLAIN_QUALIFIERS = frozenset(
+    {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "special", "stop", "cache", "sort", "group", "column"}
+    | {"field", "label", "metric", "partition", "shard", "lookup", "hash", "dict", "join", "primary", "row"}
+)
+
+
+def _credential_name(name: str) -> bool:
+    """Whether a setting's name (its last dotted part) is credential-like; snake, kebab or camel case."""
+    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()) if w]
+    if _CREDENTIAL_WORDS.intersection(words):
+        return True
+    for i, word in enumerate(words):
+        if word in ("key", "token"):
+            before = words[i - 1] if i else ""
+            if before in _CREDENTIAL_QUALIFIERS or (i == len(words) - 1 and before not in _PLAIN_QUALIFIERS):
+                return True
+    return False
+
+
+def _holds_key(value: str) -> bool:
+    """Whether ``value`` holds a known API key shape, or is a URL with a password."""
+    if _URL_PASSWORD.match(value):
+        return True
+    for match in _KEY_SHAPE.finditer(value):
+        body = match["openai"] or match["hf"]
+        if body is None:
+            return True
+        if match["openai"] and any(_LETTER_AND_DIGIT.match(r) for r in _ALNUM_RUN.findall(body)):
+            return True  # sk-<random>: not a name such as sk-learn-models-2024
+        if match["hf"] and body != body.lower() and body != body.upper():
+            return True  # hf_<mixed case letters>
+    return False
+
+
+def _looks_random(value: str) -> bool:
+    """Whether ``value`` holds a long random string (rules above)."""
+    if _SOURCE_SHAPE.fullmatch(value):
+        runs = [r for r in _ALNUM_RUN.findall(value) if not _GIT_REVISION.fullmatch(r)]
+    else:
+        runs = _KEY_RUN.findall(value)
+    return any(_LETTER_AND_DIGIT.match(r) for r in runs)
+
+
+def _holds_credential(value: Any, name: str) -> bool:
+    """Whether a setting named ``name`` (its last dotted part) holds a credential in ``value``
+    (a string, or lists and mappings of them)."""
+    if isinstance(value, dict):
+        return any(_holds_credential(v, str(k)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_credential(v, name) for v in value)
+    if not isinstance(value, str):
+        return False
+    return _holds_key(value) or (_credential_name(name) and _looks_random(value))
 
 
 def _check_no_credentials(tree: dict, origin: str) -> None:
-    """Refuse a setting named like a credential whose value looks like one: settings are
-    stored as Prefect flow-run parameters and MLflow params. The value is never shown."""
+    """Refuse a setting whose value looks like a credential (rules above): settings are stored as
+    Prefect flow-run parameters and MLflow params. The value is never shown.
+
+    Raises:
+        ConfigError: naming the dotted key of the first such setting.
+    """
     for key, value in flatten(tree).items():
-        name = key.rsplit(".", 1)[-1]
-        if isinstance(value, str) and _CREDENTIAL_NAME.search(name) and _CREDENTIAL_VALUE.search(value):
+        if _holds_credential(value, key.rsplit(".", 1)[-1]):
             raise ConfigError(
                 f"{key} ({origin}): the value looks like a credential, and settings are stored in the "
-                "Prefect database and MLflow; give the key through ANTHROPIC_API_KEY or a Prefect Secret "
-                f"block, and set {key} to the block's name"
+                "Prefect database and MLflow; give a key through the environment (ANTHROPIC_API_KEY for "
+                "the judge) or a Prefect Secret block named by eval.api_key_secret, never as a setting"
             )
 
 
@@ -517,12 +640,15 @@ def _format_validation_error(exc: ValidationError, origin: str) -> str:
     lines = []
     for err in exc.errors():
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        name = next((str(p) for p in reversed(err["loc"]) if not isinstance(p, int)), "")
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
         elif not err["loc"] or isinstance(err.get("input"), dict):  # a rule across keys: it names them
             lines.append(f"  {msg}")
-        elif _CREDENTIAL_NAME.search(key.rsplit(".", 1)[-1]):
+        elif _holds_credential(err.get("input"), name) or _credential_name(name):
+            if isinstance(err.get("input"), str) and err["input"]:
+                msg = msg.replace(err["input"], "<not shown>")
             lines.append(f"  {key}: {msg}")  # the value may be a credential: never echoed
         else:
             lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
@@ -533,8 +659,10 @@ def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
     """Validate a nested dict as a :class:`PipelineConfig`.
 
     Raises:
-        ConfigError: naming each bad dotted key (unknown key, wrong type, bad value).
+        ConfigError: naming each bad dotted key (unknown key, wrong type, bad value), or the key
+            of a value that looks like a credential (never shown).
     """
+    _check_no_credentials(tree, origin)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
@@ -600,7 +728,6 @@ def load_config(
         _set_path(tree, keys, value)
     if overrides:
         origin += " with overrides " + " ".join(o.partition("=")[0] + "=..." for o in overrides)
-    _check_no_credentials(tree, origin)
     return config_from_dict(tree, origin)
 
 

