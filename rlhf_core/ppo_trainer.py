@@ -788,8 +788,10 @@ def run_ppo(
     resolved reward is logged as the param ``ppo.reward_resolved``.
 
     Checkpoints (policy, value, optimiser, schedule, RNG, update count) are written to
-    ``out_dir/checkpoints`` every ``cfg.checkpoint_every`` updates; a restarted run with the
-    same configuration continues from the newest.
+    ``out_dir/checkpoints`` every ``cfg.checkpoint_every`` updates or, when that is unset, every
+    ``cfg.checkpoint_every_minutes`` minutes (:meth:`rlhf_core.training.StepProgress.checkpoint_due`),
+    the newest ``cfg.keep_checkpoints`` kept; a restarted run with the same configuration
+    continues from the newest.
 
     Returns:
         The metrics of the last update and the final evaluation (flat keys).
@@ -834,6 +836,7 @@ def run_ppo(
         checkpoint_every=cfg.checkpoint_every,
         checkpoint_root=checkpoints.root,
         unit="update",
+        checkpoint_every_minutes=cfg.checkpoint_every_minutes,
     )
     last: dict[str, float] = {}
     samples: list[dict] = []

@@ -31,6 +31,7 @@ from transformers import get_scheduler
 from .config import EpochTrainerConfig, TrainerConfig
 from .distributed import (
     DataParallel,
+    all_reduce_sum,
     gather_to_main,
     load_model_state,
     load_optimizer_state,
@@ -40,7 +41,7 @@ from .distributed import (
     world,
 )
 from .errors import TrainingError  # noqa: F401  (re-exported: TrainingError of this module)
-from .io import atomic_directory, json_digest
+from .io import json_digest
 from .tracking import RESUME_METRIC, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ def device_clock(device: torch.device) -> float:
     """
     getattr(torch, device.type).synchronize(device)
     return time.perf_counter()
+
+
+def wall_clock() -> float:
+    """Seconds of ``time.monotonic()``: the clock of the time cadence of mid-stage checkpoints
+    (:class:`StepProgress`), which counts minutes of the attempt whatever the device does."""
+    return time.monotonic()
 
 
 #: The ``bf16`` setting of every stage: ``true`` (bf16 autocast), ``false`` (float32) or
@@ -350,16 +357,24 @@ def micro_batches(indices: list[int], micro_batch_size: int) -> Iterator[list[in
 
 
 class CheckpointManager:
-    """Mid-stage checkpoints under ``root/step-NNNNNN/state.pt``, written atomically.
+    """Mid-stage checkpoints under ``root/step-NNNNNN/state.pt``, the newest ``keep`` kept.
 
     A checkpoint holds the model and optimiser state dicts, the scheduler state, the torch
     and Python RNG states, the step, and the stage's config digest; only checkpoints with
-    the same digest are resumed. The newest ``keep`` are kept. Under ``torchrun`` every rank
-    calls :meth:`save` and :meth:`load_latest` (a sharded model's full state is gathered from
-    all ranks) and rank 0 alone writes.
+    the same digest are resumed. Under ``torchrun`` every rank calls :meth:`save` and
+    :meth:`load_latest` (a sharded model's full state is gathered from all ranks) and rank 0
+    alone writes.
+
+    A checkpoint counts once its ``state.pt`` exists: the file is written under a temporary
+    name, flushed to disk (``fsync``) and renamed, and only then are older checkpoints removed,
+    so a process killed at any point leaves the newest complete checkpoint loadable. A stage
+    therefore needs room for ``keep + 1`` checkpoints while one is written (``tasks.stages``'s
+    free-space estimate counts them).
     """
 
-    def __init__(self, root: str | os.PathLike, config_digest: str, keep: int = 2):
+    def __init__(self, root: str | os.PathLike, config_digest: str, keep: int = 1):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, not {keep}")
         self.root = Path(root)
         self.config_digest = config_digest
         self.keep = keep
@@ -371,7 +386,12 @@ class CheckpointManager:
         return sorted(p for p in self.root.glob("step-*") if (p / "state.pt").is_file())
 
     def save(self, step: int, model: torch.nn.Module, optimizer, scheduler, extra: dict | None = None) -> Path:
-        """Write the checkpoint taken after ``step`` optimiser steps (rank 0 writes; collective)."""
+        """Write the checkpoint taken after ``step`` optimiser steps (rank 0 writes; collective),
+        then remove all but the newest ``keep`` complete checkpoints.
+
+        Before writing, what an interrupted save left (a partial ``state.pt``, a folder without
+        one) is removed; complete checkpoints are removed only after the new one is complete.
+        """
         model_sd, optimizer_sd = model_state(model), optimizer_state(model, optimizer)
         target = self.root / f"step-{step:06d}"
         if not world().is_main:
@@ -387,11 +407,41 @@ class CheckpointManager:
             "python_rng": random.getstate(),
             "extra": extra or {},
         }
-        with atomic_directory(target, overwrite=True) as tmp:
-            torch.save(state, tmp / "state.pt")
-        for old in self.checkpoints()[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        self._remove_partial()
+        target.mkdir(parents=True, exist_ok=True)
+        partial = target / f".state.pt.{os.getpid()}.partial"
+        try:
+            torch.save(state, partial)
+            with open(partial, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(partial, target / "state.pt")  # atomic: replaces a same-step checkpoint whole
+        except BaseException:  # a full disk, say: nothing partial is left behind
+            partial.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                target.rmdir()  # only when empty: a same-step checkpoint stays
+            raise
+        # the new checkpoint is complete on disk: only now are older ones removed
+        complete = self.checkpoints()
+        kept = {target, *complete[-self.keep :]}
+        for old in complete:
+            if old not in kept:
+                shutil.rmtree(old, ignore_errors=True)
         return target
+
+    def _remove_partial(self) -> None:
+        """Remove what an interrupted save left: checkpoint folders without ``state.pt``, partial
+        files inside complete ones, and the temporary folders of earlier versions' saves."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.iterdir():
+            if path.name.startswith(".step-") and path.name.endswith(".partial") and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.name.startswith("step-") and path.is_dir():
+                if not (path / "state.pt").is_file():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    for stray in path.glob(".state.pt.*"):
+                        stray.unlink(missing_ok=True)
 
     def load_latest(self, model: torch.nn.Module, optimizer, scheduler) -> dict | None:
         """Restore the newest checkpoint into ``model``/``optimizer``/``scheduler``.
@@ -437,23 +487,28 @@ def trainer_checkpoints(
     (``{section}.precision``) and ``extra_params``; the checkpoints live in
     ``out_dir/checkpoints``, keyed by the settings and ``inputs`` (JSON-serialisable: the data
     statistics, the input model folders), so a checkpoint written with other settings or
-    inputs is never resumed (:meth:`CheckpointManager.load_latest` raises instead).
+    inputs is never resumed (:meth:`CheckpointManager.load_latest` raises instead); the newest
+    ``cfg.keep_checkpoints`` are kept.
     """
     tracker.log_params(
         {f"{section}.{k}": v for k, v in cfg.model_dump().items()}
         | {f"{section}.precision": precision_name(cfg.bf16, device)}
         | (extra_params or {})
     )
-    return CheckpointManager(Path(out_dir) / "checkpoints", json_digest([cfg.model_dump(mode="json"), *inputs]))
+    return CheckpointManager(
+        Path(out_dir) / "checkpoints",
+        json_digest([cfg.model_dump(mode="json"), *inputs]),
+        keep=cfg.keep_checkpoints,
+    )
 
 
 class StepProgress:
     """Progress, checkpoints and failure of a trainer's steps, the same for every trainer.
 
     A ``tqdm`` bar in a terminal, about 20 log lines a run otherwise, on rank 0 only; each
-    step's metrics go to the tracker; a mid-stage checkpoint every ``checkpoint_every`` steps
-    (never after the last: the stage saves its final state itself); on a non-finite value,
-    the last good state is saved before the error is raised.
+    step's metrics go to the tracker; mid-stage checkpoints at the cadence of
+    :meth:`checkpoint_due` (never after the last step: the stage saves its final state itself);
+    on a non-finite value, the last good state is saved before the error is raised.
 
     Args:
         desc: the stage's name, on the bar, in log lines and in errors (``"sft"``, ``"ppo"``).
@@ -461,9 +516,17 @@ class StepProgress:
         tracker: where metrics go; ranks other than 0 report nothing.
         save: ``save(done)`` writes the checkpoint taken after ``done`` steps; collective
             under ``torchrun`` (every rank calls it, rank 0 writes).
-        checkpoint_every: steps between mid-stage checkpoints.
+        checkpoint_every: steps between mid-stage checkpoints; when set, it takes precedence
+            over ``checkpoint_every_minutes``.
         checkpoint_root: the checkpoint folder, named in errors.
         unit: what a step is called in log lines and errors (``"step"``, ``"update"``).
+        checkpoint_every_minutes: minutes of wall-clock time between mid-stage checkpoints,
+            counted from this object's creation (the start of the attempt) or the end of the
+            last checkpoint, on rank 0's ``clock``; used when ``checkpoint_every`` is ``None``.
+        clock: seconds of a monotonic clock (default :func:`wall_clock`); read on rank 0 only.
+
+    Raises:
+        ValueError: neither ``checkpoint_every`` nor ``checkpoint_every_minutes`` is set.
     """
 
     def __init__(
@@ -473,13 +536,21 @@ class StepProgress:
         start: int,
         tracker: Tracker | None,
         save: Callable[[int], object],
-        checkpoint_every: int,
+        checkpoint_every: int | None,
         checkpoint_root: Path,
         unit: str = "step",
+        checkpoint_every_minutes: float | None = None,
+        clock: Callable[[], float] | None = None,
     ):
+        if checkpoint_every is None and checkpoint_every_minutes is None:
+            raise ValueError(f"{desc}: set checkpoint_every or checkpoint_every_minutes; both are None")
         self.desc, self.total, self.unit = desc, total, unit
         self.save, self.checkpoint_every, self.checkpoint_root = save, checkpoint_every, checkpoint_root
-        self.is_main = world().is_main
+        self.checkpoint_seconds = None if checkpoint_every_minutes is None else 60.0 * checkpoint_every_minutes
+        w = world()
+        self.is_main, self.world_size = w.is_main, w.size
+        self.clock = clock or wall_clock
+        self.last_checkpoint = self.clock() if self.is_main else 0.0
         self.tracker = (tracker or NullTracker()) if self.is_main else NullTracker()
         self.interactive = sys.stderr.isatty() and self.is_main
         self.bar = tqdm(total=total, initial=start, desc=desc, disable=not self.interactive, dynamic_ncols=True)
@@ -488,6 +559,26 @@ class StepProgress:
             # steps after `start` that an interrupted attempt reported are done again: readers of
             # the metrics (rlhf_core.tracking.read_metrics) let the new records replace them
             self.tracker.log_metrics({RESUME_METRIC: float(start)}, step=start)
+
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether a mid-stage checkpoint is due after ``done`` steps; the same answer on every rank.
+
+        Never after the last step. With ``checkpoint_every`` set: when ``done`` is a multiple
+        of it (every rank computes the same, no communication). Otherwise: when at least
+        ``checkpoint_every_minutes`` have passed on rank 0's clock since the attempt started or
+        the last checkpoint ended; under ``torchrun`` rank 0's decision reaches the others
+        through a sum over the ranks (:func:`rlhf_core.distributed.all_reduce_sum`: rank 0
+        adds 1 or 0, the others 0), so that all ranks save together. Collective then: every
+        rank calls it after each step.
+        """
+        if done >= self.total:
+            return False
+        if self.checkpoint_every is not None:
+            return done % self.checkpoint_every == 0
+        due = self.is_main and self.clock() - self.last_checkpoint >= self.checkpoint_seconds
+        if self.world_size > 1:
+            due = all_reduce_sum([1.0 if due else 0.0])[0] > 0
+        return due
 
     def report(self, done: int, metrics: dict[str, float], summary: dict[str, str]) -> None:
         """Report the step that brought the count to ``done``: ``metrics`` to the tracker,
@@ -499,8 +590,10 @@ class StepProgress:
         if not self.interactive and self.is_main and (done % self.log_every == 0 or done == self.total):
             text = ", ".join(f"{k} {v}" for k, v in summary.items())
             log.info("%s %s %d/%d: %s", self.desc, self.unit, done, self.total, text)
-        if done % self.checkpoint_every == 0 and done < self.total:
+        if self.checkpoint_due(done):
             self.save(done)
+            if self.is_main:
+                self.last_checkpoint = self.clock()
 
     def stop(self, problem: str, done: int) -> TrainingError:
         """Save the state after ``done`` good steps (collective) and return the
@@ -543,7 +636,9 @@ def train_loop(
     and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens`` (non-pad tokens of
     the step), ``tokens_per_s`` (over the step's device time, :func:`device_clock`) and
     ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
-    checkpoints every ``optim.checkpoint_every`` steps.
+    checkpoints every ``optim.checkpoint_every`` steps or, when that is unset, every
+    ``optim.checkpoint_every_minutes`` minutes (:meth:`StepProgress.checkpoint_due`), keeping
+    the newest ``optim.keep_checkpoints``.
 
     The settings are logged and the checkpoints kept under ``out_dir/checkpoints``, keyed by
     the settings and ``inputs`` (:func:`trainer_checkpoints`). After the last step a sharded
@@ -578,6 +673,7 @@ def train_loop(
         save=lambda done: checkpoints.save(done, model, optimizer, scheduler),
         checkpoint_every=optim.checkpoint_every,
         checkpoint_root=checkpoints.root,
+        checkpoint_every_minutes=optim.checkpoint_every_minutes,
     )
     begin = time.perf_counter()
     last: dict[str, float] = {}

@@ -20,13 +20,13 @@ import shutil
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config import PipelineConfig, TrainerConfig
 from rlhf_core.io import exclusive_lock, write_json_atomic
 from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
 from rlhf_core.pipeline import STAGES, stage_key
@@ -107,29 +107,97 @@ def preflight(cfg: PipelineConfig) -> None:
         ) from None
 
 
-#: Free space a stage needs beyond this many times its largest input artifact, in bytes: its
-#: output and its checkpoints (model, optimiser state) are each about the size of the model it reads.
+#: A mid-stage checkpoint's size in multiples of the float32 weights a stage trains: the
+#: weights and AdamW's two moments (:class:`rlhf_core.training.CheckpointManager`).
 FREE_SPACE_FACTOR = 3
+#: Free space every stage needs beyond its estimate (logs, metrics, small files), in bytes.
 FREE_SPACE_MIN = 256 << 20
+#: The input artifacts holding the models each trainer stage trains, saved in float32: PPO
+#: trains the policy (from SFT) and the value model (from the normalised reward model).
+TRAINED_INPUTS = {"sft": ("base_model",), "reward": ("sft",), "dpo": ("sft",), "ppo": ("sft", "reward_norm")}
 
 
-def check_free_space(stage: str, inputs: list[Path], places: list[Path]) -> None:
+class SpaceEstimate(NamedTuple):
+    """What a stage will likely write, in bytes (:func:`estimate_stage_space`)."""
+
+    output: int
+    checkpoint: int
+    checkpoints: int
+    written: int
+    total: int
+
+
+def estimate_stage_space(model_bytes: int, keep_checkpoints: int | None, written: int = 0) -> SpaceEstimate:
+    """The free space a stage needs, in bytes, from the size on disk of the models it trains.
+
+    ``total = max(output + (keep_checkpoints + 1) x checkpoint - written, 0) + FREE_SPACE_MIN``,
+    where ``output = model_bytes`` (the trained models, saved in float32 as they were read),
+    ``checkpoint = FREE_SPACE_FACTOR x model_bytes`` (float32 weights and AdamW's two moments):
+    ``keep_checkpoints`` complete checkpoints are kept and one more exists while a new one is
+    written (:class:`rlhf_core.training.CheckpointManager`); ``written`` is what the stage's
+    work directory already holds (an interrupted attempt's checkpoint). A stage that trains
+    nothing (``keep_checkpoints=None``) writes no checkpoint and at most a model of
+    ``model_bytes``: ``total = max(model_bytes - written, 0) + FREE_SPACE_MIN``.
+
+    Args:
+        model_bytes: the size on disk of the float32 models the stage trains (PPO: policy and
+            value model), or of its largest input for a stage that trains nothing.
+        keep_checkpoints: the stage's ``keep_checkpoints`` setting; ``None`` for no checkpoints.
+        written: bytes already in the stage's work directory.
+    """
+    checkpoint = FREE_SPACE_FACTOR * model_bytes
+    checkpoints = 0 if keep_checkpoints is None else keep_checkpoints + 1
+    needed = max(model_bytes + checkpoints * checkpoint - written, 0) + FREE_SPACE_MIN
+    return SpaceEstimate(model_bytes, checkpoint, checkpoints, written, needed)
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def check_free_space(stage: str, inputs: list[Path], places: list[Path], cfg: PipelineConfig | None = None) -> None:
     """Fail before stage ``stage`` runs when a file system it writes to (``places``: the work
-    directory, a local artifact root) has less free space than it will likely need:
-    :data:`FREE_SPACE_FACTOR` times its largest input artifact plus :data:`FREE_SPACE_MIN`.
+    directory, a local artifact root) has less free space than it will likely need
+    (:func:`estimate_stage_space`).
+
+    A trainer stage (:data:`TRAINED_INPUTS`) is estimated from the size on disk of the input
+    artifacts holding the models it trains, when ``inputs`` are in the stage's order
+    (:data:`rlhf_core.pipeline.STAGES`), else from its largest input, and from its
+    ``keep_checkpoints`` setting in ``cfg`` (default 1); any other stage from its largest input.
+    What the first place (the stage's work directory) already holds counts as written. Every
+    place is held to the whole estimate.
 
     Raises:
-        ArtifactError: naming the directory, the space free and the space needed.
+        ArtifactError: naming the directory, the space free and the space needed, with its parts.
     """
-    largest = max((sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in inputs), default=0)
-    needed = FREE_SPACE_FACTOR * largest + FREE_SPACE_MIN
+    sizes = [_tree_bytes(p) for p in inputs]
+    trained = TRAINED_INPUTS.get(stage)
+    if trained and len(inputs) == len(STAGES[stage].inputs):
+        model = sum(size for name, size in zip(STAGES[stage].inputs, sizes) if name in trained)
+    else:
+        model = max(sizes, default=0)
+    keep = None
+    if trained:
+        keep = getattr(cfg, stage).keep_checkpoints if cfg is not None else TrainerConfig().keep_checkpoints
+    est = estimate_stage_space(model, keep, written=_tree_bytes(places[0]) if places else 0)
+    gib = 2**30
+    if keep is None:
+        parts = f"its largest input, {est.output / gib:.2f} GiB"
+    else:
+        parts = (
+            f"its output {est.output / gib:.2f} GiB + ({keep} kept + 1 being written) x {est.checkpoint / gib:.2f} GiB "
+            f"per checkpoint ({FREE_SPACE_FACTOR} x the float32 weights it trains: weights and AdamW's two moments)"
+        )
+    if est.written:
+        parts += f" - {est.written / gib:.2f} GiB already written"
     for place in places:
         free = shutil.disk_usage(place).free
-        if free < needed:
+        if free < est.total:
+            advice = f", lower {stage}.keep_checkpoints" if keep is not None and keep > 1 else ""
             raise ArtifactError(
-                f"stage {stage}: {place} has {free / 2**30:.2f} GiB free; the stage needs about "
-                f"{needed / 2**30:.2f} GiB ({FREE_SPACE_FACTOR} x its largest input, {largest / 2**30:.2f} GiB, "
-                f"+ {FREE_SPACE_MIN >> 20} MiB). Free some space or point RLHF_WORK_DIR / RLHF_ARTIFACT_ROOT elsewhere"
+                f"stage {stage}: {place} has {free / gib:.2f} GiB free; the stage needs about "
+                f"{est.total / gib:.2f} GiB ({parts}, + {FREE_SPACE_MIN >> 20} MiB). Free some space{advice} or "
+                "point RLHF_WORK_DIR / RLHF_ARTIFACT_ROOT elsewhere"
             )
 
 
@@ -256,7 +324,7 @@ def _run_stage_once(
     inputs = [store.local_path(r.key, work_root() / "downloads") for r in records]
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
-    check_free_space(stage, inputs, [out] + ([Path(store.base)] if store.is_local else []))
+    check_free_space(stage, inputs, [out] + ([Path(store.base)] if store.is_local else []), cfg)
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
     mlflow_tracker = MLflowTracker(run_id, client=client)
     # metrics.jsonl travels with the artifact (the report draws training curves from it); on a
@@ -288,6 +356,7 @@ def _run_stage_once(
 
             client.log_inputs(run_id, datasets=dataset_inputs(out, cfg))
         stored = store.put_dir(out, key, exclude=("checkpoints",))
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # stored whole: nothing to resume from
         client.set_tag(run_id, "rlhf.artifact_uri", stored["uri"])
         client.set_terminated(run_id, "FINISHED")
     except BaseException:

@@ -293,6 +293,36 @@ def test_a_non_finite_loss_stops_before_the_minibatchs_step_with_the_update_name
     assert any(not torch.equal(policy[k], sft[k]) for k in sft if k in policy)  # update 1 was applied
 
 
+def test_ppo_checkpoints_by_the_clock_and_keeps_the_newest_only(smoke, tmp_path, monkeypatch):
+    """``ppo.checkpoint_every_minutes`` with the step count unset: a fake clock that moves 40 s
+    at each reading makes half a minute pass every update, so 3 updates save after updates 1 and
+    2 (never after the last), and only the newest checkpoint is left."""
+    from rlhf_core import training
+
+    now = [0.0]
+
+    def reading() -> float:
+        now[0] += 40
+        return now[0]
+
+    monkeypatch.setattr(training, "wall_clock", reading)
+    cfg, root = smoke
+    p = cfg.ppo.model_copy(
+        update={
+            "batch_size": 4,
+            "total_episodes": 12,
+            "checkpoint_every": None,
+            "checkpoint_every_minutes": 0.5,
+            "eval_every": 100,
+            "eval_max_samples": 2,
+        }
+    )
+    run_ppo(p, root / "data", root / "sft", root / "rm", tmp_path / "ppo")
+    assert sorted(p.name for p in (tmp_path / "ppo" / "checkpoints").iterdir()) == ["step-000002"]
+    state = torch.load(tmp_path / "ppo" / "checkpoints" / "step-000002" / "state.pt", weights_only=False)
+    assert state["step"] == 2 and len(state["extra"]["rank_rng"]) == 1
+
+
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
     """Kill `rlhf ppo` with SIGKILL after a checkpoint; the resumed run's final policy is identical."""
