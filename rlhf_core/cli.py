@@ -4,6 +4,11 @@ Every sub-command takes ``--preset NAME`` (a file in ``configs/``; default ``cpu
 deployment's) and ``key=value`` overrides, e.g. ``rlhf data --preset smoke data.on_bad_row=skip --out runs/x/data``. These
 sub-commands write plain directories and need neither Prefect nor MLflow; the installed
 ``rlhf`` script (``flows/cli.py``) adds ``rlhf run``, the orchestrated, tracked pipeline.
+``rlhf verify DIR`` reads every file of finished stage outputs or stored artifacts and
+reports each one that differs from its manifest.
+
+Importing this module loads neither torch, transformers nor datasets: a command imports
+what it runs, so that ``rlhf --help``, ``rlhf config`` and ``rlhf verify`` start at once.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -42,8 +48,10 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     version: :func:`rlhf_core.pipeline.stage_key`) is reused; one interrupted with the same
     key resumes from its checkpoints; one made with another key, or whose files no longer match
     the sizes and SHA-256 its ``stage.json`` recorded when it finished (a warning names the
-    file), is removed and run again. With
-    ``RLHF_NPROC_PER_NODE`` above 1, SFT, the reward model and PPO run as a ``torchrun`` job of
+    file), is removed and run again. Only files whose size or modification time differ from
+    the record are read (:func:`rlhf_core.io.check_manifest`; ``rlhf verify`` reads them all);
+    the times of those found unchanged are recorded, so a copied run directory is read once.
+    With ``RLHF_NPROC_PER_NODE`` above 1, SFT, the reward model and PPO run as a ``torchrun`` job of
     that many processes (:func:`rlhf_core.launch.launch_torchrun`). A second ``rlhf stages`` on
     the same directory waits for the first (a lock naming the holder), then reuses its stages.
 
@@ -64,7 +72,7 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
 def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: bool, nproc: int) -> dict:
     import shutil
 
-    from .io import manifest_mismatch, tree_manifest, write_json_atomic
+    from .io import check_manifest, tree_manifest, write_json_atomic
     from .launch import DATA_PARALLEL, launch_torchrun
     from .tracking import JsonlTracker, NullTracker
 
@@ -75,10 +83,11 @@ def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: b
         out = root / name
         marker = _stage_marker(out)
         if marker.get("key") == key and marker.get("status") == "done" and not overwrite:
-            damage = (
-                manifest_mismatch(out, marker["manifest"]) if "manifest" in marker else "stage.json has no manifest"
-            )
+            check = check_manifest(out, marker["manifest"], first=True) if "manifest" in marker else None
+            damage = "stage.json has no manifest" if check is None else next(iter(check.problems), None)
             if damage is None:
+                if check.restamped:  # unchanged files with new times (a copy): not read next time
+                    write_json_atomic(out / "stage.json", {**marker, "manifest": check.restamp(marker["manifest"])})
                 log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
                 summary[name] = {"reused": True}
                 continue
@@ -98,11 +107,12 @@ def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: b
         else:
             result = stage.run(cfg, inputs, out, JsonlTracker(out / "metrics.jsonl"))
         seconds = time.perf_counter() - start
-        # what a later run checks before reusing the output: every file's size and SHA-256
+        # what a later run checks before reusing the output: every file's size, time and SHA-256
         manifest = tree_manifest(out, exclude=("checkpoints", "stage.json"))
         write_json_atomic(
             out / "stage.json", {"key": key, "status": "done", "seconds": round(seconds, 3), "manifest": manifest}
         )
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # finished: nothing to resume from
         summary[name] = {"reused": False, "seconds": round(seconds, 1)}
         if isinstance(result, dict) and name not in ("data", "base_model"):
             summary[name]["metrics"] = {k: v for k, v in result.items() if isinstance(v, (int, float))}
@@ -142,6 +152,76 @@ def cmd_model(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+#: The manifest of a stored artifact (``tasks.storage.MANIFEST``), checked by ``rlhf verify``
+#: as a finished stage's ``stage.json``.
+ARTIFACT_MANIFEST = "MANIFEST.json"
+
+
+def verify_targets(path: Path) -> dict[Path, dict | str]:
+    """What ``rlhf verify`` checks: ``{directory: its manifest, or why it has none to check}``
+    for ``path`` when it holds a ``stage.json`` (a stage output) or a ``MANIFEST.json`` (a
+    stored artifact), else for every such directory below it (a run directory, an artifact
+    store), not looking below those nor into hidden directories.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory, or holds no manifest.
+    """
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory")
+    found: dict[Path, dict | str] = {}
+
+    def visit(directory: Path) -> None:
+        for name in ("stage.json", ARTIFACT_MANIFEST):
+            if (directory / name).is_file():
+                try:
+                    record = json.loads((directory / name).read_text())
+                except (OSError, ValueError) as exc:
+                    found[directory] = f"{name}: unreadable ({exc})"
+                    return
+                if name == ARTIFACT_MANIFEST:
+                    found[directory] = record
+                elif record.get("status") == "done" and "manifest" in record:
+                    found[directory] = record["manifest"]
+                else:
+                    found[directory] = f"{name}: no manifest (status {record.get('status')}: not finished)"
+                return
+        for sub in sorted(directory.iterdir()):
+            if sub.is_dir() and not sub.is_symlink() and not sub.name.startswith("."):
+                visit(sub)
+
+    visit(path)
+    if not found:
+        raise FileNotFoundError(f"{path}: no stage.json or {ARTIFACT_MANIFEST} in it or below it")
+    return found
+
+
+def cmd_verify(cfg: PipelineConfig | None, args: argparse.Namespace) -> int:
+    """Read every file of each output under ``args.dir`` (:func:`verify_targets`) and print
+    each difference from its manifest: exit code 0 when all match, 1 when any differs, 2 when
+    there is nothing to check."""
+    from .io import verify_manifest
+
+    try:
+        targets = verify_targets(args.dir)
+    except FileNotFoundError as exc:
+        print(f"rlhf verify: error: {exc}", file=sys.stderr)
+        return 2
+    differing, files = 0, 0
+    for directory, manifest in targets.items():
+        problems = [manifest] if isinstance(manifest, str) else verify_manifest(directory, manifest)
+        differing += bool(problems)
+        files += 0 if isinstance(manifest, str) else len(manifest["files"])
+        for problem in problems:
+            print(f"{directory}: {problem}")
+        if not problems:
+            print(f"{directory}: {len(manifest['files'])} files match")  # type: ignore[index]
+    if differing:
+        print(f"rlhf verify: {differing} of {len(targets)} outputs differ from their manifests", file=sys.stderr)
+        return 1
+    print(f"rlhf verify: all {len(targets)} outputs match their manifests ({files} files read)")
+    return 0
+
+
 def _until(stage: str):
     def cmd(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         summary = run_stages(cfg, Path(args.out), getattr(args, "until", None) or stage, overwrite=args.overwrite)
@@ -154,15 +234,19 @@ def _until(stage: str):
 @dataclass(frozen=True)
 class Command:
     """A sub-command: its function, help line, whether it takes ``--out`` and ``--until``, other
-    names it answers to (older names kept working), and on/off options of its own
-    (``(flag, help)`` pairs)."""
+    names it answers to (older names kept working), on/off options of its own (``(flag,
+    help)`` pairs), whether it takes ``--preset`` and ``key=value`` overrides (``config``;
+    without, ``run`` gets ``None`` for the config) and directory arguments of its own
+    (``(name, help)`` pairs, given to ``run`` as :class:`~pathlib.Path`)."""
 
-    run: Callable[[PipelineConfig, argparse.Namespace], int]
+    run: Callable[[PipelineConfig | None, argparse.Namespace], int]
     help: str
     out: str = "required"  # "required", "optional" or "none"
     until: bool = False
     aliases: tuple[str, ...] = ()
     flags: tuple[tuple[str, str], ...] = ()
+    config: bool = True
+    paths: tuple[tuple[str, str], ...] = ()
 
 
 COMMANDS: dict[str, Command] = {
@@ -189,6 +273,14 @@ COMMANDS: dict[str, Command] = {
         "without Prefect or MLflow (stage.json marks finished stages)",
         until=True,
     ),
+    "verify": Command(
+        cmd_verify,
+        "read every file of the finished stages (stage.json) or stored artifacts (MANIFEST.json) "
+        "in or below DIR and report each that differs from its manifest (exit code 1)",
+        out="none",
+        config=False,
+        paths=(("dir", "a stage output, a run directory or an artifact store"),),
+    ),
 }
 
 
@@ -200,13 +292,16 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in (commands or COMMANDS).items():
         p = sub.add_parser(name, help=command.help, description=command.help, aliases=list(command.aliases))
-        p.add_argument(
-            "--preset",
-            default=DEFAULT_PRESET,
-            help=f"preset name ({', '.join(available_presets())}) or YAML path; "
-            f"default {DEFAULT_PRESET}, as the deployment rlhf/full-pipeline",
-        )
-        p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
+        for path, text in command.paths:
+            p.add_argument(path, type=Path, help=text)
+        if command.config:
+            p.add_argument(
+                "--preset",
+                default=DEFAULT_PRESET,
+                help=f"preset name ({', '.join(available_presets())}) or YAML path; "
+                f"default {DEFAULT_PRESET}, as the deployment rlhf/full-pipeline",
+            )
+            p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. ppo.kl_coef=0.1")
         if command.out != "none":
             p.add_argument(
                 "--out",
@@ -234,6 +329,28 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+#: Set, unless set already, before a command imports anything: ``datasets`` looks for
+#: TensorFlow and JAX when it is imported (an installed JAX costs seconds); the project runs
+#: on PyTorch alone.
+FRAMEWORK_ENV = {"USE_TF": "0", "USE_JAX": "0"}
+#: Set likewise when stderr is not a terminal: plain log lines, no progress bars, without
+#: importing ``datasets`` or ``transformers`` to say so (they read these when imported).
+NO_PROGRESS_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def _library_settings() -> None:
+    for key, value in FRAMEWORK_ENV.items():
+        os.environ.setdefault(key, value)
+    if sys.stderr.isatty():  # progress bars in a terminal, plain log lines otherwise
+        return
+    for key, value in NO_PROGRESS_ENV.items():
+        os.environ.setdefault(key, value)
+    if "datasets" in sys.modules:  # imported before this (a test, ``rlhf run``): told directly
+        sys.modules["datasets"].disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+
+
 def main(
     argv: list[str] | None = None,
     commands: dict[str, Command] | None = None,
@@ -243,16 +360,12 @@ def main(
     commands = commands or COMMANDS
     args = build_parser(commands).parse_args(argv)
     args.command = next((name for name, c in commands.items() if args.command in c.aliases), args.command)
+    command = commands[args.command]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not sys.stderr.isatty():  # progress bars in a terminal, plain log lines otherwise
-        import datasets
-        import transformers
-
-        datasets.disable_progress_bars()
-        transformers.utils.logging.disable_progress_bar()
+    _library_settings()
     try:
-        cfg = load_config(args.preset, args.overrides)
-        return commands[args.command].run(cfg, args)
+        cfg = load_config(args.preset, args.overrides) if command.config else None
+        return command.run(cfg, args)
     except USER_ERRORS + user_errors as exc:
         print(f"rlhf {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -11,9 +11,11 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,38 +81,140 @@ def content_digest(paths: Iterable[str | os.PathLike], root: str | os.PathLike |
 #: names the product alone, so that identical work gives an identical digest.
 RECORD_FILES = ("metrics.json", "metrics.jsonl")
 
+#: How old (ns) a file must be, once read, for a manifest to record its modification time: a
+#: rewrite soon after, within the file system's timestamp granularity, could keep the same
+#: time, so a file younger than this is read at every check until one finds it older and
+#: records its time (:attr:`ManifestCheck.restamped`).
+RECENT_NS = 1_000_000_000
+
+
+def manifest_digest(files: dict[str, dict[str, Any]]) -> str:
+    """SHA-256 (64 hex) of a manifest's entries: each file's relative path, size and SHA-256,
+    :data:`RECORD_FILES` and any other key of an entry (``mtime_ns``: bookkeeping, not content)
+    left out. Equal for equal contents wherever and whenever the files were written: a copied
+    or restored tree has the digest of its original, the one digest that names an artifact
+    (``tasks.stages``' cache keys are built on it)."""
+    product = {
+        rel: {"sha256": meta["sha256"], "size": meta["size"]} for rel, meta in files.items() if rel not in RECORD_FILES
+    }
+    return hashlib.sha256(json.dumps(product, sort_keys=True).encode()).hexdigest()
+
+
+def _read_steady(path: Path) -> tuple[os.stat_result, str, int | None]:
+    """``(stat before reading, SHA-256, modification time to record or None)``: the time is
+    recorded only when size and time did not change while the file was read and it is older
+    than :data:`RECENT_NS`."""
+    before = path.stat()
+    sha256 = file_sha256(path)
+    after = path.stat()
+    steady = (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    settled = steady and before.st_mtime_ns < time.time_ns() - RECENT_NS
+    return before, sha256, before.st_mtime_ns if settled else None
+
 
 def tree_manifest(root: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``{"files": {relpath: {"size", "sha256"}}, "digest": SHA-256 of the sorted entries}`` for
-    every file under ``root``, top-level entries named in ``exclude`` left out: what a stage's
-    output is checked against before it is reused (:func:`manifest_mismatch`). The digest
-    leaves out :data:`RECORD_FILES`."""
+    """``{"files": {relpath: {"size", "sha256", "mtime_ns"}}, "digest": manifest_digest(files)}``
+    for every file under ``root``, top-level entries named in ``exclude`` left out: what a
+    stage's output is checked against before it is reused (:func:`check_manifest`). Sizes in
+    bytes; ``mtime_ns`` is the file's ``st_mtime_ns``, left out for a file modified within
+    :data:`RECENT_NS` of being read or while it was read. The digest
+    (:func:`manifest_digest`) covers paths, sizes and SHA-256 only, not times."""
     base = Path(root)
     files = {}
     for path in sorted(p for p in base.rglob("*") if p.is_file()):
         rel = path.relative_to(base).as_posix()
         if rel.split("/", 1)[0] in exclude:
             continue
-        files[rel] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
-    product = {rel: meta for rel, meta in files.items() if rel not in RECORD_FILES}
-    digest = hashlib.sha256(json.dumps(product, sort_keys=True).encode()).hexdigest()
-    return {"files": files, "digest": digest}
+        st, sha256, mtime_ns = _read_steady(path)
+        files[rel] = {"size": st.st_size, "sha256": sha256}
+        if mtime_ns is not None:
+            files[rel]["mtime_ns"] = mtime_ns
+    return {"files": files, "digest": manifest_digest(files)}
 
 
-def manifest_mismatch(root: str | os.PathLike, manifest: dict[str, Any]) -> str | None:
-    """``None`` when every file ``manifest`` lists (:func:`tree_manifest`) is under ``root`` with
-    its size and SHA-256; else the first difference, naming the file (``"model/model.safetensors:
-    SHA-256 differs from the manifest"``). Every file is read: a same-size change is found."""
+@dataclass
+class ManifestCheck:
+    """What :func:`check_manifest` found: ``problems`` (one line per difference, naming the
+    file), ``read`` (the files it hashed) and ``restamped`` (``{relpath: st_mtime_ns}`` for
+    files it hashed and found unchanged whose time the manifest lacks or records otherwise,
+    e.g. after a copy: :meth:`restamp` gives the manifest with those times, so that the next
+    check need not read them)."""
+
+    problems: list[str] = field(default_factory=list)
+    read: list[str] = field(default_factory=list)
+    restamped: dict[str, int] = field(default_factory=dict)
+
+    def restamp(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """``manifest`` with the times of :attr:`restamped` recorded (its digest unchanged)."""
+        files = {
+            rel: {**meta, "mtime_ns": self.restamped[rel]} if rel in self.restamped else meta
+            for rel, meta in manifest["files"].items()
+        }
+        return {**manifest, "files": files}
+
+
+def check_manifest(
+    root: str | os.PathLike, manifest: dict[str, Any], rehash: bool = False, first: bool = False
+) -> ManifestCheck:
+    """Compare the files under ``root`` with ``manifest`` (:func:`tree_manifest`).
+
+    A missing file or one of another size is a problem without being read. A file whose size
+    and ``st_mtime_ns`` equal the manifest's is taken as unchanged without being read; any
+    other (one rewritten in place, even at the same size, has a new time; every file of a
+    manifest without times; every file when ``rehash``) is hashed, and a SHA-256 other than
+    the manifest's is a problem. ``first`` stops at the first problem.
+
+    The trade-off: a same-size change whose modification time is then set back to the
+    recorded one (``os.utime``, ``touch -d``) is not seen without ``rehash`` (``rlhf
+    verify``). Reading every file of a 1B stage costs seconds; checking its sizes and times,
+    milliseconds.
+
+    Raises:
+        KeyError: ``manifest`` has no ``files``.
+    """
     base = Path(root)
+    check = ManifestCheck()
     for rel, meta in manifest["files"].items():
         path = base / rel
-        if not path.is_file():
-            return f"{rel}: missing"
-        if path.stat().st_size != meta["size"]:
-            return f"{rel}: {path.stat().st_size} bytes, the manifest says {meta['size']}"
-        if file_sha256(path) != meta["sha256"]:
-            return f"{rel}: SHA-256 differs from the manifest (same size: changed in place)"
-    return None
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is None or not stat.S_ISREG(st.st_mode):
+            check.problems.append(f"{rel}: missing")
+        elif st.st_size != meta["size"]:
+            check.problems.append(f"{rel}: {st.st_size} bytes, its manifest says {meta['size']}")
+        elif rehash or st.st_mtime_ns != meta.get("mtime_ns"):
+            check.read.append(rel)
+            _, sha256, mtime_ns = _read_steady(path)
+            if sha256 != meta["sha256"]:
+                check.problems.append(f"{rel}: SHA-256 differs from its manifest (changed in place)")
+            elif mtime_ns is not None and mtime_ns != meta.get("mtime_ns"):
+                check.restamped[rel] = mtime_ns
+        if first and check.problems:
+            break
+    return check
+
+
+def manifest_mismatch(root: str | os.PathLike, manifest: dict[str, Any], rehash: bool = False) -> str | None:
+    """``None`` when every file ``manifest`` lists (:func:`tree_manifest`) is under ``root`` with
+    its size and SHA-256; else the first difference, naming the file
+    (``"model/model.safetensors: SHA-256 differs from its manifest (changed in place)"``). Only
+    files whose size or time differ from the manifest's are read, unless ``rehash``
+    (:func:`check_manifest`, its trade-off included)."""
+    problems = check_manifest(root, manifest, rehash=rehash, first=True).problems
+    return problems[0] if problems else None
+
+
+def verify_manifest(root: str | os.PathLike, manifest: dict[str, Any]) -> list[str]:
+    """Every difference between the files under ``root`` and ``manifest``, every file read
+    (:func:`check_manifest` with ``rehash``), and whether the manifest's digest is that of its
+    entries (an edited manifest); ``[]`` when all match. Files the manifest does not list are
+    not checked."""
+    problems = check_manifest(root, manifest, rehash=True).problems
+    if "digest" in manifest and manifest_digest(manifest["files"]) != manifest["digest"]:
+        problems.append("the manifest's digest is not that of its entries (the manifest was edited)")
+    return problems
 
 
 @contextlib.contextmanager

@@ -27,7 +27,6 @@ from collections import deque
 from pathlib import Path
 
 from .config import PipelineConfig, load_config
-from .distributed import init_from_env
 from .io import write_json_atomic
 from .pipeline import STAGES
 from .tracking import JsonlTracker, NullTracker, Tracker, replay
@@ -135,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .distributed import init_from_env  # torch: on the ranks, not in the process that launches them
+
     w = init_from_env()
     stage = STAGES[args.stage]
     if w.size > 1 and args.stage not in DATA_PARALLEL:

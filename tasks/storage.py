@@ -23,7 +23,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.io import file_sha256, tree_manifest
+from rlhf_core.io import check_manifest, file_sha256, tree_manifest
 
 MANIFEST = "MANIFEST.json"
 
@@ -74,14 +74,19 @@ class ArtifactStore:
 
     def damage(self, key: str, digest: str) -> str | None:
         """``None`` when artifact ``key`` is complete, has manifest digest ``digest`` and every
-        file its manifest lists has the listed size and SHA-256 (each file is read: on S3,
-        streamed); else what is wrong, naming the file.
+        file its manifest lists has the listed size and SHA-256; else what is wrong, naming the
+        file. On S3 each file is read (streamed); in a local store only the files whose size or
+        modification time differ from the manifest's (:func:`rlhf_core.io.check_manifest`, whose
+        trade-off holds here: ``rlhf verify`` reads them all).
         """
         manifest = self.manifest(key)
         if manifest is None:
             return f"{self.uri(key)} is missing or incomplete (no {MANIFEST})"
         if manifest["digest"] != digest:
             return f"{self.uri(key)} holds another artifact (manifest digest {manifest['digest'][:12]})"
+        if self.is_local:
+            problems = check_manifest(self._path(key), manifest, first=True).problems
+            return f"{self.uri(key)}/{problems[0]}" if problems else None
         prefix = self._path(key).rstrip("/") + "/"
         sizes = {
             path.split(prefix, 1)[-1]: info.get("size")

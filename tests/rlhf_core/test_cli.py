@@ -3,6 +3,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -214,9 +215,12 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
         "evaluation/summaries.jsonl",
     ):
         assert (out / rel).is_file(), rel
-    assert main(["stages", "--preset", "smoke", *SHORT, "ppo.kl_coef=0.1", "--out", str(out)]) == 0
+    # with a checkpoint after its first update, which goes once the stage is done
+    argv = ["stages", "--preset", "smoke", *SHORT, "ppo.kl_coef=0.1", "ppo.checkpoint_every=1", "--out", str(out)]
+    assert main(argv) == 0
     again = json.loads(capsys.readouterr().out)
     assert [s for s, v in again.items() if not v["reused"]] == ["ppo", "evaluation"]
+    assert not (out / "ppo" / "checkpoints").exists()
     # the judge is not asked again about what it has already judged: base and SFT summaries are the same
     rejudged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
     assert all(j["cached"] and j["attempts"] == 0 for j in rejudged if j["policy"] in ("base", "sft", "dpo"))
@@ -324,7 +328,7 @@ def test_a_finished_stage_changed_in_place_runs_again(tmp_path, capsys, caplog):
         assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
     assert {stage: v["reused"] for stage, v in summary.items()} == {"data": True, "base_model": False}
-    assert "model.safetensors: SHA-256 differs from the manifest" in caplog.text
+    assert "model.safetensors: SHA-256 differs from its manifest (changed in place)" in caplog.text
     assert weights.read_bytes() == original  # rebuilt: the random init is seeded
 
 
@@ -379,3 +383,158 @@ def test_help_loads_no_framework_and_no_preset_means_the_deployments():
     exe = Path(sys.executable).with_name("rlhf")
     shown = subprocess.run([str(exe), "config"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and yaml.safe_load(shown.stdout)["name"] == load_config(preset).name == preset
+
+
+def _backdate(root: Path, age_ns: int = 3600 * 10**9) -> None:
+    then = time.time_ns() - age_ns
+    for path in root.rglob("*"):
+        if path.is_file() and path.name != "stage.json":
+            os.utime(path, ns=(then, then))
+
+
+def test_a_copied_stage_is_read_once_then_reused_without_reading(tmp_path, capsys, monkeypatch):
+    """A reused stage's files are read only when their size or time differs from its
+    ``stage.json`` (here: every time changed, as by a copy); found unchanged, their times are
+    recorded, and the next run reads no file. A same-size change whose time is set back is
+    missed by that check and found by ``rlhf verify``, which reads every file."""
+    from rlhf_core import io
+
+    out = tmp_path / "run"
+    argv = ["stages", "--preset", "smoke", "--until", "data", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    listed = json.loads((out / "data" / "stage.json").read_text())["manifest"]["files"]
+    _backdate(out / "data")
+    read, real = [], io.file_sha256
+    monkeypatch.setattr(io, "file_sha256", lambda path: read.append(path) or real(path))
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == {"data": {"reused": True}}
+    assert len(read) == len(listed)
+    marker = json.loads((out / "data" / "stage.json").read_text())
+    assert all(
+        meta["mtime_ns"] == (out / "data" / rel).stat().st_mtime_ns for rel, meta in marker["manifest"]["files"].items()
+    )
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(io, "file_sha256", no_reading)
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == {"data": {"reused": True}}
+
+    stats = out / "data" / "stats.json"
+    before = stats.stat()
+    stats.write_text(stats.read_text().replace('"rows"', '"ROWS"'))
+    os.utime(stats, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert main(argv) == 0  # the trade-off: size and time unchanged, the file is not read
+    assert json.loads(capsys.readouterr().out) == {"data": {"reused": True}}
+    monkeypatch.setattr(io, "file_sha256", real)
+    assert main(["verify", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert f"{out / 'data'}: stats.json: SHA-256 differs from its manifest (changed in place)" in captured.out
+    assert "rlhf verify: 1 of 1 outputs differ from their manifests" in captured.err
+
+
+def test_verify_exit_codes_through_the_console_script(tmp_path):
+    """``rlhf verify DIR``: 0 when every file of every finished stage below DIR matches its
+    manifest, 1 naming each file that does not, 2 when there is nothing to check."""
+    from rlhf_core.io import tree_manifest, write_json_atomic
+
+    run = tmp_path / "run"
+    for stage in ("sft", "ppo"):
+        (run / stage / "model").mkdir(parents=True)
+        (run / stage / "model" / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+        (run / stage / "metrics.jsonl").write_text("{}\n")
+        manifest = tree_manifest(run / stage, exclude=("checkpoints", "stage.json"))
+        write_json_atomic(run / stage / "stage.json", {"key": "k", "status": "done", "manifest": manifest})
+    (run / "dpo").mkdir()
+    exe = Path(sys.executable).with_name("rlhf")
+
+    def verify(path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([str(exe), "verify", str(path)], capture_output=True, text=True, timeout=120)
+
+    ok = verify(run)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines() == [
+        f"{run / 'ppo'}: 2 files match",
+        f"{run / 'sft'}: 2 files match",
+        "rlhf verify: all 2 outputs match their manifests (4 files read)",
+    ]
+    weights = run / "ppo" / "model" / "model.safetensors"
+    weights.write_bytes(bytes(256) + weights.read_bytes()[256:])
+    (run / "sft" / "metrics.jsonl").unlink()
+    write_json_atomic(run / "dpo" / "stage.json", {"key": "k", "status": "running"})
+    bad = verify(run)
+    assert bad.returncode == 1
+    assert bad.stdout.splitlines() == [
+        f"{run / 'dpo'}: stage.json: no manifest (status running: not finished)",
+        f"{run / 'ppo'}: model/model.safetensors: SHA-256 differs from its manifest (changed in place)",
+        f"{run / 'sft'}: metrics.jsonl: missing",
+    ]
+    assert "rlhf verify: 3 of 3 outputs differ from their manifests" in bad.stderr
+    assert verify(run / "ppo").returncode == 1 and verify(run / "sft" / "model").returncode == 2
+    nothing = verify(tmp_path / "nowhere")
+    assert (
+        nothing.returncode == 2 and f"rlhf verify: error: {tmp_path / 'nowhere'}: no such directory" in nothing.stderr
+    )
+
+
+def test_config_and_verify_import_no_framework(tmp_path):
+    """``import rlhf_core.cli``, ``rlhf config`` and ``rlhf verify`` (output to a pipe, no
+    terminal) load neither torch, transformers, datasets, matplotlib, Prefect nor MLflow; the
+    command tells ``datasets`` not to look for TensorFlow or JAX."""
+    code = (
+        "import sys, os, contextlib, io\n"
+        "import rlhf_core.cli\n"
+        "print(sorted({'torch', 'transformers', 'datasets', 'matplotlib', 'prefect', 'mlflow'} & set(sys.modules)))\n"
+        "from rlhf_core.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['config', '--preset', 'smoke']) == 0\n"
+        f"    assert main(['verify', {str(tmp_path)!r}]) == 2\n"
+        "print(sorted({'torch', 'transformers', 'datasets', 'matplotlib', 'prefect', 'mlflow'} & set(sys.modules)))\n"
+        "print(os.environ['USE_JAX'], os.environ['USE_TF'], os.environ['HF_DATASETS_DISABLE_PROGRESS_BARS'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("USE_JAX", "USE_TF", "HF_DATASETS_DISABLE_PROGRESS_BARS")}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["[]", "[]", "0 0 1"]
+
+
+#: The smoke preset's data cut to a few rows: a run directory whose stages finish quickly.
+FEW_ROWS = [
+    "data.sft_splits.train.max_rows=8",
+    "data.sft_splits.validation.max_rows=4",
+    "data.sft_splits.test.max_rows=4",
+    "data.preference_splits.train.max_rows=8",
+    "data.preference_splits.validation.max_rows=8",
+    "data.preference_splits.validation_cnndm.max_rows=4",
+]
+
+
+def test_a_stage_command_that_only_reuses_its_stages_loads_no_framework(tmp_path, capsys):
+    """A stage command run again on its finished run directory reuses every stage, deciding so
+    from the stage keys alone (the data files' and the model source's fingerprints,
+    :mod:`rlhf_core.sources`): it loads neither torch, transformers nor datasets, which took
+    seconds to load before any stage was looked at. (The keys of ``sft``, ``reward`` and ``dpo``
+    read nothing beyond those of ``data`` and ``base_model``.)"""
+    argv = ["stages", "--preset", "smoke", *FEW_ROWS, "--until", "base_model", "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert {stage: v["reused"] for stage, v in first.items()} == {"data": False, "base_model": False}
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from rlhf_core.cli import main\n"
+        "printed = io.StringIO()\n"
+        "with contextlib.redirect_stdout(printed):\n"
+        f"    code = main({argv!r})\n"
+        "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'datasets'})\n"
+        "print(json.dumps({'code': code, 'summary': json.loads(printed.getvalue()), 'loaded': loaded}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    again = json.loads(result.stdout)
+    assert again["code"] == 0
+    assert again["summary"] == {"data": {"reused": True}, "base_model": {"reused": True}}
+    assert again["loaded"] == []

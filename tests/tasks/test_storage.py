@@ -144,3 +144,42 @@ def test_a_stage_needing_more_space_than_is_free_fails_before_running(tmp_path, 
         check_free_space("sft", [src], [tmp_path / "work"])
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(1 << 40, 0, 1 << 30))
     check_free_space("sft", [src], [tmp_path / "work"])
+
+
+def test_a_local_store_reads_only_changed_files_and_rlhf_verify_reads_all(tmp_path, monkeypatch, capsys):
+    """In a local store an artifact whose files keep the size and time its manifest records
+    is intact without a file being read; a same-size change with its time set back is the
+    quick check's blind spot, which ``rlhf verify`` (every file read) covers."""
+    import os
+    import time
+
+    from rlhf_core import io
+    from rlhf_core.cli import main
+
+    src = make_tree(tmp_path / "src")
+    then = time.time_ns() - 3600 * 10**9
+    for path in (src / "model.safetensors", src / "sub" / "stats.json"):
+        os.utime(path, ns=(then, then))
+    store = ArtifactStore(str(tmp_path / "store"))
+    record = store.put_dir(src, "ppo/k4")
+    assert all(meta["mtime_ns"] == then for meta in store.manifest("ppo/k4")["files"].values())
+    real = io.file_sha256
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read")
+
+    monkeypatch.setattr(io, "file_sha256", no_reading)
+    assert store.damage("ppo/k4", record["digest"]) is None
+    weights = tmp_path / "store" / "ppo" / "k4" / "model.safetensors"
+    weights.write_bytes(bytes(256) + weights.read_bytes()[256:])
+    monkeypatch.setattr(io, "file_sha256", real)
+    assert "model.safetensors: SHA-256 differs" in store.damage("ppo/k4", record["digest"])
+    os.utime(weights, ns=(then, then))
+    assert store.damage("ppo/k4", record["digest"]) is None
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "store")]) == 1
+    out = capsys.readouterr().out
+    assert f"{weights.parent}: model.safetensors: SHA-256 differs from its manifest (changed in place)" in out
+    weights.write_bytes((src / "model.safetensors").read_bytes())
+    assert main(["verify", str(tmp_path / "store")]) == 0
+    assert f"{weights.parent}: 2 files match" in capsys.readouterr().out
