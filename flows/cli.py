@@ -40,6 +40,9 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if args.out is not None or not os.environ.get("RLHF_WORK_DIR"):
         os.environ["RLHF_WORK_DIR"] = str(root / "work")
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    from tasks.stages import preflight
+
+    preflight(cfg)  # as the flow does first, but before its Prefect server starts: errors at once
     from flows.pipeline import rlhf
 
     result = rlhf(preset=args.preset, overrides=args.overrides, until=args.until)
@@ -116,8 +119,13 @@ def sweep_main(argv: list[str]) -> int:
             if args.out is not None or not os.environ.get(key):  # as `rlhf run`
                 os.environ[key] = str(path)
         os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-        from flows.sweep import SweepError, sweep
+        from flows.sweep import SweepError, check_pipeline_deployment, sweep
+        from tasks.stages import preflight
 
+        for cfg in configs.values():  # as the flow does first, but before a Prefect server starts
+            preflight(cfg)
+        if spec.max_concurrent > 1:
+            check_pipeline_deployment(spec)
         try:
             result = sweep(spec=args.spec, overrides=args.overrides, max_concurrent=args.max_concurrent)
         except SweepError as exc:

@@ -17,10 +17,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from rlhf_core.config import PipelineConfig, flatten, load_config
-from rlhf_core.evaluation import POLICIES, REPORT_FILES
 from rlhf_core.io import exclusive_lock, json_digest
-from rlhf_core.pipeline import STAGES, stages_until
-from rlhf_core.report import stamp_report
+from rlhf_core.pipeline import POLICIES, REPORT_FILES, STAGES, stages_until
 from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_models import MLFLOW_MODELS
 from tasks.mlflow_tracking import (
@@ -108,6 +106,8 @@ def _run_stages(
             client.log_inputs(parent_id, datasets=dataset_inputs(data_dir, cfg))
         report = None
         if "evaluation" in records:  # the run's report, naming the run, also in the parent run in the MLflow UI
+            from rlhf_core.report import stamp_report  # matplotlib: only where a report is stamped
+
             report_dir = store.local_path(records["evaluation"].key, work_root() / "downloads")
             report = stamp_report(
                 report_dir, work_root() / "reports" / parent_id, run_provenance(cfg, client, parent_id), REPORT_FILES

@@ -152,16 +152,22 @@ def check_pipeline_deployment(s: SweepSpec) -> None:
     which runs the cells of a sweep with ``max_concurrent`` above 1."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
 
+    def missing(server: str) -> ConfigError:
+        return ConfigError(
+            f"sweep {s.name}: max_concurrent={s.max_concurrent} runs each cell as a run of the deployment "
+            f"{PIPELINE_DEPLOYMENT}, which {server} does not have: deploy it and start workers "
+            "(`make stack-up`), or run the cells one at a time (max_concurrent 1)"
+        )
+
+    if not PREFECT_API_URL.value():  # no server is set: the temporary one started here has no workers
+        raise missing("Prefect's temporary server (PREFECT_API_URL is not set)")
     with get_client(sync_client=True) as client:
         try:
             client.read_deployment_by_name(PIPELINE_DEPLOYMENT)
         except ObjectNotFound:
-            raise ConfigError(
-                f"sweep {s.name}: max_concurrent={s.max_concurrent} runs each cell as a run of the deployment "
-                f"{PIPELINE_DEPLOYMENT}, which this Prefect server ({client.api_url}) does not have: deploy it and "
-                "start workers (`make stack-up`), or run the cells one at a time (max_concurrent 1)"
-            ) from None
+            raise missing(f"this Prefect server ({client.api_url})") from None
 
 
 def run_cell(s: SweepSpec, cell: Cell, parent_id: str, client: MlflowClient, logger: Any) -> CellResult:

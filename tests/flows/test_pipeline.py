@@ -122,9 +122,20 @@ def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:
     assert "PPO policy" in policy.metadata.metadata["source"] and "DPO policy" in dpo_policy.metadata.metadata["source"]
 
 
+@pytest.fixture(scope="session")
+def first_run(tmp_path_factory) -> tuple[Path, dict, str]:
+    """One ``rlhf run`` of every stage from nothing (``FAST``): its directory, JSON record and
+    output. Shared by the tests of the ``smoke-flow`` group (one test process runs them all):
+    the caching test goes on in its directory; the digest test compares a second run with it."""
+    root = tmp_path_factory.mktemp("first-run")
+    record, log = run_flow(root)
+    return root, record, log
+
+
 @pytest.mark.slow
-def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(tmp_path):
-    first, log = run_flow(tmp_path)
+@pytest.mark.xdist_group("smoke-flow")
+def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_run):
+    tmp_path, first, log = first_run
     assert states(log) == {s: "Completed" for s in first["stages"]}
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = client.get_run(first["mlflow_run_id"])
@@ -291,14 +302,13 @@ def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, 
 
 
 @pytest.mark.slow
-def test_identical_work_in_two_directories_gives_identical_digests(tmp_path):
+@pytest.mark.xdist_group("smoke-flow")
+def test_identical_work_in_two_directories_gives_identical_digests(first_run, tmp_path):
     """Timings, absolute paths and random dataset fingerprints stay out of a stage's digest:
     the same settings run twice from nothing, in two directories, give equal digests for every
     stage (the models are bitwise equal), so a re-run of identical work leaves downstream cached."""
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
-    first, _ = run_flow(tmp_path / "a")
-    second, _ = run_flow(tmp_path / "b")
+    _, first, _ = first_run  # its record, taken before any other test used its directory
+    second, _ = run_flow(tmp_path)
     assert list(first["stages"]) == list(STAGES)
     for stage in STAGES:
         assert first["stages"][stage]["digest"] == second["stages"][stage]["digest"], stage
@@ -416,6 +426,7 @@ def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
     assert [r["metrics"]["resume/from_step"] for r in records if "resume/from_step" in r.get("metrics", {})] == [1]
     updates = [r["step"] for r in records if "objective/scores" in r.get("metrics", {})]
     assert updates == [1, 2]  # the failed attempt never finished update 2
+    assert not list((tmp_path / "work" / "ppo").glob("*/checkpoints"))  # stored whole: none kept
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     ppo_runs = client.search_runs(
         [client.get_run(result["mlflow_run_id"]).info.experiment_id], filter_string="attributes.run_name = 'ppo'"
