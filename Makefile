@@ -30,7 +30,7 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install packages lock demo demo-local test test-fast lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl gpu-bundle
+.PHONY: install packages lock demo demo-local test test-fast test-min lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl gpu-bundle
 
 install: $(STAMP)
 
@@ -93,6 +93,25 @@ format: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m 'not slow' $(PYTEST_ARGS)
+
+# The oldest versions pyproject.toml allows, tested as scikit-learn's and pandas' minimum-dependency
+# jobs do: every requirement of `dependencies` and the dev extra pinned at its lower bound
+# (infra/lower_bounds.py reads them from pyproject.toml), the rest resolved by pip within those,
+# into $(MIN_VENV) by the same `packages` steps as $(VENV); then the fast tests.
+MIN_VENV ?= .venv-min
+# Not .installed: the sub-make below sets VENV, so there $(STAMP) names that file.
+MIN_STAMP := $(MIN_VENV)/.installed-min
+MIN_PINS := $(MIN_VENV)/lower-bounds.txt
+
+test-min: $(MIN_STAMP)
+	$(MIN_VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m 'not slow' $(PYTEST_ARGS)
+
+$(MIN_STAMP): pyproject.toml Makefile infra/lower_bounds.py
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python infra/lower_bounds.py > $(MIN_PINS)
+	$(MAKE) --no-print-directory VENV=$(MIN_VENV) CONSTRAINTS='-c $(MIN_PINS)' \
+		TORCH_VERSION=$$(sed -n 's/^torch==//p' $(MIN_PINS)) packages
+	touch $(MIN_STAMP)
 
 # Training speed against TRL (benchmarks/vs_trl.py): TRL lives in its own venv, never in $(VENV).
 # torch is pinned first so that pip takes the CPU wheel from local disk instead of CUDA wheels.
