@@ -287,7 +287,15 @@ def write_summary(spec: SweepSpec, results: list[CellResult], flags: dict, out: 
     returns the markdown file."""
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "cells.json", {"spec": spec.model_dump(mode="json"), "cells": summary_rows(results, flags)})
-    for column in ("PPO win rate", "DPO win rate", "RM accuracy", "PPO KL", "PPO response length"):
+    for column in (
+        "PPO win rate",
+        "DPO win rate",
+        "RM accuracy",
+        "RM in-distribution accuracy",
+        "PPO score gain vs SFT",
+        "PPO KL",
+        "PPO response length",
+    ):
         if any(r.error is None and not math.isnan(r.value(column)[0]) for r in results):
             plot_sweep(results, column, out / (re.sub(r"[^a-z0-9]+", "_", column.lower()) + ".png"))
     path = out / "summary.md"

@@ -17,13 +17,27 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
 CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
+#: The preference split of comparisons held out of ``train`` (``SplitSpec.holdout``): the reward
+#: model's (and DPO's) in-distribution accuracy. Reports name it in distribution, and ``validation``
+#: out of distribution (its policies differ from train's: Huang et al. 2024, Detail 6).
+IN_DISTRIBUTION_SPLIT = "validation_in_dist"
 #: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
 REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
 
@@ -63,13 +77,34 @@ class QueryFormat(_Strict):
     max_query_length: int = Field(512, gt=0)
 
 
+class HoldoutSpec(_Strict):
+    """Rows moved out of a split into a split of their own (:class:`SplitSpec` ``holdout``).
+
+    ``split`` names the new split; ``rows`` is its exact row count; ``seed`` draws them
+    (``datasets.Dataset.shuffle``). Rows are held out by query: every row of a drawn query
+    (one post compared several times, or one pair labelled by several workers) goes to the
+    new split, so that no query of it is in the split it came from
+    (:func:`rlhf_core.data.apply_holdouts`).
+    """
+
+    split: str = Field(min_length=1)
+    rows: int = Field(gt=0)
+    seed: int = 0
+
+
 class SplitSpec(_Strict):
     """One output split, taken from one source split.
 
     ``source`` names the hub split (or the local ``{set}_{source}.jsonl`` file);
     ``batches`` keeps only those comparison batches, ``exclude_batches`` drops them;
     ``max_rows`` keeps the first N valid rows; ``task`` picks the query format
-    (``tldr`` or ``cnndm``).
+    (``tldr`` or ``cnndm``). ``holdout`` (:class:`HoldoutSpec`) moves ``holdout.rows`` of
+    this split's rows (after the filters above, validation and the response caps) into the
+    split ``holdout.split``, and this split keeps the rest, in their order: for example
+    ``train: {source: validation, batches: [batch13], holdout: {split: validation_in_dist,
+    rows: 200, seed: 1}}``. Unset, it is left out of the dumped settings, so that the settings,
+    and the data stage's key, of a split without one are what they were before the field
+    existed.
     """
 
     source: str
@@ -77,6 +112,14 @@ class SplitSpec(_Strict):
     exclude_batches: list[str] = Field(default_factory=list)
     max_rows: int | None = Field(None, gt=0)
     task: Literal["tldr", "cnndm"] = "tldr"
+    holdout: HoldoutSpec | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_unset_holdout(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        if self.holdout is None:
+            dumped.pop("holdout", None)
+        return dumped
 
 
 def _default_sft_splits() -> dict[str, SplitSpec]:
@@ -119,6 +162,36 @@ class DataConfig(_Strict):
     max_sft_response_length: int | None = Field(None, gt=0)
     max_rm_response_length: int | None = Field(None, gt=0)
     on_bad_row: Literal["error", "skip"] = "error"
+
+    @model_validator(mode="after")
+    def _check_holdouts(self) -> DataConfig:
+        for kind in ("sft", "preference"):
+            splits: dict[str, SplitSpec] = getattr(self, f"{kind}_splits")
+            taken: dict[str, str] = {}  # held-out split -> the split it is held out of
+            for name, spec in splits.items():
+                if spec.holdout is None:
+                    continue
+                key, new = f"data.{kind}_splits.{name}.holdout.split", spec.holdout.split
+                if new in splits:
+                    raise ValueError(f"{key}: {new!r} is already a split of data.{kind}_splits; name a new split")
+                if new in taken:
+                    raise ValueError(f"{key}: {new!r} is also held out of {taken[new]!r}; name another split")
+                taken[new] = name
+            if kind != "preference":
+                continue
+            if IN_DISTRIBUTION_SPLIT in splits:
+                raise ValueError(
+                    f"data.preference_splits.{IN_DISTRIBUTION_SPLIT}: the in-distribution split is held out of "
+                    f"train, not read from a source: set data.preference_splits.train.holdout: "
+                    f"{{split: {IN_DISTRIBUTION_SPLIT}, rows: N, seed: S}}"
+                )
+            if taken.get(IN_DISTRIBUTION_SPLIT, "train") != "train":
+                raise ValueError(
+                    f"data.preference_splits.{taken[IN_DISTRIBUTION_SPLIT]}.holdout.split: "
+                    f"{IN_DISTRIBUTION_SPLIT!r} names the comparisons held out of train (the reward model's "
+                    "in-distribution accuracy); hold it out of train or name the split otherwise"
+                )
+        return self
 
     def resolved_source(self) -> Literal["hub", "local"]:
         """``hub`` or ``local``, resolving ``auto`` from ``local_dir``/``RLHF_TLDR_DIR``."""
@@ -340,10 +413,22 @@ class EvalConfig(_Strict):
     pipeline's own base model); ``judge: anthropic`` the Anthropic Messages API
     (``judge_model``: a model id, required; key from ``ANTHROPIC_API_KEY`` or the Prefect
     Secret block ``api_key_secret``).
+
+    ``judge_orders``: ``both`` judges every comparison with the two summaries in each order
+    (a split verdict is a tie, or for the offline judge the two letter margins are summed, so a
+    preference for one position cancels out: Zheng et al. 2023, arXiv 2306.05685); ``one``
+    judges the seeded order only, as the paper does; unset (the default), ``both`` for the
+    offline judge and ``one`` for the API judge, whose cost it would double.
+    ``judge_human_comparisons``: how many human-labelled comparisons of the preference split
+    ``judge_human_split`` the judge also decides (chosen against rejected), so that the report
+    states the judge's agreement with human labels beside its win rates; 0 skips it.
     """
 
     judge: Literal["offline", "anthropic"] = "offline"
     judge_model: str | None = None
+    judge_orders: Literal["one", "both"] | None = None
+    judge_human_comparisons: int = Field(64, ge=0)
+    judge_human_split: str = "validation"
     api_key_secret: str = "anthropic-api-key"
     split: str = "validation"
     max_samples: int | None = Field(None, gt=0)
@@ -367,6 +452,11 @@ class EvalConfig(_Strict):
         if self.judge == "anthropic" and not self.judge_model:
             raise ValueError("eval.judge_model must name a model when eval.judge is anthropic")
         return self
+
+    @property
+    def orders(self) -> Literal["one", "both"]:
+        """``judge_orders``, or the judge's default when unset: ``both`` offline, ``one`` by API."""
+        return self.judge_orders or ("both" if self.judge == "offline" else "one")
 
 
 class TrackingConfig(_Strict):
@@ -644,6 +734,8 @@ def _format_validation_error(exc: ValidationError, origin: str) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             lines.append(f"  {key}: unknown key")
+        elif err["type"] == "missing":  # its input is the mapping that lacks the key
+            lines.append(f"  {key}: required")
         elif not err["loc"] or isinstance(err.get("input"), dict):  # a rule across keys: it names them
             lines.append(f"  {msg}")
         elif _holds_credential(err.get("input"), name) or _credential_name(name):

@@ -521,6 +521,72 @@ def apply_response_caps(splits: TokenizedSplits, data_cfg: DataConfig) -> None:
                 raise DataError(f"{kind}/{name}: every row is longer than the response cap {cap}")
 
 
+def holdout_rows(ds: datasets.Dataset, rows: int, seed: int, key: str = "holdout") -> tuple[list[int], list[int]]:
+    """Which rows of ``ds`` a holdout of ``rows`` rows drawn with ``seed`` takes, by query.
+
+    The distinct queries (the ``query`` column: one post compared several times, or one pair
+    labelled by several workers, is one query) are shuffled with ``seed``
+    (``datasets.Dataset.shuffle``); each query's rows are taken in that order while they fit in
+    ``rows``, a query whose rows would overshoot being passed over, until exactly ``rows`` are
+    taken. So no query is on both sides, and the same seed takes the same rows.
+
+    Returns:
+        ``(held_out, kept)``: row indices of ``ds``, each ascending; together every row once.
+
+    Raises:
+        DataError: ``rows`` is not less than the rows of ``ds``, or no set of whole queries
+            makes exactly ``rows`` rows; naming ``key``.
+    """
+    if rows >= len(ds):
+        raise DataError(f"{key}: {rows} rows held out of {len(ds)}; at least one must stay")
+    by_query: dict[str, list[int]] = {}
+    for i, query in enumerate(ds["query"]):
+        by_query.setdefault(query, []).append(i)
+    order = datasets.Dataset.from_dict({"query": list(by_query)}).shuffle(seed=seed)["query"]
+    held: list[int] = []
+    for query in order:
+        if len(held) + len(by_query[query]) <= rows:
+            held += by_query[query]
+            if len(held) == rows:
+                break
+    if len(held) != rows:
+        raise DataError(
+            f"{key}: {rows} rows cannot be held out by whole queries ({len(held)} reached; "
+            f"{len(ds)} rows, {len(by_query)} queries); choose another number of rows or seed"
+        )
+    taken = set(held)
+    return sorted(held), [i for i in range(len(ds)) if i not in taken]
+
+
+def apply_holdouts(splits: TokenizedSplits, data_cfg: DataConfig) -> None:
+    """Move, in place, each split's ``holdout`` rows (:class:`rlhf_core.config.HoldoutSpec`) into a
+    split of their own, after the filters, validation and response caps, so its row count is
+    exact (:func:`holdout_rows`: by query, seeded). The split keeps the other rows in their order;
+    the new split has its task, follows it in the split order, and its rows keep theirs.
+
+    Raises:
+        DataError: a holdout takes every row of its split, or cannot take exactly its rows by
+            whole queries; naming the ``holdout.rows`` key.
+    """
+    for kind, specs in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits)):
+        named = splits.datasets[kind]
+        ordered: dict[str, datasets.Dataset] = {}
+        for name, ds in named.items():
+            spec = specs.get(name)
+            if spec is None or spec.holdout is None:
+                ordered[name] = ds
+                continue
+            new = spec.holdout.split
+            key = f"data.{kind}_splits.{name}.holdout.rows"
+            held, kept = holdout_rows(ds, spec.holdout.rows, spec.holdout.seed, key)
+            ordered[name], ordered[new] = ds.select(kept), ds.select(held)
+            splits.tasks[f"{kind}/{new}"] = spec.task
+            splits.dropped[f"{kind}/{new}"] = Counter()
+            splits.repaired[f"{kind}/{new}"] = Counter()
+            log.info("%s/%s: %d of %d rows held out into %s/%s", kind, name, len(held), len(ds), kind, new)
+        splits.datasets[kind] = ordered
+
+
 def padded_lengths(splits: TokenizedSplits, data_cfg: DataConfig) -> dict[str, Any]:
     """The padded lengths of Detail 4: the configured query lengths, and for responses and
     query+response sequences the maxima over all splits of a set and task (a configured response
@@ -669,7 +735,9 @@ def prepare_data(
 
     Padded lengths (Detail 4) are the maxima seen in the data unless
     ``cfg.data.max_sft_response_length`` / ``max_rm_response_length`` cap them; rows
-    over a cap are dropped and counted.
+    over a cap are dropped and counted. A split's ``holdout`` then moves its rows into a split
+    of their own (:func:`apply_holdouts`), whose ``stats.json`` entry names the split it was
+    held out of (``held_out_of``) and the seed (``holdout_seed``).
 
     Returns:
         The ``stats.json`` content.
@@ -690,14 +758,24 @@ def prepare_data(
 
     splits = tokenize_splits(data_cfg, tokenizer)  # Details 1-2: validate, format, truncate, tokenise
     apply_response_caps(splits, data_cfg)  # Detail 4: rows over a response cap are dropped
+    apply_holdouts(splits, data_cfg)  # held-out rows leave their split: the same rows, so the same lengths
     padded = padded_lengths(splits, data_cfg)  # Detail 4: padded lengths derived from the data
     final: dict[str, datasets.DatasetDict] = {}
     split_stats: dict[str, dict] = {}
+    holdouts = {
+        f"{kind}/{spec.holdout.split}": (name, spec.holdout)
+        for kind in ("sft", "preference")
+        for name, spec in getattr(data_cfg, f"{kind}_splits").items()
+        if spec.holdout is not None
+    }
     for kind, named in splits.datasets.items():
         out = {}
         for name, ds in named.items():
             key = f"{kind}/{name}"
             split_stats[key] = split_statistics(ds, kind, splits.tasks[key])
+            if key in holdouts:
+                parent, spec = holdouts[key]
+                split_stats[key] |= {"held_out_of": parent, "holdout_seed": spec.seed}
             out[name] = pad_split(ds, kind, splits.tasks[key], padded, pad_id, f"padding {key}")  # Details 3-4
         final[kind] = datasets.DatasetDict(out)
 

@@ -53,13 +53,14 @@ def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
     return [scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references)]
 
 
-def win_rate(wins: Sequence[bool | None], confidence: float = 0.95) -> dict[str, float | int]:
+def win_rate(wins: Sequence[bool | float | None], confidence: float = 0.95) -> dict[str, float | int]:
     """Share of wins with a Wilson score interval (Huang et al. 2024, Figure 1).
 
     Args:
-        wins: one judgement per comparison: true when the policy's summary won, false when
-            it lost, ``None`` when the judgement is missing or could not be parsed. Other
-            entries are read with ``bool()``.
+        wins: one judgement per comparison: true (1.0) when the policy's summary won, false
+            (0.0) when it lost, 0.5 for a tie (both orders judged and split:
+            :attr:`rlhf_core.judging.Judgement.outcome`), ``None`` when the judgement is
+            missing or could not be parsed. A tie counts as half a win, also in the interval.
         confidence: two-sided coverage of the interval, in (0, 1).
 
     Returns:
@@ -73,7 +74,7 @@ def win_rate(wins: Sequence[bool | None], confidence: float = 0.95) -> dict[str,
     """
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
-    valid = [bool(w) for w in wins if w is not None]
+    valid = [_outcome(w) for w in wins if w is not None]
     n = len(valid)
     low, high = wilson_interval(sum(valid), n, confidence)
     return {
@@ -85,11 +86,24 @@ def win_rate(wins: Sequence[bool | None], confidence: float = 0.95) -> dict[str,
     }
 
 
-def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+def _outcome(value: bool | float) -> float:
+    """A judgement as a number: 1.0 a win, 0.0 a loss, 0.5 a tie.
+
+    Raises:
+        ValueError: not one of those.
+    """
+    number = float(value)
+    if number not in (0.0, 0.5, 1.0):
+        raise ValueError(f"a judgement is a win (1), a loss (0) or a tie (0.5), got {value!r}")
+    return number
+
+
+def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
     """The Wilson score interval of a binomial proportion ``successes / n``.
 
     ``(p + z²/2n ± z·sqrt(p(1-p)/n + z²/4n²)) / (1 + z²/n)`` with ``z`` the standard normal
     quantile at ``(1 + confidence) / 2`` (1.96 for 95%). E.g. 8 of 10 gives (0.490, 0.943).
+    ``successes`` may be fractional (a tie counted as half a win) and is read as ``p = successes / n``.
 
     Returns:
         ``(low, high)`` in [0, 1] (``low`` is exactly 0 at 0 successes, ``high`` exactly 1 at
@@ -333,6 +347,46 @@ def words(text: str) -> list[str]:
     return _rouge_tokenize.tokenize(text, None)
 
 
+def repetition_loop(text: str, min_span: int = 6) -> tuple[str, ...] | None:
+    """The first block of words that the text repeats back to back over at least ``min_span`` words, or ``None``.
+
+    A degenerate policy loops ("I'm not sure if I should eat it. I'm not sure if I should eat
+    it. ...") until the token limit cuts it; a loop is a run of words (:func:`words`, so
+    punctuation and case are ignored) immediately followed by itself at least once, the
+    repeats together covering ``min_span`` words or more. With the default of 6, "I love you, I
+    love you" and "we met, we met, we met" are loops; "very very good" and "the the the" are not.
+
+    Returns:
+        The repeated block, or ``None`` when the text has no such loop.
+
+    Raises:
+        ValueError: ``min_span`` < 2.
+    """
+    if min_span < 2:
+        raise ValueError(f"min_span must be >= 2, got {min_span}")
+    w = words(text)
+    for start in range(len(w)):
+        for length in range(1, (len(w) - start) // 2 + 1):
+            block = w[start : start + length]
+            repeats = 1
+            while w[start + repeats * length : start + (repeats + 1) * length] == block:
+                repeats += 1
+            if repeats >= 2 and repeats * length >= min_span:
+                return tuple(block)
+    return None
+
+
+def repetition_rate(texts: Sequence[str], min_span: int = 6, confidence: float = 0.95) -> dict[str, float | int]:
+    """Share of texts with a :func:`repetition_loop`, with its Wilson interval.
+
+    Returns:
+        ``rate``, ``ci_low``, ``ci_high`` (``nan`` for no texts) and ``n``.
+    """
+    hits = sum(repetition_loop(t, min_span) is not None for t in texts)
+    low, high = wilson_interval(hits, len(texts), confidence)
+    return {"rate": hits / len(texts) if texts else NAN, "ci_low": low, "ci_high": high, "n": len(texts)}
+
+
 def _lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
     if len(a) < len(b):
         a, b = b, a
@@ -447,14 +501,15 @@ def diversity(samples_per_prompt: Sequence[Sequence[str]]) -> dict[str, float | 
 
 
 def agreement(
-    reward_prefers_response: Sequence[bool], judge_prefers_response: Sequence[bool | None]
+    reward_prefers_response: Sequence[bool], judge_prefers_response: Sequence[bool | float | None]
 ) -> dict[str, float | int]:
     """Preference consistency between the reward model and a judge (Huang et al. 2024, Detail 17).
 
     Args:
         reward_prefers_response: per pair, whether the reward model scores the response
             above the other one (e.g. the policy's summary above the reference).
-        judge_prefers_response: the judge's verdict on the same pairs; ``None`` when missing.
+        judge_prefers_response: the judge's verdict on the same pairs (1.0/true the response,
+            0.0/false the other, 0.5 a tie, which agrees by half); ``None`` when missing.
 
     Returns:
         ``agreement`` (share of pairs with a verdict where both prefer the same side;
@@ -467,9 +522,61 @@ def agreement(
         raise ValueError(
             f"{len(reward_prefers_response)} reward preferences but {len(judge_prefers_response)} judgements"
         )
-    same = [bool(r) == bool(j) for r, j in zip(reward_prefers_response, judge_prefers_response) if j is not None]
+    same = [
+        _outcome(j) if r else 1.0 - _outcome(j)
+        for r, j in zip(reward_prefers_response, judge_prefers_response)
+        if j is not None
+    ]
     n = len(same)
     return {"agreement": sum(same) / n if n else NAN, "n": n, "n_invalid": len(judge_prefers_response) - n}
+
+
+def judge_label_agreement(judgements: Sequence[Any], orders: str, confidence: float = 0.95) -> dict[str, Any]:
+    """How a judge decides human-labelled comparisons: agreement with the label, position bias and
+    order consistency (Zheng et al. 2023, arXiv 2306.05685, Section 3.3).
+
+    Args:
+        judgements: :class:`rlhf_core.judging.Judgement` records of comparisons whose
+            response is the human's chosen summary and whose reference the rejected one.
+        orders: ``"one"``: the verdict of the seeded order alone (its ``response_wins``);
+            ``"both"``: :attr:`~rlhf_core.judging.Judgement.outcome` of the two orders (needs
+            ``swapped`` judgements).
+        confidence: coverage of the Wilson interval.
+
+    Returns:
+        ``n`` (comparisons with a valid verdict), ``agreement`` (share agreeing with the human
+        label, a tie counting half) with ``agreement_ci`` ``[low, high]``, ``a_share`` (share
+        of verdicts for the summary shown as "A" in the seeded order, a tie counting half:
+        0.5 for a judge without position bias), ``order_consistency`` (share of comparisons
+        judged validly in both orders whose two verdicts pick the same summary; ``None``
+        when no comparison was judged in both orders), ``n_invalid``.
+
+    Raises:
+        ValueError: ``orders`` is neither ``"one"`` nor ``"both"``, or ``"both"`` without
+            swapped judgements.
+    """
+    if orders not in ("one", "both"):
+        raise ValueError(f"orders must be 'one' or 'both', got {orders!r}")
+    verdicts: list[tuple[float, bool]] = []  # (agreement with the label, the chosen summary shown as A)
+    for j in judgements:
+        if orders == "both" and j.swapped is None:
+            raise ValueError(f"comparison {j.id}: orders='both' needs the swapped judgement")
+        outcome = j.outcome if orders == "both" else (None if j.response_wins is None else float(j.response_wins))
+        if outcome is not None:
+            verdicts.append((outcome, j.response_is_a))
+    n = len(verdicts)
+    agree = sum(o for o, _ in verdicts)
+    low, high = wilson_interval(agree, n, confidence)
+    a_share = sum(o if chosen_is_a else 1.0 - o for o, chosen_is_a in verdicts)
+    consistent = [j.orders_agree for j in judgements if j.orders_agree is not None]
+    return {
+        "n": n,
+        "agreement": agree / n if n else NAN,
+        "agreement_ci": [low, high],
+        "a_share": a_share / n if n else NAN,
+        "order_consistency": sum(consistent) / len(consistent) if consistent else None,
+        "n_invalid": len(judgements) - n,
+    }
 
 
 # --------------------------------------------------------------------------- token shift

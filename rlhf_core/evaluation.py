@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from . import diagnostics as diag
-from .config import EvalConfig, PipelineConfig
+from .config import IN_DISTRIBUTION_SPLIT, EvalConfig, PipelineConfig
 from .data import load_data_tokenizer, load_prepared
 from .generation import Summaries, summarize, trim_left_padding
 from .io import atomic_file, write_json_atomic, write_jsonl_atomic
@@ -69,9 +69,10 @@ def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, 
     return ranks
 
 
-def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str) -> Judge:
+def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: torch.device | None = None) -> Judge:
     """The configured judge: :class:`AnthropicJudge`, or :class:`OfflineJudge` on ``cfg.judge_model``
-    (a model source) or, by default, on the pipeline's base model.
+    (a model source) or, by default, on the pipeline's base model, on ``device`` (default the CPU)
+    with ``cfg.bf16``'s precision.
 
     Raises:
         JudgeConfigError: the API judge has no key; ModelSourceError: ``judge_model`` is not
@@ -82,14 +83,18 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str) -> Judge:
 
         return AnthropicJudge(cfg.judge_model)
     if cfg.judge_model is None:
-        return OfflineJudge.from_pretrained(base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size)
+        return OfflineJudge.from_pretrained(
+            base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size, bf16=cfg.bf16, device=device
+        )
     source = resolve_source(cfg.judge_model)
     if source.kind != "local":
         raise ModelSourceError(
             f"eval.judge_model {cfg.judge_model!r}: an offline judge is a local model directory "
             "(save_pretrained layout); import other sources with `rlhf model` first"
         )
-    return OfflineJudge.from_pretrained(source.location, name=f"offline:{cfg.judge_model}", batch_size=cfg.batch_size)
+    return OfflineJudge.from_pretrained(
+        source.location, name=f"offline:{cfg.judge_model}", batch_size=cfg.batch_size, bf16=cfg.bf16, device=device
+    )
 
 
 def _mean(values) -> float:
@@ -112,6 +117,17 @@ def _interval(low: float, high: float, percent: bool = False) -> str:
     return f"[{low:.1%}, {high:.1%}]" if percent else f"[{low:+.3f}, {high:+.3f}]"
 
 
+#: The reward model's evaluation splits in the report, by metric prefix (``reward_eval`` and
+#: ``dpo_eval`` metrics): ``(name, distribution)``, the distribution being how the split stands to
+#: the reward model's training pairs: held out of them (in distribution), other policies (out of
+#: distribution, Detail 6), or another task.
+RM_SPLITS = {
+    f"eval/{IN_DISTRIBUTION_SPLIT}": ("TL;DR comparisons held out of train", "in distribution"),
+    "eval": ("TL;DR validation comparisons", "out of distribution (other policies, Detail 6)"),
+    "eval/validation_cnndm": ("CNN/DM comparisons", "another task (news articles)"),
+}
+
+
 def learning_checks(
     sft_metrics: dict[str, float],
     sft_samples: list[dict],
@@ -119,24 +135,31 @@ def learning_checks(
     ppo_last: dict[str, float],
     ppo: ResponseScores,
     sft: ResponseScores,
+    texts: dict[str, list[str]] | None = None,
 ) -> tuple[list[dict], dict[str, float]]:
     """Whether each stage learned, measured on rows its training never saw: the report's first table.
 
     - SFT (its stage's evaluation prompts): share of greedy summaries that end with EOS within
       the response length, with a 95% Wilson interval (target at least 95%), and the ROUGE-L
       gain over the base model on the same prompts, with a 95% paired interval (target +0.05).
-    - Reward model: accuracy on the validation comparisons with a 95% Wilson interval (target:
-      the interval lies above 0.5, chance), and on the CNN/DM comparisons (reported).
+    - Reward model: accuracy with a 95% Wilson interval on the comparisons held out of its
+      training split (``eval/validation_in_dist/...``: in distribution; target: the interval lies
+      above 0.5, chance), on the TL;DR validation comparisons (``eval/...``: out of distribution,
+      other policies, Detail 6; reported, or the target when no comparisons were held out), and
+      on the CNN/DM comparisons (reported).
     - PPO (the evaluation prompts): the mean difference between PPO's and SFT's normalised
       reward-model scores (with the EOS trick, Detail 23) on the same prompts, with a 95% paired
       interval (target: above 0); PPO's EOS rate (target at least 90%); KL to the SFT policy per
-      summary and per token, from the last PPO update's samples (reported).
+      summary and per token, from the last PPO update's samples (reported); the share of PPO's
+      greedy summaries caught in a repetition loop (:func:`rlhf_core.diagnostics.repetition_loop`;
+      target: no higher than SFT's on the same prompts).
 
     Args:
         sft_metrics: the SFT stage's ``metrics.json``; sft_samples: its ``samples.jsonl`` rows
             (``rougeL_sft``, ``rougeL_base``); rm_metrics: the reward-model evaluation's
             ``metrics.json``; ppo_last: the last PPO update's metrics (``objective/kl``,
-            ``objective/kl_per_token``); ppo, sft: both policies' scores on the same prompts.
+            ``objective/kl_per_token``); ppo, sft: both policies' scores on the same prompts;
+            texts: their summaries (``{"ppo": [...], "sft": [...]}``), for the repetition check.
 
     Returns:
         ``(rows, metrics)``: table rows (stage, check, result, 95% interval, n, target, met)
@@ -198,10 +221,11 @@ def learning_checks(
                 "eval/checks/sft_rougeL_gain_ci_high": gain["ci_high"],
             }
         )
-    for prefix, name, target in (
-        ("eval", "TL;DR validation comparisons", "interval above 50%"),
-        ("eval/validation_cnndm", "CNN/DM comparisons", "reported"),
-    ):
+    # the target is the in-distribution accuracy; without held-out comparisons, the validation one
+    in_dist = f"eval/{IN_DISTRIBUTION_SPLIT}"
+    targeted = in_dist if f"{in_dist}/accuracy" in rm_metrics else "eval"
+    for prefix, (split_name, distribution) in RM_SPLITS.items():
+        name, target = f"{split_name}, {distribution}", "interval above 50%" if prefix == targeted else "reported"
         if f"{prefix}/accuracy" in rm_metrics:
             acc, n = rm_metrics[f"{prefix}/accuracy"], int(rm_metrics.get(f"{prefix}/count", 0))
             low = rm_metrics.get(f"{prefix}/accuracy_ci_low", float("nan"))
@@ -244,6 +268,23 @@ def learning_checks(
                 "eval/checks/ppo_minus_sft_score_ci_high": diff["ci_high"],
                 "eval/checks/ppo_eos_rate_ci_low": low,
                 "eval/checks/ppo_eos_rate_ci_high": high,
+            }
+        )
+    if texts and texts.get("ppo") and texts.get("sft"):
+        loops = {key: diag.repetition_rate(texts[key]) for key in ("ppo", "sft")}
+        add(
+            "PPO",
+            "greedy summaries caught in a repetition loop",
+            f"{loops['ppo']['rate']:.1%} (SFT {loops['sft']['rate']:.1%})",
+            _interval(loops["ppo"]["ci_low"], loops["ppo"]["ci_high"], True),
+            loops["ppo"]["n"],
+            "≤ SFT's",
+            loops["ppo"]["rate"] <= loops["sft"]["rate"],
+        )
+        metrics.update(
+            {
+                "eval/checks/ppo_repetition_rate": loops["ppo"]["rate"],
+                "eval/checks/sft_repetition_rate": loops["sft"]["rate"],
             }
         )
     if "objective/kl" in ppo_last:
@@ -417,8 +458,9 @@ def token_shift_blocks(
 
 @dataclass
 class JudgedPolicies:
-    """The judge's verdicts: ``wins[policy][i]`` is True/False (``None``: unreadable or not
-    judged), ``judged[policy][i]`` whether prompt ``i`` was judged at all."""
+    """The judge's verdicts: ``wins[policy][i]`` is 1.0 (a win), 0.0 (a loss) or 0.5 (a tie of
+    the two orders) (``None``: unreadable or not judged), ``judged[policy][i]`` whether prompt
+    ``i`` was judged at all."""
 
     judgements: list
     comparisons: int
@@ -452,14 +494,118 @@ def judge_policies(
         max_comparisons=ecfg.max_comparisons,
         concurrency=ecfg.concurrency,
         progress=True,
+        orders=ecfg.orders,
     )
     by_id = {j.id: j for j in judgements}
     wins = {
-        key: [by_id[f"{key}/{ids[i]}"].response_wins if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
+        key: [by_id[f"{key}/{ids[i]}"].outcome if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
         for key, _ in POLICIES
     }
     judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
     return JudgedPolicies(judgements, len(comparisons), wins, judged, by_id)
+
+
+def judge_human_labels(
+    judge: Judge, data_dir: str | os.PathLike, ecfg: EvalConfig, cache: JudgementCache
+) -> tuple[dict[str, Any], list]:
+    """The judge on human-labelled comparisons: the first ``eval.judge_human_comparisons`` rows of
+    the preference split ``eval.judge_human_split``, the human's chosen summary as the response
+    and the rejected one as the reference, judged as the policies are (the post without its
+    title, the same prompt, orders, cache and seed). A judge whose agreement interval includes 0.5 cannot tell the policies'
+    summaries apart either.
+
+    Returns:
+        ``(figures, judgements)``: :func:`rlhf_core.diagnostics.judge_label_agreement` of the
+        configured orders plus ``split``, or ``({}, [])`` with ``judge_human_comparisons`` 0.
+
+    Raises:
+        KeyError: ``eval.judge_human_split`` is not a preference split.
+    """
+    if not ecfg.judge_human_comparisons:
+        return {}, []
+    _, pref, _ = load_prepared(data_dir)
+    if ecfg.judge_human_split not in pref:
+        raise KeyError(
+            f"eval.judge_human_split names {ecfg.judge_human_split!r}, not a preference split ({', '.join(pref)})"
+        )
+    ds = pref[ecfg.judge_human_split]
+    ds = ds.select(range(min(len(ds), ecfg.judge_human_comparisons)))
+    comparisons = [
+        Comparison(
+            id=f"human/{i}/{row['id']}",
+            post=row["post"],
+            response=row["chosen"],
+            reference=row["rejected"],
+            policy="human-chosen",
+        )
+        for i, row in enumerate(ds.select_columns(["id", "post", "chosen", "rejected"]))
+    ]
+    judgements = judge_comparisons(
+        judge, comparisons, cache=cache, seed=ecfg.seed, concurrency=ecfg.concurrency, progress=True, orders=ecfg.orders
+    )
+    return diag.judge_label_agreement(judgements, ecfg.orders) | {"split": ecfg.judge_human_split}, judgements
+
+
+def judge_human_metrics(figures: dict[str, Any]) -> dict[str, float]:
+    """``eval/judge/human_*`` metrics of :func:`judge_human_labels`' figures (empty when not measured)."""
+    if not figures:
+        return {}
+    metrics = {
+        "eval/judge/human_agreement": float(figures["agreement"]),
+        "eval/judge/human_agreement_ci_low": float(figures["agreement_ci"][0]),
+        "eval/judge/human_agreement_ci_high": float(figures["agreement_ci"][1]),
+        "eval/judge/human_n": float(figures["n"]),
+        "eval/judge/a_share": float(figures["a_share"]),
+    }
+    if figures["order_consistency"] is not None:
+        metrics["eval/judge/order_consistency"] = float(figures["order_consistency"])
+    return metrics
+
+
+def judge_note(judge_name: str, ecfg: EvalConfig, n: int, judge_human: dict[str, Any]) -> str:
+    """The report's sentence on how win rates were judged and how far the judge can be trusted:
+    its agreement with human labels in words ("at chance on human labels" when the interval
+    includes 0.5, "below chance" when it lies under it), its share of "A" verdicts and its order
+    consistency."""
+    orders = (
+        "each comparison judged in both A/B orders (a split verdict is a tie, or for an offline judge "
+        "the two orders' letter margins are summed)"
+        if ecfg.orders == "both"
+        else "A/B order randomised per comparison"
+    )
+    text = (
+        f"Win rates: share of valid judgements preferring the policy's summary to the human reference "
+        f"(a tie counts half), judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, "
+        f"{orders}; 95% Wilson intervals; {n} {ecfg.split} prompts."
+    )
+    if not judge_human:
+        return text + " The judge's agreement with human labels was not measured (eval.judge_human_comparisons: 0)."
+    low, high = judge_human["agreement_ci"]
+    measured = (
+        f"it agreed with the human label on {judge_human['agreement']:.1%} [{low:.1%}, {high:.1%}] of "
+        f"{judge_human['n']} human-labelled comparisons of the {judge_human['split']} preference split, "
+        f"chose the summary shown as A {judge_human['a_share']:.1%} of the time"
+    )
+    if judge_human["order_consistency"] is not None:
+        measured += f", and picked the same summary in both orders {judge_human['order_consistency']:.1%} of the time"
+    if judge_at_chance(judge_human):
+        return (
+            text + f" The judge is at chance on human labels: {measured}. Its win rates do not tell the policies' "
+            "summaries apart; read the reward-model scores and the learning checks instead."
+        )
+    if high < 0.5:
+        return (
+            text + f" The judge is below chance on human labels: {measured}; it prefers the summary the human "
+            "rejected more often than not, so its win rates do not measure quality; read the reward-model "
+            "scores and the learning checks instead."
+        )
+    return text + f" The judge is better than chance on human labels: {measured}."
+
+
+def judge_at_chance(figures: dict[str, Any]) -> bool:
+    """Whether the judge's agreement interval on human labels includes 0.5 (or nothing was measured)."""
+    low, high = figures.get("agreement_ci", [float("nan")] * 2)
+    return not (math.isfinite(low) and math.isfinite(high)) or low <= 0.5 <= high
 
 
 def policy_measurements(
@@ -489,6 +635,7 @@ def policy_measurements(
         counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
         rouge = diag.rouge_l(texts, references)
         title = diag.title_copy_rate(texts, titles, ecfg.title_copy_threshold)
+        repetition = diag.repetition_rate(texts)
         div = diag.diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
         rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
         agree = diag.agreement(rm_prefers, [wins[key][i] for i in sel])
@@ -511,6 +658,8 @@ def policy_measurements(
                 f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
                 f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
                 f"eval/{key}/title_copy_rate": float(title["rate"]),
+                f"eval/{key}/repetition_rate": float(repetition["rate"]),
+                f"eval/{key}/win_rate_ties": float(counts["ties"]),
                 f"eval/{key}/diversity": float(div["mean"]),
                 f"eval/{key}/agreement": float(agree["agreement"]),
                 f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
@@ -525,6 +674,7 @@ def policy_measurements(
                 "RM raw score": scored[key].raw_scores.mean().item(),
                 "EOS rate": scored[key].has_eos.double().mean().item(),
                 "title copy": float(title["rate"]),
+                "repetition loops": float(repetition["rate"]),
                 "diversity": float(div["mean"]),
                 "RM-judge agreement": float(agree["agreement"]),
                 "words": _mean([len(diag.words(t)) for t in texts]),
@@ -546,6 +696,7 @@ def policy_measurements(
             "RM raw score": scored["reference"].raw_scores.mean().item(),
             "EOS rate": scored["reference"].has_eos.double().mean().item(),
             "title copy": float(ref_title["rate"]),
+            "repetition loops": float(diag.repetition_rate(references)["rate"]),
             "words": _mean([len(diag.words(t)) for t in references]),
         }
     )
@@ -616,8 +767,13 @@ def run_evaluation(
         reward-model score with the EOS trick), ``eval/{policy}/raw_score`` (without it),
         ``eval/{policy}/eos_rate`` (share of summaries ending with EOS),
         ``eval/{policy}/title_copy_rate``, ``eval/{policy}/diversity``,
-        ``eval/{policy}/agreement`` for base, sft, ppo and dpo; ``eval/reference/score``,
-        ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``, ``eval/seconds``.
+        ``eval/{policy}/agreement``, ``eval/{policy}/repetition_rate`` (share of summaries with
+        a :func:`rlhf_core.diagnostics.repetition_loop`), ``eval/{policy}/win_rate_ties`` for
+        base, sft, ppo and dpo; ``eval/reference/score``, ``eval/reference/title_copy_rate``,
+        ``eval/agreement``, ``eval/samples``, ``eval/seconds``; with
+        ``eval.judge_human_comparisons`` > 0, the judge on human labels: ``eval/judge/human_agreement``
+        (``_ci_low``, ``_ci_high``), ``eval/judge/human_n``, ``eval/judge/a_share`` and, with both
+        orders judged, ``eval/judge/order_consistency``.
 
     Raises:
         KeyError: ``cfg.eval.split`` is not an SFT split; JudgeConfigError: no API key;
@@ -651,10 +807,11 @@ def run_evaluation(
     shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
     # 4. The judge: each policy's summary against the reference.
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
-    judge = make_judge(ecfg, model_dirs["base"], base_name)
-    verdicts = judge_policies(
-        judge, prompts, summaries, ecfg, JudgementCache(judgement_cache or out / "judge_cache.jsonl")
-    )
+    judge = make_judge(ecfg, model_dirs["base"], base_name, device)
+    cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
+    verdicts = judge_policies(judge, prompts, summaries, ecfg, cache)
+    # 4b. The same judge on human-labelled comparisons: is it better than chance at all?
+    judge_human, human_judgements = judge_human_labels(judge, data_dir, ecfg, cache)
     judge = None
     _free()
     # 5. Measurements per policy.
@@ -662,7 +819,8 @@ def run_evaluation(
     # 6. Files: summaries, judgements, plots, report.
     rows = summary_rows(prompts, summaries, scored, verdicts)
     write_jsonl_atomic(out / "summaries.jsonl", rows)
-    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements))
+    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements + human_judgements))
+    metrics |= judge_human_metrics(judge_human)
     metrics |= _write_report(
         cfg,
         out,
@@ -678,6 +836,7 @@ def run_evaluation(
         reward_dirs,
         Path(ppo_dir),
         {k: Path(v) for k, v in dpo_dirs.items()},
+        judge_human=judge_human,
     )
     metrics["eval/seconds"] = time.perf_counter() - t0
     write_json_atomic(out / "metrics.json", metrics)
@@ -705,9 +864,11 @@ def _write_report(
     reward_dirs: dict[str, str | os.PathLike],
     ppo_dir: Path,
     dpo_dirs: dict[str, Path],
+    *,
+    judge_human: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """Plots, token-shift page, learning checks and ``report.html``/``report.md``; returns the
-    learning checks' metrics."""
+    learning checks' metrics. ``judge_human``: :func:`judge_human_labels`' figures."""
     ecfg, n, max_new = cfg.eval, len(prompts), prompts.max_new
     plots = {
         "Win rate against summary length": diag.plot_length_control(
@@ -718,6 +879,8 @@ def _write_report(
     if (reward_eval / "calibration.png").is_file():
         shutil.copyfile(reward_eval / "calibration.png", out / "calibration.png")
         plots["Reward model calibration"] = out / "calibration.png"
+    token_plots, token_tables = per_token_sections(reward_eval, ppo_dir, out)
+    plots |= token_plots
     metric_files = {
         "SFT": sft_dir / "metrics.jsonl",
         "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
@@ -747,6 +910,7 @@ def _write_report(
         _last_record_with(metric_files["PPO"], "objective/kl"),
         scored["ppo"],
         scored["sft"],
+        texts={key: [r[key] for r in rows] for key in ("ppo", "sft")},
     )
     if metric_files["PPO"].is_file():
         try:
@@ -759,16 +923,11 @@ def _write_report(
             pass
     by_id = verdicts.by_id
     judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
-    notes = [
-        f"Win rates: share of valid judgements preferring the policy's summary to the human reference, "
-        f"judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, A/B order randomised; "
-        f"95% Wilson intervals; {n} {ecfg.split} prompts."
-    ]
+    notes = [judge_note(judge_name, ecfg, n, judge_human or {})]
     if ecfg.judge == "offline":
         notes.append(
             f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
-            "probabilities of those letters: its verdicts are close to chance and are not comparable "
-            "with GPT-3.5 or Claude win rates."
+            "probabilities of those letters: its win rates are not comparable with GPT-3.5 or Claude win rates."
         )
     total = win_counts(verdicts.judgements)
     if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
@@ -781,8 +940,9 @@ def _write_report(
         f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
         f"at least {ecfg.title_copy_threshold:.0%} of the title. Diversity: mean pairwise normalised edit "
         f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
-        f"({k} prompts). RM-judge agreement: share of judged pairs where the reward model and the judge "
-        "prefer the same summary (Detail 17)."
+        f"({k} prompts). Repetition loops: share of summaries in which a run of words is immediately "
+        "repeated over at least 6 words (a policy caught in a loop). RM-judge agreement: share of judged pairs where "
+        "the reward model and the judge prefer the same summary, a tie counting half (Detail 17)."
     )
     if cfg.ppo.non_eos_penalty is None:
         notes.append(
@@ -816,6 +976,7 @@ def _write_report(
         headline=headline,
         tables=tables,
         plots=plots,
+        figure_tables=token_tables,
         samples=samples,
         html_blocks={
             "Token shift (Table 8): SFT, PPO and DPO summaries coloured by rank under the base model": shift_html
@@ -828,10 +989,11 @@ def _write_report(
 
 
 def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float]) -> list[dict[str, str]]:
-    """The report's reward-model table (Detail 19, Figure 6): per validation split, the
-    accuracy of the reward model and of DPO's implicit reward model on the same pairs
-    (``reward_eval`` and ``dpo_eval`` metrics), with 95% Wilson intervals and the pair count;
-    "-" where a stage did not evaluate the split."""
+    """The report's reward-model table (Detail 19, Figure 6): per evaluation split of
+    :data:`RM_SPLITS` (held out of train, validation, CNN/DM), the accuracy of the reward model
+    and of DPO's implicit reward model on the same pairs (``reward_eval`` and ``dpo_eval``
+    metrics), with 95% Wilson intervals, the pair count, and the split's distribution (in or
+    out of distribution); "-" where a stage did not evaluate the split."""
 
     def cell(m: dict[str, float], prefix: str) -> str:
         if f"{prefix}/accuracy" not in m:
@@ -842,7 +1004,7 @@ def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float
         return text
 
     rows = []
-    for name, prefix in (("TL;DR validation comparisons", "eval"), ("CNN/DM comparisons", "eval/validation_cnndm")):
+    for prefix, (name, distribution) in RM_SPLITS.items():
         if f"{prefix}/accuracy" in rm_metrics or f"{prefix}/accuracy" in dpo_metrics:
             count = rm_metrics.get(f"{prefix}/count", dpo_metrics.get(f"{prefix}/count", float("nan")))
             rows.append(
@@ -851,6 +1013,7 @@ def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float
                     "pairs": f"{count:.0f}",
                     "RM": cell(rm_metrics, prefix),
                     "DPO": cell(dpo_metrics, prefix),
+                    "distribution": distribution,
                 }
             )
     return rows
@@ -858,3 +1021,81 @@ def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float
 
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
+
+
+#: Report headings of the per-token plots (Details 13 and 22).
+REWARD_LOGITS_HEADING = "Reward logits per token (Detail 13)"
+VALUE_VS_REWARD_HEADING = "Value model as a per-token reward model (Detail 22)"
+
+
+def _before_eos(row: dict[str, Any], key: str) -> list[float]:
+    return [v for t, v in enumerate(row[key]) if t != row["eos_index"]]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def reward_logit_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's table under the reward-logit plot (Detail 13), one row per response of
+    ``reward_logits.json`` (:func:`rlhf_core.reward_eval.write_reward_logits`): its token count,
+    the score (the logit at the EOS), the mean of the other logits and the share of them that
+    are negative."""
+    rows = []
+    for r in table.get("responses", []):
+        others = _before_eos(r, "reward_logits")
+        rows.append(
+            {
+                "response": f"pair {r['pair']}, {r['response']}",
+                "tokens": len(r["tokens"]),
+                "ends with EOS": r["ends_with_eos"],
+                "score (logit at EOS)": r["score"],
+                "mean of the other logits": _mean(others),
+                "other logits < 0": f"{sum(v < 0 for v in others)}/{len(others)}",
+            }
+        )
+    return rows
+
+
+def value_reward_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's table under the value-against-reward plot (Detail 22), one row per summary of
+    ``value_vs_reward.json`` (:meth:`rlhf_core.ppo_trainer.PPOTrainer.value_vs_reward`): the
+    score (the reward logit at the EOS), the value there, and the means of the values and of the
+    reward logits over the other tokens."""
+    return [
+        {
+            "evaluation prompt": r["row"],
+            "tokens": len(r["tokens"]),
+            "ends with EOS": r["ends_with_eos"],
+            "score (reward logit at EOS)": r["score"],
+            "value at EOS": r["value_at_eos"],
+            "mean value, other tokens": _mean(_before_eos(r, "values")),
+            "mean reward logit, other tokens": _mean(_before_eos(r, "reward_logits")),
+        }
+        for r in table.get("responses", [])
+    ]
+
+
+def per_token_sections(
+    reward_eval_dir: Path, ppo_dir: Path, out: Path
+) -> tuple[dict[str, Path], dict[str, list[dict[str, Any]]]]:
+    """The report's per-token plots, those the stages wrote: ``reward_logits.png`` of the
+    reward model's evaluation (Detail 13) and ``value_vs_reward.png`` of PPO (Detail 22), each
+    copied to ``out`` with its table (:func:`reward_logit_rows`, :func:`value_reward_rows`,
+    from the JSON beside it).
+
+    Returns:
+        ``({heading: plot in out}, {heading: table rows})`` for ``write_report``'s ``plots``
+        and ``figure_tables``.
+    """
+    plots: dict[str, Path] = {}
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for heading, src, name, rows in (
+        (REWARD_LOGITS_HEADING, Path(reward_eval_dir), "reward_logits", reward_logit_rows),
+        (VALUE_VS_REWARD_HEADING, Path(ppo_dir), "value_vs_reward", value_reward_rows),
+    ):
+        if (src / f"{name}.png").is_file():
+            shutil.copyfile(src / f"{name}.png", out / f"{name}.png")
+            plots[heading] = out / f"{name}.png"
+            tables[heading] = rows(_read_json(src / f"{name}.json"))
+    return plots, tables

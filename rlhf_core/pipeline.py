@@ -177,6 +177,8 @@ REPORT_FILES = (
     "training_curves.png",
     "ppo_curves.png",
     "calibration.png",
+    "reward_logits.png",
+    "value_vs_reward.png",
     "token_shift.html",
 )
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from .diagnostics import savefig_atomic  # noqa: E402
 
 
 def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.PathLike) -> Path:
@@ -81,3 +85,92 @@ def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.P
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _plot_per_token(
+    rows: Sequence[dict[str, Any]],
+    path: str | os.PathLike,
+    labels: Sequence[str],
+    lines: Sequence[tuple[str, str]],
+    title: str,
+) -> Path:
+    """One panel per response: bars of its ``reward_logits`` per token, the bar of the token the
+    score is read at (``eos_index``) in another colour and labelled with its value, and a line
+    for each ``(key, legend)`` of ``lines``; tokens on the x axis."""
+    longest = max([len(r["tokens"]) for r in rows] or [1])
+    fig, axes = plt.subplots(
+        max(1, len(rows)), 1, figsize=(min(18.0, 3.0 + 0.16 * longest), 2.5 * max(1, len(rows))), squeeze=False
+    )
+    for ax, row, label in zip(axes[:, 0], rows, labels):
+        xs = list(range(len(row["tokens"])))
+        eos = row["eos_index"]
+        colours = [
+            "#DD8452" if x == eos else ("#4C72B0" if v >= 0 else "#8C8C8C") for x, v in zip(xs, row["reward_logits"])
+        ]
+        ax.bar(xs, row["reward_logits"], color=colours, width=0.8, label="reward logit")
+        for key, legend in lines:
+            ax.plot(xs, row[key], "o-", color="#55A868", markersize=2.5, linewidth=1.2, label=legend)
+        ax.axhline(0, color="black", linewidth=0.6)
+        if 0 <= eos < len(xs):
+            end = "EOS" if row["ends_with_eos"] else "last token, no EOS"
+            ax.annotate(
+                f"{end}: {row['reward_logits'][eos]:.2f}",
+                (eos, row["reward_logits"][eos]),
+                textcoords="offset points",
+                xytext=(-4, 6),
+                ha="right",
+                fontsize=7,
+                color="#DD8452",
+                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+            )
+        ax.set_xticks(xs)
+        # escaped: newlines shown as \n, and "$" not read as mathtext
+        ax.set_xticklabels([repr(t)[1:-1].replace("$", r"\$") for t in row["tokens"]], rotation=90, fontsize=5.5)
+        ax.set_xlim(-0.7, max(len(xs), 1) - 0.3)
+        ax.set_title(f"{label} (score {row['score']:.3f})", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+        if lines:
+            ax.legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return savefig_atomic(fig, path)
+
+
+def plot_reward_logits(rows: Sequence[dict[str, Any]], path: str | os.PathLike, labels: Sequence[str]) -> Path:
+    """The reward model's output at every token of a few responses (Huang et al. 2024, Detail 13,
+    Figure 3), written atomically as a PNG.
+
+    Args:
+        rows: :func:`rlhf_core.reward_eval.token_table` rows with ``reward_logits``.
+        path: the PNG to write.
+        labels: one panel title per row.
+
+    Returns:
+        ``path``. The orange bar is the score (the logit at the EOS, Detail 12); grey bars are
+        negative logits, blue ones positive.
+    """
+    return _plot_per_token(
+        rows, path, labels, [], "Reward logits per token: only the one at the EOS (orange) is a reward"
+    )
+
+
+def plot_value_vs_reward(rows: Sequence[dict[str, Any]], path: str | os.PathLike, labels: Sequence[str]) -> Path:
+    """The trained value model read as a per-token reward model (Huang et al. 2024, Detail 22):
+    its value at every token of a few responses (line) over the reward model's logits (bars),
+    written atomically as a PNG.
+
+    Args:
+        rows: :func:`rlhf_core.reward_eval.token_table` rows with ``reward_logits`` and ``values``.
+        path: the PNG to write.
+        labels: one panel title per row.
+
+    Returns:
+        ``path``.
+    """
+    return _plot_per_token(
+        rows,
+        path,
+        labels,
+        [("values", "value")],
+        "Value model (line) against reward-model logits (bars) per token; orange: the score at the EOS",
+    )

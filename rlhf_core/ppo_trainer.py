@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, get_scheduler
 
+from . import diagnostics as diag
 from .config import PPOConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import (
@@ -67,6 +68,7 @@ from .distributed import (
 from .generation import generate, last_token_indices, summarize, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
+from .plots import plot_value_vs_reward
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,
@@ -84,10 +86,12 @@ from .ppo import (
 from .reward import (
     ResponseScores,
     ScalarModel,
+    response_reward_logits,
     response_scores,
     reward_model_from_causal_lm,
     score_responses,
 )
+from .reward_eval import TOKEN_TABLE_RESPONSES, token_table
 from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
 from .training import (
@@ -380,6 +384,8 @@ class PPOTrainer:
             )
         torch.manual_seed(cfg.seed)
         self.sft_model_dir, self.reward_model_dir = sft_model_dir, reward_model_dir
+        # this rank's queries and summaries of the last evaluate(), (n, query_length) and (n, R)
+        self.eval_responses: tuple[torch.Tensor, torch.Tensor] | None = None
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
         self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
         self.reward_model = (
@@ -621,7 +627,7 @@ class PPOTrainer:
     # --------------------------------------------------------------- evaluation
 
     @torch.no_grad()
-    def evaluate(self, split: str = "validation") -> tuple[dict[str, float], list[dict]]:
+    def evaluate(self, split: str = "validation", against_sft: bool = False) -> tuple[dict[str, float], list[dict]]:
         """Near-greedy policy summaries on held-out prompts, scored as in training (:meth:`score`:
         the reward model, or the rule reward of ``ppo.reward``) against the references.
 
@@ -630,6 +636,14 @@ class PPOTrainer:
         the mean score without the trick (the reward model's own output) and ``eval/eos_rate_policy`` the share of
         summaries that end with EOS. The references always end with EOS. The prompts are split
         over the ranks and the results gathered, in order, on every rank.
+
+        With ``against_sft`` (the last evaluation), the SFT policy (the frozen reference) also
+        summarises the same prompts with the same seeds, and the stage's learning check is
+        measured here, so that a run stopped after PPO has it: ``eval/score_gain_vs_sft`` (the
+        mean paired difference of the scores, with ``_ci_low``/``_ci_high``, a 95% normal
+        interval), ``eval/eos_rate_policy_ci_low``/``_ci_high`` (95% Wilson), ``eval/score_sft``,
+        ``eval/eos_rate_sft``, and ``eval/repetition_rate_policy``/``_sft`` (share of summaries
+        with a :func:`rlhf_core.diagnostics.repetition_loop`).
         """
         cfg = self.cfg
         ds = self.sft[split]
@@ -653,11 +667,27 @@ class PPOTrainer:
                     cfg.seed + self.world.rank,
                     cfg.bf16,
                 )
+        if against_sft:  # the SFT policy on the same prompts, with the same seeds
+            rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
+            with self.ref_parallel.gathered(), rng:
+                if len(mine):
+                    sft_summaries = self.ref_parallel.inference(
+                        summarize,
+                        self.tokenizer,
+                        queries,
+                        self.response_length,
+                        cfg.eval_temperature,
+                        cfg.micro_batch_size,
+                        cfg.seed + self.world.rank,
+                        cfg.bf16,
+                    )
         with self.reward_parallel.gathered() if self.reward_parallel is not None else nullcontext():
             if len(mine):
                 policy = self.score(queries, summaries.responses)
                 reference = self.score(queries, torch.tensor(mine["reference_response_token"]))
+                sft = self.score(queries, sft_summaries.responses) if against_sft else None
         if len(mine):
+            self.eval_responses = (queries, summaries.responses)  # for value_vs_reward (Detail 22)
             rows = list(
                 zip(
                     policy.scores.tolist(),
@@ -665,6 +695,9 @@ class PPOTrainer:
                     policy.has_eos.tolist(),
                     reference.scores.tolist(),
                     summaries.texts,
+                    sft.scores.tolist() if sft is not None else [math.nan] * len(mine),
+                    sft.has_eos.tolist() if sft is not None else [False] * len(mine),
+                    sft_summaries.texts if against_sft else [None] * len(mine),
                 )
             )
         rows = [row for rank_rows in all_gather_object(rows) for row in rank_rows]
@@ -676,6 +709,8 @@ class PPOTrainer:
             "eval/score_reference": sr.mean().item(),
             "eval/rm_win_rate_vs_reference": (sp > sr).double().mean().item(),
         }
+        if against_sft:
+            metrics |= learning_check_metrics(rows)
         samples = [
             {
                 "post": p,
@@ -684,14 +719,85 @@ class PPOTrainer:
                 "score_policy": row[0],
                 "raw_score_policy": row[1],
                 "score_reference": row[3],
+                **({"sft": row[7], "score_sft": row[5]} if against_sft else {}),
             }
             for p, r, row in zip(ds["post"], ds["reference_response"], rows)
         ]
         return metrics, samples
 
+    @torch.no_grad()
+    def value_vs_reward(self, n: int = TOKEN_TABLE_RESPONSES) -> list[dict] | None:
+        """The value model read as a per-token reward model (Huang et al. 2024, Detail 22): its
+        output at every token of this rank's first ``n`` summaries of the last :meth:`evaluate`,
+        beside the reward model's logits there (Detail 13), one forward pass of each
+        (:func:`rlhf_core.reward.response_reward_logits`). Collective: every rank calls it.
+
+        ``values`` are read at the same positions as ``reward_logits``, the state after each
+        token: PPO's value of response token ``t`` (:func:`response_values`, the state before
+        it) is ``values[t - 1]``. The value model starts as the reward model (Detail 22), so the
+        two are equal before training.
+
+        Returns:
+            :func:`rlhf_core.reward_eval.token_table` rows with ``row`` (the evaluation prompt's
+            index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
+            None on ranks other than 0, with a rule reward (no reward model) or before any
+            evaluation.
+        """
+        if self.reward_parallel is None:
+            return None
+        examples = self.eval_responses
+        pad, eos, bf16 = self.pad_id, self.eos_id, self.cfg.bf16
+        # gathered whole (collective) so that rank 0 alone may run its forward passes
+        with self.value_parallel.gathered(), self.reward_parallel.gathered():
+            if not self.world.is_main or examples is None:
+                return None
+            queries, responses = examples[0][:n], examples[1][:n]
+            logits, scores, indices = self.reward_parallel.inference(
+                response_reward_logits, queries, responses, pad, bf16
+            )
+            values, _, _ = self.value_parallel.inference(response_reward_logits, queries, responses, pad, bf16)
+        rows = token_table(
+            self.tokenizer, responses, scores, indices, eos, pad, {"reward_logits": logits, "values": values}
+        )
+        return [
+            {"row": i, **row, "value_at_eos": row["values"][row["eos_index"]] if row["eos_index"] >= 0 else None}
+            for i, row in enumerate(rows)
+        ]
+
+
+def write_value_vs_reward(rows: list[dict], out_dir: str | os.PathLike) -> Path:
+    """Write :meth:`PPOTrainer.value_vs_reward`'s rows as ``value_vs_reward.json``
+    (``{"responses": rows}``) and ``value_vs_reward.png``
+    (:func:`rlhf_core.plots.plot_value_vs_reward`) to ``out_dir``; returns the PNG's path."""
+    out_dir = Path(out_dir)
+    write_json_atomic(out_dir / "value_vs_reward.json", {"responses": rows})
+    return plot_value_vs_reward(rows, out_dir / "value_vs_reward.png", [f"evaluation prompt {r['row']}" for r in rows])
+
 
 class _NonFinite(RuntimeError):
     pass
+
+
+def learning_check_metrics(rows: list[tuple]) -> dict[str, float]:
+    """PPO's learning check on the evaluation prompts, from :meth:`PPOTrainer.evaluate`'s rows
+    ``(score_policy, raw_score_policy, has_eos_policy, score_reference, text_policy, score_sft,
+    has_eos_sft, text_sft)``: the paired score gain over SFT with its 95% interval, PPO's EOS rate
+    with its Wilson interval, SFT's, and both policies' repetition rates."""
+    policy, sft = [row[0] for row in rows], [row[5] for row in rows]
+    gain = diag.paired_difference(policy, sft)
+    eos = sum(bool(row[2]) for row in rows)
+    low, high = diag.wilson_interval(eos, len(rows))
+    return {
+        "eval/score_sft": sum(sft) / len(sft),
+        "eval/eos_rate_sft": sum(bool(row[6]) for row in rows) / len(rows),
+        "eval/score_gain_vs_sft": gain["mean"],
+        "eval/score_gain_vs_sft_ci_low": gain["ci_low"],
+        "eval/score_gain_vs_sft_ci_high": gain["ci_high"],
+        "eval/eos_rate_policy_ci_low": low,
+        "eval/eos_rate_policy_ci_high": high,
+        "eval/repetition_rate_policy": diag.repetition_rate([row[4] for row in rows])["rate"],
+        "eval/repetition_rate_sft": diag.repetition_rate([row[7] for row in rows])["rate"],
+    }
 
 
 def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> PPOStats:
@@ -780,7 +886,10 @@ def run_ppo(
     tracker: Tracker | None = None,
 ) -> dict[str, float]:
     """Run (or resume) PPO and write ``out_dir/model`` (the policy), ``out_dir/value_model``,
-    ``out_dir/samples.jsonl`` (the last evaluation) and ``out_dir/metrics.json``.
+    ``out_dir/samples.jsonl`` (the last evaluation), ``out_dir/metrics.json`` and, with a reward
+    model, ``out_dir/value_vs_reward.json`` and ``.png``: the trained value model's and the
+    reward model's outputs at every token of the first few evaluation summaries (Detail 22;
+    :meth:`PPOTrainer.value_vs_reward`, :func:`write_value_vs_reward`).
 
     ``reward_model_dir`` is the reward model (``ppo.reward: model``) and the value model's
     initialisation (Detail 22); with a rule reward (``ppo.reward: python:...``) it may be
@@ -870,15 +979,16 @@ def run_ppo(
             | {"lr": lr, "episodes": float((update + 1) * cfg.batch_size)}
         )
         if (update + 1) % cfg.eval_every == 0 or update + 1 == trainer.num_updates:
-            eval_metrics, samples = trainer.evaluate()
+            eval_metrics, samples = trainer.evaluate(against_sft=update + 1 == trainer.num_updates)
             metrics |= eval_metrics
             tracker.log_table("ppo_samples", samples[:16])
         last = metrics
         progress.report(update + 1, metrics, _progress_summary(metrics))
     progress.close()
     if not samples:  # resumed after the last update: evaluate once more
-        eval_metrics, samples = trainer.evaluate()
+        eval_metrics, samples = trainer.evaluate(against_sft=True)
         last |= eval_metrics
+    value_rows = trainer.value_vs_reward()  # after training: a diagnostic, no effect on it (Detail 22)
     # sharded models are gathered whole to rank 0 (collective), which saves
     policy = gather_to_main(trainer.policy, lambda: load_causal_lm(sft_model_dir))
     value_model = gather_to_main(trainer.value_model, trainer.initial_value_model)
@@ -889,6 +999,8 @@ def run_ppo(
     save_pretrained_atomic(value_model, out_dir / "value_model")
     with open(out_dir / "samples.jsonl", "w") as fh:
         fh.writelines(json.dumps(s) + "\n" for s in samples)
+    if value_rows:
+        tracker.log_artifact(write_value_vs_reward(value_rows, out_dir))
     last = dict(last, **{"ppo/updates": float(trainer.num_updates), "ppo/seconds": time.perf_counter() - begin})
     write_json_atomic(out_dir / "metrics.json", last)
     return last

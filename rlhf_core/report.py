@@ -75,6 +75,20 @@ DEFAULT_CAPTIONS: dict[str, str] = {
         "Histograms of token lengths of queries and responses per split; the dashed red line marks "
         "the longest (Huang et al. 2024, Figures 9-10)."
     ),
+    "reward_logits": (
+        "The reward model's output at every token of a few validation responses, the chosen and the "
+        "rejected one of each pair (Huang et al. 2024, Detail 13, Figure 3). Only the output at the EOS "
+        "(orange; the token before the first PAD, Detail 12) is trained, and it is the reward; the others "
+        "are by-products, typically negative (grey), and are never used as rewards."
+    ),
+    "value_vs_reward": (
+        "The trained value model read as a per-token reward model (Huang et al. 2024, Detail 22): its "
+        "output at every token of a few PPO evaluation summaries (green line) against the reward model's "
+        "logits there (bars; orange: the score at the EOS). The value model starts as the reward model, "
+        "so before PPO the line lies on the bars. PPO trains the value read at each token to predict the "
+        "return from the next token on (the score plus the KL penalties still to come), so a trained one "
+        "moves towards the score all along the summary, not only at the EOS."
+    ),
 }
 """Captions used for a plot whose file stem is a key here and whose caller gives none."""
 
@@ -346,11 +360,13 @@ def write_report(
     notes: Sequence[str] | None = None,
     intro: str = "",
     post_chars: int = 300,
+    figure_tables: dict[str, Sequence[dict[str, Any]]] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``report.html`` and ``report.md`` to ``out_dir``, each atomically.
 
     Sections, in order: title and ``intro``; the ``summary`` table ("Does it learn?"); the
-    headline table; notes; each further table; each plot with its caption; the samples; each
+    headline table; notes; each further table; each plot with its caption (and its
+    ``figure_tables`` table); the samples; each
     raw HTML block. All text is HTML-escaped
     except the ``html_blocks`` values.
 
@@ -383,6 +399,8 @@ def write_report(
             rates and that they are not comparable with other judges').
         intro: a paragraph under the title (e.g. the run and configuration).
         post_chars: characters of each post shown before truncation.
+        figure_tables: ``{plot heading: rows}``: a table shown right under that plot (e.g. the
+            figures behind it); a heading that is not in ``plots`` is ignored.
 
     Returns:
         ``(report.html, report.md)`` paths.
@@ -392,7 +410,7 @@ def write_report(
         ValueError: a plot file is not an image (nothing is written).
     """
     out_dir = Path(out_dir)
-    tables, plots, captions = tables or {}, plots or {}, captions or {}
+    tables, plots, captions, figure_tables = tables or {}, plots or {}, captions or {}, figure_tables or {}
     samples, html_blocks, notes = list(samples or []), html_blocks or {}, list(notes or [])
     figures = []
     for heading, file in plots.items():
@@ -435,6 +453,9 @@ def write_report(
             f"<figcaption><b>{esc(heading)}.</b>{cap}</figcaption></figure>"
         )
         m += [f"### {heading}", "", f"![{heading}]({file.name})", ""] + ([caption, ""] if caption else [])
+        if figure_tables.get(heading):
+            h.append(_html_table(figure_tables[heading]))
+            m += [_md_table(figure_tables[heading]), ""]
     if samples:
         h += ["<h2>Samples</h2>", _html_samples(samples, post_chars)]
         m += ["## Samples", "", _md_samples(samples, post_chars), ""]

@@ -237,6 +237,45 @@ def get_reward(
     return reward_logits, scores, score_indices
 
 
+@torch.no_grad()
+def response_reward_logits(
+    model: ScalarModel,
+    queries: torch.Tensor,
+    responses: torch.Tensor,
+    pad_token_id: int,
+    bf16: bool | str = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's output at every response token: the reward logits of Huang et al. (2024),
+    Detail 13 / Figure 3, or read from a value model, its values as a per-token reward model
+    (Detail 22).
+
+    One :func:`get_reward` pass over the whole batch, laid out as :func:`score_responses` lays
+    out each of its batches (the shared left padding trimmed, then the responses), so
+    ``scores`` is the score that path reads (Details 12, 14). For a few rows: no batching.
+
+    Args:
+        queries: ``(n, query_length)`` long token ids, left-padded.
+        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
+        bf16: the stage's precision setting (:func:`rlhf_core.training.autocast`).
+
+    Returns:
+        ``(logits, scores, score_indices)`` on the CPU: ``logits`` ``(n, response_length)``
+        float32, the head's output at each response token (Shape: ``(b, response_len)``);
+        ``scores`` ``(n,)`` float32, the raw score; ``score_indices`` ``(n,)`` long, the index in
+        the response of its last real token (its EOS when it has one; -1 when the response
+        starts with PAD, whose score is read at the query's last token), so that
+        ``logits[i, score_indices[i]] == scores[i]`` wherever ``score_indices[i] >= 0``.
+    """
+    device = next(model.parameters()).device
+    model.eval()
+    q = trim_left_padding(queries, pad_token_id).to(device)
+    with autocast(device, bf16):
+        logits, scores, indices = get_reward(
+            model, torch.cat([q, responses.to(device)], dim=1), pad_token_id, q.size(1)
+        )
+    return logits[:, q.size(1) :].float().cpu(), scores.float().cpu(), (indices - q.size(1)).cpu()
+
+
 def pair_scores(
     model: ScalarModel, chosen: torch.Tensor, rejected: torch.Tensor, pad_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,15 +12,18 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import wilson_interval
+from .generation import ends_with_eos
 from .io import write_json_atomic
-from .plots import plot_calibration
-from .reward import ScalarModel, score_pairs
+from .plots import plot_calibration, plot_reward_logits
+from .reward import ScalarModel, response_reward_logits, score_pairs
 from .tracking import NullTracker, Tracker
 from .training import pick_device
 
@@ -121,7 +124,8 @@ def evaluate_reward_model(
 ) -> dict[str, float]:
     """Accuracy per batch, confidence and split, reward statistics and calibration (Details 16-18)
     of the reward model in ``reward_model_dir``: :func:`evaluate_pairs` with its scores
-    (:func:`rlhf_core.reward.score_pairs`)."""
+    (:func:`rlhf_core.reward.score_pairs`); then the reward logits at every token of a few
+    validation responses (Detail 13, :func:`write_reward_logits`)."""
     tokenizer = load_data_tokenizer(data_dir)
     model = ScalarModel.from_pretrained(str(reward_model_dir)).to(pick_device())
 
@@ -135,7 +139,9 @@ def evaluate_reward_model(
             cfg.bf16,
         )
 
-    return evaluate_pairs(score, cfg, data_dir, out_dir, tracker, "reward model")
+    metrics = evaluate_pairs(score, cfg, data_dir, out_dir, tracker, "reward model")
+    write_reward_logits(model, cfg, data_dir, out_dir, tracker)
+    return metrics
 
 
 def evaluate_pairs(
@@ -151,7 +157,11 @@ def evaluate_pairs(
 
     Evaluates each preference split in ``cfg.eval_splits`` (at most
     ``cfg.eval_max_samples`` rows each). Keys for the ``validation`` split start with
-    ``eval/``; other splits with ``eval/{split}/`` (e.g. ``eval/validation_cnndm/accuracy``).
+    ``eval/``; other splits with ``eval/{split}/`` (e.g. ``eval/validation_cnndm/accuracy``,
+    and ``eval/validation_in_dist/accuracy`` for the comparisons held out of ``train``, in
+    distribution: :data:`rlhf_core.config.IN_DISTRIBUTION_SPLIT`). Each split's accuracy comes
+    with its pair count and 95% Wilson interval (``.../count``, ``.../accuracy_ci_low``,
+    ``.../accuracy_ci_high``: :func:`accuracy_by_group`).
     Writes ``metrics.json``, ``calibration.json`` and ``calibration.png`` to ``out_dir``.
 
     Args:
@@ -192,3 +202,113 @@ def evaluate_pairs(
     tracker.log_artifact(out_dir / "calibration.png")
     log.info("%s accuracy: %s", what, {k: round(v, 4) for k, v in metrics.items() if k.endswith("/accuracy")})
     return metrics
+
+
+#: Responses shown per token by :func:`write_reward_logits` and the PPO stage's value table.
+TOKEN_TABLE_RESPONSES = 4
+
+
+def token_table(
+    tokenizer: PreTrainedTokenizerBase,
+    responses: torch.Tensor,
+    scores: torch.Tensor,
+    score_indices: torch.Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+    outputs: dict[str, torch.Tensor],
+) -> list[dict[str, Any]]:
+    """Per-token outputs of a few responses as JSON rows (Huang et al. 2024, Figure 3 and
+    Figure 11): each response's tokens up to its last real token, and each output there.
+
+    Args:
+        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
+        scores: ``(n,)`` the raw score of each response.
+        score_indices: ``(n,)`` long, the index in the response of its last real token (-1 when
+            it starts with PAD), as :func:`rlhf_core.reward.response_reward_logits` returns.
+        outputs: ``{name: (n, response_length) float}``, e.g. ``{"reward_logits": ...,
+            "values": ...}``, aligned with ``responses``.
+
+    Returns:
+        One dict per response: ``token_ids`` and ``tokens`` (each id decoded alone) of positions
+        ``0 .. eos_index``, one list per output name over the same positions, ``eos_index``
+        (where the score is read, Detail 12), ``ends_with_eos`` (the token there is EOS, else
+        the score is one PPO's EOS trick replaces, Detail 23) and ``score``.
+    """
+    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
+    rows = []
+    for i in range(len(responses)):
+        end = int(score_indices[i]) + 1
+        ids = responses[i, :end].tolist()
+        rows.append(
+            {
+                "token_ids": ids,
+                "tokens": [tokenizer.decode([t]) for t in ids],
+                **{name: [float(v) for v in values[i, :end].tolist()] for name, values in outputs.items()},
+                "eos_index": end - 1,
+                "ends_with_eos": bool(has_eos[i]),
+                "score": float(scores[i]),
+            }
+        )
+    return rows
+
+
+def non_eos_negative_share(rows: list[dict[str, Any]], key: str = "reward_logits") -> float:
+    """Share of the per-token outputs ``key`` of :func:`token_table` rows that are negative,
+    over every token but the one the score is read at (Detail 13: almost all, in the paper's
+    reward models); NaN when there is no such token."""
+    values = [v for row in rows for t, v in enumerate(row[key]) if t != row["eos_index"]]
+    return sum(v < 0 for v in values) / len(values) if values else float("nan")
+
+
+def write_reward_logits(
+    model: ScalarModel,
+    cfg: RewardConfig,
+    data_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+    n: int = TOKEN_TABLE_RESPONSES,
+) -> dict[str, Any] | None:
+    """The reward logits at every token of a few validation responses (Huang et al. 2024,
+    Detail 13, Figure 3): only the logit at the EOS is the reward; the others are not trained
+    and are typically negative.
+
+    Takes the chosen and the rejected response of the first ``n // 2`` pairs of the
+    ``validation`` split (or, when ``cfg.eval_splits`` does not name it, of its first split),
+    scores them in one forward pass
+    (:func:`rlhf_core.reward.response_reward_logits`) and writes ``reward_logits.json`` and
+    ``reward_logits.png`` (:func:`rlhf_core.plots.plot_reward_logits`) to ``out_dir``.
+
+    ``reward_logits.json``: ``{"split", "non_eos_negative_share", "responses": [{"pair",
+    "response" ("chosen" or "rejected"), "token_ids", "tokens", "reward_logits", "eos_index",
+    "ends_with_eos", "score"}, ...]}`` (:func:`token_table`, :func:`non_eos_negative_share`).
+
+    Returns:
+        The JSON's content, or None (nothing written) when the split has no pairs.
+
+    Raises:
+        KeyError: the split is not a preference split of the data.
+    """
+    tracker = tracker or NullTracker()
+    out_dir = Path(out_dir)
+    if not cfg.eval_splits:
+        return None
+    split = "validation" if "validation" in cfg.eval_splits else cfg.eval_splits[0]
+    _, pref, _ = load_prepared(data_dir)
+    if split not in pref:
+        raise KeyError(f"reward.eval_splits names {split!r}, not a preference split ({', '.join(pref)})")
+    tokenizer = load_data_tokenizer(data_dir)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pairs = pref[split].select(range(min(len(pref[split]), max(1, n // 2))))
+    if not len(pairs):
+        return None
+    rows = pairs.with_format("torch", columns=["query_token", "chosen_token", "rejected_token"])[:]
+    queries = rows["query_token"].repeat_interleave(2, dim=0)  # pair 0 chosen, pair 0 rejected, pair 1 ...
+    responses = torch.stack([rows["chosen_token"], rows["rejected_token"]], dim=1).flatten(0, 1)
+    logits, scores, indices = response_reward_logits(model, queries, responses, pad, cfg.bf16)
+    table = token_table(tokenizer, responses, scores, indices, eos, pad, {"reward_logits": logits})
+    table = [{"pair": i // 2, "response": ("chosen", "rejected")[i % 2], **row} for i, row in enumerate(table)]
+    out = {"split": split, "non_eos_negative_share": non_eos_negative_share(table), "responses": table}
+    write_json_atomic(out_dir / "reward_logits.json", out)
+    plot_reward_logits(table, out_dir / "reward_logits.png", [f"pair {r['pair']}, {r['response']}" for r in table])
+    tracker.log_artifact(out_dir / "reward_logits.png")
+    return out

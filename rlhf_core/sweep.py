@@ -23,7 +23,15 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import PRESET_DIR, ConfigError, PipelineConfig, _format_validation_error, load_config, read_yaml_mapping
+from .config import (
+    IN_DISTRIBUTION_SPLIT,
+    PRESET_DIR,
+    ConfigError,
+    PipelineConfig,
+    _format_validation_error,
+    load_config,
+    read_yaml_mapping,
+)
 
 SWEEP_DIR = PRESET_DIR / "sweeps"
 
@@ -170,18 +178,53 @@ def cell_configs(spec: SweepSpec, cells: Iterable[Cell]) -> dict[str, PipelineCo
 
 # ------------------------------------------------------------------------------ summary
 
+_IN_DIST = f"eval/{IN_DISTRIBUTION_SPLIT}"
 #: The summary's columns: ``(column, stage, metric, interval metrics or None)``. The metric is
-#: read from the stage's record (``StageRecord.metrics``); PPO's are its final update's.
+#: read from the stage's record (``StageRecord.metrics``); PPO's are its final update's. "RM
+#: accuracy" and "DPO accuracy" are on the TL;DR validation comparisons (out of distribution:
+#: other policies, Detail 6); the "in-distribution" ones on the comparisons held out of the
+#: reward model's training split (``data.preference_splits.train.holdout``), where a cell has them.
 COLUMNS: tuple[tuple[str, str, str, tuple[str, str] | None], ...] = (
     ("SFT ROUGE-L", "sft", "eval/rougeL", None),
+    (
+        "RM in-distribution accuracy",
+        "reward_eval",
+        f"{_IN_DIST}/accuracy",
+        (f"{_IN_DIST}/accuracy_ci_low", f"{_IN_DIST}/accuracy_ci_high"),
+    ),
     ("RM accuracy", "reward_eval", "eval/accuracy", ("eval/accuracy_ci_low", "eval/accuracy_ci_high")),
+    (
+        "DPO in-distribution accuracy",
+        "dpo_eval",
+        f"{_IN_DIST}/accuracy",
+        (f"{_IN_DIST}/accuracy_ci_low", f"{_IN_DIST}/accuracy_ci_high"),
+    ),
     ("DPO accuracy", "dpo_eval", "eval/accuracy", ("eval/accuracy_ci_low", "eval/accuracy_ci_high")),
     ("PPO win rate", "evaluation", "eval/ppo/win_rate", ("eval/ppo/win_rate_ci_low", "eval/ppo/win_rate_ci_high")),
     ("DPO win rate", "evaluation", "eval/dpo/win_rate", ("eval/dpo/win_rate_ci_low", "eval/dpo/win_rate_ci_high")),
     ("PPO KL", "ppo", "objective/kl", None),
     ("PPO response length", "ppo", "response/length_mean", None),
+    # PPO's learning check, measured by the PPO stage itself against the SFT policy on the same
+    # evaluation prompts (rlhf_core.ppo_trainer.learning_check_metrics), so that `until: ppo` has it
+    (
+        "PPO score gain vs SFT",
+        "ppo",
+        "eval/score_gain_vs_sft",
+        ("eval/score_gain_vs_sft_ci_low", "eval/score_gain_vs_sft_ci_high"),
+    ),
+    ("PPO EOS rate", "ppo", "eval/eos_rate_policy", ("eval/eos_rate_policy_ci_low", "eval/eos_rate_policy_ci_high")),
+    ("PPO repetition rate", "ppo", "eval/repetition_rate_policy", None),
+    ("SFT repetition rate", "ppo", "eval/repetition_rate_sft", None),
 )
 KL_COLUMN, LENGTH_COLUMN = "PPO KL", "PPO response length"
+#: What the summary says of its accuracy columns: out of distribution, and in distribution where shown.
+ACCURACY_NOTES = (
+    "RM and DPO accuracy: the reward model's and DPO's implicit reward model's, on the TL;DR validation "
+    "comparisons: out of distribution (other policies than the training pairs', Detail 6); per cell with "
+    "its 95% Wilson interval.",
+    f"RM and DPO in-distribution accuracy: on the comparisons held out of the training split "
+    f"({IN_DISTRIBUTION_SPLIT}).",
+)
 
 
 @dataclass
@@ -268,6 +311,9 @@ def summary_markdown(spec: SweepSpec, results: list[CellResult], flags: Mapping[
         lines += [spec.description.strip(), ""]
     done = [r for r in results if r.error is None]
     lines.append(f"{len(done)} of {len(results)} cells finished; seeds {spec.seeds}.")
+    if any(c.endswith("accuracy") for c in columns):
+        in_dist = any("in-distribution" in c for c in columns)
+        lines += ["", " ".join(ACCURACY_NOTES if in_dist else ACCURACY_NOTES[:1])]
     for preset in spec.presets:
         cells = [r for r in done if r.cell.preset == preset]
         if not cells:

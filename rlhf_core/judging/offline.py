@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import ModelConfig
 from ..models import load_causal_lm, load_tokenizer
+from ..training import Precision, autocast, resolve_bf16
 
 
 class OfflineJudge:
@@ -25,17 +26,23 @@ class OfflineJudge:
     leading space (``" A"`` and ``"A"``; ``" B"`` and ``"B"``), so both tokenisation styles
     count. The larger one wins (A on an exact tie). The answer reads, e.g.::
 
-        Comparison: offline judge NAME: log p(A)=-3.2104, log p(B)=-3.6620, p(A)=0.6110
+        Comparison: offline judge NAME: log p(A)=-3.210412, log p(B)=-3.662037, p(A)=0.6110
         Preferred: A
 
-    so :func:`parse_preference` and the cache treat it like any judge's answer. The judge
+    so :func:`parse_preference` and the cache treat it like any judge's answer, and
+    :func:`rlhf_core.judging.prompt.parse_letter_logprobs` reads both log-probabilities back
+    (to combine two orders: :attr:`rlhf_core.judging.Judgement.outcome`). The judge
     is deterministic and not thread-safe (``thread_safe = False``).
 
     Args:
         model: a causal LM; it is put in eval mode and used on its own device.
         tokenizer: its tokenizer.
-        name: the judge's name (part of the cache key: give each checkpoint its own).
+        name: the judge's name (part of the cache key: give each checkpoint its own). With
+            bf16 autocast in effect, `` (bf16)`` is appended, so answers of the two precisions
+            are cached apart.
         batch_size: prompts per forward pass in :meth:`answer_batch`.
+        bf16: the forward pass under bf16 autocast: true, false or ``"auto"`` (where the
+            hardware computes bf16 natively: :func:`rlhf_core.training.resolve_bf16`).
 
     Raises:
         ValueError: a letter variant is not a single token of ``tokenizer``.
@@ -43,12 +50,20 @@ class OfflineJudge:
 
     thread_safe = False
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str, batch_size: int = 4):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        name: str,
+        batch_size: int = 4,
+        bf16: Precision = False,
+    ):
         if not name:
             raise ValueError("OfflineJudge needs a name")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.name = name
+        self.bf16 = resolve_bf16(bf16, next(self.model.parameters()).device)
+        self.name = f"{name} (bf16)" if self.bf16 else name
         self.batch_size = int(batch_size)
         self.letter_token_ids: dict[str, list[int]] = {}
         vocab = self.model.get_input_embeddings().num_embeddings
@@ -77,6 +92,7 @@ class OfflineJudge:
         dtype: str = "float32",
         device: str | torch.device | None = None,
         batch_size: int = 4,
+        bf16: Precision = False,
     ) -> OfflineJudge:
         """Load a model directory (``save_pretrained`` layout with its tokenizer) as a judge.
 
@@ -88,7 +104,7 @@ class OfflineJudge:
         if device is not None:
             model.to(device)
         tokenizer = load_tokenizer(ModelConfig(base=str(path.resolve())))
-        return cls(model, tokenizer, name or f"offline:{path.resolve()}", batch_size=batch_size)
+        return cls(model, tokenizer, name or f"offline:{path.resolve()}", batch_size=batch_size, bf16=bf16)
 
     def __repr__(self) -> str:
         return f"OfflineJudge(name={self.name!r}, letters={self.letter_token_ids})"
@@ -133,12 +149,13 @@ class OfflineJudge:
                 input_ids[i, width - len(e) :] = torch.tensor(e)
                 mask[i, width - len(e) :] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = self.model(
-                input_ids=input_ids.to(device),
-                attention_mask=mask.to(device),
-                position_ids=positions.to(device),
-                logits_to_keep=1,
-            ).logits[:, -1]
+            with autocast(device, self.bf16):
+                logits = self.model(
+                    input_ids=input_ids.to(device),
+                    attention_mask=mask.to(device),
+                    position_ids=positions.to(device),
+                    logits_to_keep=1,
+                ).logits[:, -1]
             logp = torch.log_softmax(logits.double(), dim=-1)
             out.append(torch.stack([logp[:, ids_a].logsumexp(-1), logp[:, ids_b].logsumexp(-1)], dim=-1).cpu())
         return torch.cat(out) if out else torch.zeros((0, 2), dtype=torch.float64)
@@ -147,7 +164,7 @@ class OfflineJudge:
         p_a = 1.0 / (1.0 + math.exp(lp_b - lp_a))
         choice = "A" if lp_a >= lp_b else "B"
         return (
-            f"Comparison: offline judge {self.name}: log p(A)={lp_a:.4f}, log p(B)={lp_b:.4f}, p(A)={p_a:.4f}\n"
+            f"Comparison: offline judge {self.name}: log p(A)={lp_a:.6f}, log p(B)={lp_b:.6f}, p(A)={p_a:.4f}\n"
             f"Preferred: {choice}"
         )
 

@@ -120,6 +120,28 @@ def parse_preference(answer: str) -> Preference | None:
     return value if value in ("A", "B") else None  # type: ignore[return-value]
 
 
+#: The first line of an offline judge's answer (:meth:`rlhf_core.judging.OfflineJudge.answer_batch`).
+_LETTER_LOGPROBS = re.compile(
+    r"^Comparison: offline judge .*: log p\(A\)=(?P<a>-?[0-9.]+(?:e-?[0-9]+)?|-inf), "
+    r"log p\(B\)=(?P<b>-?[0-9.]+(?:e-?[0-9]+)?|-inf), p\(A\)=[0-9.]+(?:e-?[0-9]+)?$"
+)
+
+
+def parse_letter_logprobs(answer: str | None) -> tuple[float, float] | None:
+    """``(log p(A), log p(B))`` from an offline judge's answer, or ``None`` for any other answer.
+
+    The offline judge states both letters' log-probabilities on its first line
+    (``Comparison: offline judge NAME: log p(A)=-3.210412, log p(B)=-3.662037, p(A)=0.6110``);
+    a text judge's answer has no such line and gives ``None``.
+    """
+    if not isinstance(answer, str):
+        return None
+    match = _LETTER_LOGPROBS.match(answer.split("\n", 1)[0])
+    if match is None:
+        return None
+    return float(match["a"]), float(match["b"])
+
+
 def response_is_a(seed: int, comparison_id: str) -> bool:
     """Whether the policy response is shown as "Summary A" for this comparison.
 

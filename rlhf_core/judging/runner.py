@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Literal, Protocol
 
 from tqdm.auto import tqdm
 
@@ -77,42 +77,52 @@ def judge_comparisons(
     max_comparisons: int | None = None,
     concurrency: int = 4,
     progress: bool = True,
+    orders: Literal["one", "both"] = "one",
 ) -> list[Judgement]:
     """Judge each comparison's response against its reference.
 
-    Per comparison: the A/B order comes from :func:`response_is_a` (``seed``, id); the
-    prompt is :meth:`Comparison.prompt`; a cached answer of the same judge to the same
-    prompt is reused without a request. Otherwise the judge is asked; an answer that
+    Per comparison: the A/B order comes from :func:`response_is_a` (``seed``, id); with
+    ``orders="both"`` the comparison is judged in the swapped order too, and the swapped
+    judgement is the first one's :attr:`Judgement.swapped` (its :attr:`Judgement.outcome`
+    combines the two: Zheng et al. 2023, arXiv 2306.05685). The prompt is
+    :meth:`Comparison.prompt`; a cached answer of the same judge to the same prompt is
+    reused without a request, per order. Otherwise the judge is asked; an answer that
     :func:`parse_preference` cannot read is asked again once with a fresh request, and if
-    that one cannot be read either the comparison is recorded as invalid
-    (``preferred`` and ``response_wins`` ``None``). Answers, valid or invalid, are cached.
+    that one cannot be read either the order is recorded as invalid (``preferred`` and
+    ``response_wins`` ``None``). Answers, valid or invalid, are cached.
     A :class:`JudgeRequestError` (the client's retries exhausted, an unreadable reply) is
     recorded with ``error`` set and not cached, so a later run asks again; a fatal one
     (bad key, model or request) is raised.
 
     Judges with ``thread_safe`` run up to ``concurrency`` requests at once; others run
-    sequentially, through ``answer_batch`` when they have one.
+    sequentially, through ``answer_batch`` when they have one, on prompts taken in order
+    of length (so a batch pads little; a batch's answers do not depend on its padding).
 
     Args:
         cache: ``None`` disables caching.
-        max_comparisons: spending cap: at most this many uncached comparisons are sent
-            (one comparison may take two requests); the rest, in input order, are neither
-            judged nor returned, and a log line says how many. Cache hits do not count.
+        max_comparisons: spending cap: at most this many comparisons with an uncached order
+            are sent (one comparison may take two requests per order); the rest, in input
+            order, are neither judged nor returned, and a log line says how many. Cache hits
+            do not count.
         progress: show a tqdm progress bar.
+        orders: ``"one"`` (the seeded order, as Huang et al. 2024, Appendix I) or ``"both"``.
 
     Returns:
         Judgements in input order: cache hits and the comparisons sent.
 
     Raises:
-        ValueError: two comparisons share an id, ``max_comparisons`` < 0 or ``concurrency`` < 1.
+        ValueError: two comparisons share an id, ``max_comparisons`` < 0, ``concurrency`` < 1
+            or ``orders`` is neither ``"one"`` nor ``"both"``.
         JudgeRequestError: a fatal request error (already stored answers stay cached).
     """
     if max_comparisons is not None and max_comparisons < 0:
         raise ValueError(f"max_comparisons must be >= 0, got {max_comparisons}")
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    results: dict[int, Judgement] = {}
-    pending: list[tuple[int, _Job]] = []
+    if orders not in ("one", "both"):
+        raise ValueError(f"orders must be 'one' or 'both', got {orders!r}")
+    results: dict[tuple[int, int], Judgement] = {}  # (comparison index, 0 seeded order / 1 swapped)
+    pending: list[tuple[tuple[int, int], _Job]] = []
     seen: set[str] = set()
     hits = 0
     for index, comparison in enumerate(comparisons):
@@ -120,24 +130,30 @@ def judge_comparisons(
             raise ValueError(f"duplicate comparison id {comparison.id!r}")
         seen.add(comparison.id)
         first = response_is_a(seed, comparison.id)
-        job = _Job(comparison, comparison.prompt(first), first)
-        hit = cache.get(judge.name, job.prompt) if cache is not None else None
-        if hit is not None:
-            results[index] = _judgement(job, judge.name, hit.answer, 0, cached=True)
-            hits += 1
-        else:
-            pending.append((index, job))
+        for order, response_first in enumerate((first, not first)[: 2 if orders == "both" else 1]):
+            job = _Job(comparison, comparison.prompt(response_first), response_first)
+            hit = cache.get(judge.name, job.prompt) if cache is not None else None
+            if hit is not None:
+                results[index, order] = _judgement(job, judge.name, hit.answer, 0, cached=True)
+                hits += 1
+            else:
+                pending.append(((index, order), job))
     skipped = 0
-    if max_comparisons is not None and len(pending) > max_comparisons:
-        skipped = len(pending) - max_comparisons
-        pending = pending[:max_comparisons]
+    sent = sorted({index for (index, _), _ in pending})
+    if max_comparisons is not None and len(sent) > max_comparisons:
+        skipped = len(sent) - max_comparisons
+        keep = set(sent[:max_comparisons])
+        pending = [(key, job) for key, job in pending if key[0] in keep]
+        for index in sent[max_comparisons:]:
+            results.pop((index, 0), None)
+            results.pop((index, 1), None)
         log.warning(
             "judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
             judge.name,
             max_comparisons,
             skipped,
         )
-    log.info("judge %s: %d cached, %d to send", judge.name, hits, len(pending))
+    log.info("judge %s: %d answers cached, %d prompts to send", judge.name, hits, len(pending))
 
     bar = tqdm(
         total=len(pending), desc=f"judging ({judge.name})", disable=not progress or not pending, dynamic_ncols=True
@@ -156,8 +172,9 @@ def judge_comparisons(
                     raise
         elif hasattr(judge, "answer_batch"):
             step = max(1, int(getattr(judge, "batch_size", 8)))
-            for start in range(0, len(pending), step):
-                chunk = pending[start : start + step]
+            by_length = sorted(pending, key=lambda item: len(item[1].prompt))
+            for start in range(0, len(by_length), step):
+                chunk = by_length[start : start + step]
                 answers = judge.answer_batch([job.prompt for _, job in chunk])  # type: ignore[attr-defined]
                 for (index, job), answer in zip(chunk, answers):
                     results[index] = _finish(judge, job, cache, answer, 1)
@@ -168,14 +185,18 @@ def judge_comparisons(
                 bar.update(1)
     finally:
         bar.close()
-    judgements = [results[i] for i in sorted(results)]
+    judgements = [
+        replace(results[index, 0], swapped=results.get((index, 1))) if orders == "both" else results[index, 0]
+        for index in sorted({index for index, _ in results})
+    ]
     counts = win_counts(judgements)
     log.info(
-        "judge %s: %d judged (%d wins, %d losses, %d invalid, %d errors)%s",
+        "judge %s: %d judged (%d wins, %d losses, %d ties, %d invalid, %d errors)%s",
         judge.name,
         len(judgements),
         counts["wins"],
         counts["losses"],
+        counts["ties"],
         counts["invalid"],
         counts["errors"],
         f"; {skipped} left out by the spending cap" if skipped else "",

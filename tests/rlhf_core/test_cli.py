@@ -11,6 +11,7 @@ import yaml
 
 from rlhf_core.cli import main
 from rlhf_core.config import load_config
+from rlhf_core.judging import Judgement
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -194,9 +195,12 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
             <= ev[f"eval/{policy}/win_rate"]
             <= ev[f"eval/{policy}/win_rate_ci_high"]
         )
-    judged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
-    assert len(judged) == 32 and {j["policy"] for j in judged} == {"base", "sft", "ppo", "dpo"}
-    assert sum(j["response_wins"] for j in judged if j["policy"] == "ppo") / 8 == ev["eval/ppo/win_rate"]
+    lines = (out / "evaluation" / "judgements.jsonl").read_text().splitlines()
+    judged = [Judgement.from_dict(json.loads(line)) for line in lines]
+    assert all(j.swapped is not None for j in judged)  # the offline judge: both orders
+    assert sum(j.policy == "human-chosen" for j in judged) == 8 == ev["eval/judge/human_n"]
+    assert len(judged) == 40 and {j.policy for j in judged} == {"base", "sft", "ppo", "dpo", "human-chosen"}
+    assert sum(j.outcome for j in judged if j.policy == "ppo") / 8 == ev["eval/ppo/win_rate"]
     html = (out / "evaluation" / "report.html").read_text()
     assert "data:image/png;base64," in html and "token-shift" in html and "Training curves" in html
     for stage in summary:
@@ -222,9 +226,13 @@ def test_full_smoke_pipeline_and_downstream_reruns(tmp_path, capsys):
     assert [s for s, v in again.items() if not v["reused"]] == ["ppo", "evaluation"]
     assert not (out / "ppo" / "checkpoints").exists()
     # the judge is not asked again about what it has already judged: base and SFT summaries are the same
-    rejudged = [json.loads(line) for line in (out / "evaluation" / "judgements.jsonl").read_text().splitlines()]
-    assert all(j["cached"] and j["attempts"] == 0 for j in rejudged if j["policy"] in ("base", "sft", "dpo"))
-    assert len((out / "judge_cache.jsonl").read_text().splitlines()) == 32 + sum(not j["cached"] for j in rejudged)
+    lines = (out / "evaluation" / "judgements.jsonl").read_text().splitlines()
+    rejudged = [Judgement.from_dict(json.loads(line)) for line in lines]
+    for j in rejudged:
+        if j.policy in ("base", "sft", "dpo", "human-chosen"):
+            assert j.cached and j.attempts == 0 and j.swapped.cached and j.swapped.attempts == 0
+    new = sum((not j.cached) + (not j.swapped.cached) for j in rejudged)
+    assert len((out / "judge_cache.jsonl").read_text().splitlines()) == 2 * 40 + new
 
 
 def test_console_script_prints_gpu_preset():

@@ -309,3 +309,33 @@ def test_a_wrong_type_under_a_credential_like_name_is_not_shown():
     assert "my-anthropic-key" not in str(err.value)
     with pytest.raises(ConfigError, match=r"eval\.split: Input should be a valid string.*my-split"):
         load_config("smoke", ["eval.split=[my-split]"])
+
+
+def test_a_holdout_is_a_new_split_named_by_its_key():
+    held = "data.preference_splits.train.holdout"
+    cfg = load_config("smoke", [f"{held}={{split: validation_in_dist, rows: 8, seed: 3}}"])
+    spec = cfg.data.preference_splits["train"]
+    assert (spec.holdout.split, spec.holdout.rows, spec.holdout.seed, spec.max_rows) == ("validation_in_dist", 8, 3, 32)
+    assert flatten(cfg)[f"{held}.rows"] == 8 and "validation_in_dist" not in cfg.data.preference_splits
+    assert load_config("smoke", [f"{held}={{split: x, rows: 1}}"]).data.preference_splits["train"].holdout.seed == 0
+    assert "holdout" in load_config("cpu-demo").data.preference_splits["train"].model_dump()
+    for override, named in [
+        (f"{held}={{split: validation, rows: 8}}", rf"{held}\.split: 'validation' is already a split"),
+        (f"{held}={{split: x, rows: 0}}", rf"{held}\.rows: Input should be greater than 0"),
+        (f"{held}={{rows: 8}}", rf"{held}\.split: required"),
+        (f"{held}={{split: x, rows: 8, seeds: 1}}", rf"{held}\.seeds: unknown key"),
+        (
+            "data.preference_splits.validation.holdout={split: validation_in_dist, rows: 8}",
+            r"data\.preference_splits\.validation\.holdout\.split: 'validation_in_dist' names the comparisons "
+            r"held out of train",
+        ),
+        (
+            "data.preference_splits.validation_in_dist={source: validation}",
+            r"data\.preference_splits\.validation_in_dist: the in-distribution split is held out of train",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            load_config("smoke", [override])
+    two = [f"{held}={{split: x, rows: 8}}", "data.preference_splits.validation.holdout={split: x, rows: 2}"]
+    with pytest.raises(ConfigError, match=r"validation\.holdout\.split: 'x' is also held out of 'train'"):
+        load_config("smoke", two)

@@ -406,3 +406,105 @@ def test_truncation_counts_on_real_rows(tmp_path, smol_tokenizer):
     sft, _, _ = load_prepared(tmp_path / "d")
     assert sum(n > 0 for n in sft["train"]["paragraphs_removed"]) == trunc["paragraph"]
     assert max(sft["train"]["query_token_len"]) <= 300
+
+
+# ------------------------------------------------------------ held-out splits
+
+HOLDOUT = "data.preference_splits.train.holdout={split: validation_in_dist, rows: 16, seed: 1}"
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory, smol_tokenizer):
+    """The smoke preset's data with 64 batch13 comparisons in train, 16 of them held out, beside
+    the same train split without a holdout (tokenised only)."""
+    from rlhf_core.data import tokenize_splits
+
+    rows = "data.preference_splits.train.max_rows=64"
+    out = tmp_path_factory.mktemp("held-out") / "data"
+    stats = prepare_data(load_config("smoke", [rows, HOLDOUT]), out, tokenizer=smol_tokenizer)
+    _, pref, _ = load_prepared(out)
+    whole = tokenize_splits(load_config("smoke", [rows]).data, smol_tokenizer).datasets["preference"]["train"]
+    return pref, stats, whole
+
+
+def test_held_out_rows_leave_train_exactly_and_share_no_query_with_it(held_out):
+    pref, stats, whole = held_out
+    train, held = pref["train"], pref["validation_in_dist"]
+    assert list(pref) == ["train", "validation_in_dist", "validation", "validation_cnndm"]
+    assert (len(held), len(train)) == (16, 64 - 16)
+    # disjoint by row, by post id and by content; together the rows of the whole split, once each
+    assert not set(held["source_row"]) & set(train["source_row"])
+    assert not set(held["id"]) & set(train["id"])
+    assert not set(held["query"]) & set(train["query"])
+    assert not set(zip(held["chosen"], held["rejected"])) & set(zip(train["chosen"], train["rejected"]))
+    assert sorted([*held["source_row"], *train["source_row"]]) == sorted(whole["source_row"])
+    order = list(whole["source_row"])  # each side keeps the file order
+    for ds in (train, held):
+        assert [order.index(r) for r in ds["source_row"]] == sorted(order.index(r) for r in ds["source_row"])
+    entry = stats["splits"]["preference/validation_in_dist"]
+    assert (entry["rows"], entry["held_out_of"], entry["holdout_seed"], entry["batches"]) == (
+        16,
+        "train",
+        1,
+        {"batch13": 16},
+    )
+    train_entry = stats["splits"]["preference/train"]
+    assert train_entry["rows"] == 48 and "held_out_of" not in train_entry
+
+
+def test_the_holdout_seed_picks_the_rows(held_out):
+    from rlhf_core.data import holdout_rows
+
+    _, _, whole = held_out
+    first, kept = holdout_rows(whole, 16, seed=1)
+    assert holdout_rows(whole, 16, seed=1) == (first, kept)
+    assert len(first) == 16 and sorted(first + kept) == list(range(len(whole)))
+    assert [whole[i]["source_row"] for i in first] == list(held_out[0]["validation_in_dist"]["source_row"])
+    other, _ = holdout_rows(whole, 16, seed=2)
+    assert len(other) == 16 and other != first
+
+
+def test_a_holdout_takes_whole_queries_or_fails_naming_its_key():
+    from rlhf_core.data import DataError, holdout_rows
+
+    # posts compared several times (a, c) and once (b, d, e, f): the single ones fill the last rows
+    ds = datasets.Dataset.from_dict({"query": ["a", "a", "a", "b", "c", "c", "d", "e", "f"]})
+    for seed in range(8):
+        held, kept = holdout_rows(ds, 3, seed)
+        assert len(held) == 3 and not {ds[i]["query"] for i in held} & {ds[i]["query"] for i in kept}
+    with pytest.raises(DataError, match=r"data\.preference_splits\.train\.holdout\.rows: 9 rows held out of 9"):
+        holdout_rows(ds, 9, 0, "data.preference_splits.train.holdout.rows")
+    one_post = datasets.Dataset.from_dict({"query": ["a"] * 5 + ["b"] * 5})
+    with pytest.raises(DataError, match=r"k\.rows: 3 rows cannot be held out by whole queries"):
+        holdout_rows(one_post, 3, 0, "k.rows")
+
+
+def test_a_holdout_larger_than_its_split_fails_naming_the_key(tmp_path, smol_tokenizer):
+    from rlhf_core.data import DataError
+
+    cfg = load_config("smoke", ["data.preference_splits.train.holdout={split: validation_in_dist, rows: 32}"])
+    with pytest.raises(DataError, match=r"data\.preference_splits\.train\.holdout\.rows: 32 rows held out of 32"):
+        prepare_data(cfg, tmp_path / "d", tokenizer=smol_tokenizer)
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_data_stage_key_holds_the_holdout_and_is_unchanged_without_one():
+    from rlhf_core.pipeline import stage_config, stage_key
+
+    plain = load_config("smoke")
+    # a split without a holdout dumps the fields it had before there were holdouts: the same
+    # settings, MLflow params and data stage key as then
+    for spec in plain.data.preference_splits.values():
+        assert set(spec.model_dump(mode="json")) == {"source", "batches", "exclude_batches", "max_rows", "task"}
+    explicit_none = load_config("smoke", ["data.preference_splits.train.holdout=null"])
+    assert stage_config(explicit_none, "data") == stage_config(plain, "data")
+    keys = {
+        "none": stage_key("data", plain, []),
+        "held": stage_key("data", load_config("smoke", [HOLDOUT]), []),
+        "rows": stage_key("data", load_config("smoke", [HOLDOUT.replace("rows: 16", "rows: 8")]), []),
+        "seed": stage_key("data", load_config("smoke", [HOLDOUT.replace("seed: 1", "seed: 2")]), []),
+        "name": stage_key("data", load_config("smoke", [HOLDOUT.replace("validation_in_dist", "heldout")]), []),
+    }
+    assert len(set(keys.values())) == len(keys), keys
+    assert stage_key("data", explicit_none, []) == keys["none"]
+    assert stage_key("data", load_config("smoke", [HOLDOUT]), []) == keys["held"]

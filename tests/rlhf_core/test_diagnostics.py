@@ -7,10 +7,13 @@ import torch
 from rlhf_core.diagnostics import (
     agreement,
     diversity,
+    judge_label_agreement,
     length_control,
     length_log_ratio,
     normalized_edit_distance,
     plot_length_control,
+    repetition_loop,
+    repetition_rate,
     title_copy_rate,
     title_coverage,
     token_ranks,
@@ -58,6 +61,15 @@ def test_win_rate_without_valid_judgements_is_nan():
     assert math.isnan(out["win_rate"]) and math.isnan(out["ci_low"]) and math.isnan(out["ci_high"])
     assert (out["n_valid"], out["n_invalid"]) == (0, 2)
     assert math.isnan(win_rate([])["win_rate"])
+
+
+def test_a_tie_counts_as_half_a_win_in_the_rate_and_its_interval():
+    out = win_rate([1.0, 0.5, 0.0, 0.5, None])
+    assert out["win_rate"] == 0.5 and (out["n_valid"], out["n_invalid"]) == (4, 1)
+    assert (out["ci_low"], out["ci_high"]) == pytest.approx(wilson_interval(2, 4))
+    assert win_rate([True, 0.5])["win_rate"] == 0.75
+    with pytest.raises(ValueError, match="tie"):
+        win_rate([0.25])
 
 
 @pytest.mark.parametrize("confidence", [0.0, 1.0, 1.5])
@@ -188,9 +200,75 @@ def test_diversity_averages_pairs_then_prompts_and_skips_single_samples():
 def test_agreement_over_valid_judgements():
     out = agreement([True, True, False, False, True], [True, False, False, None, True])
     assert out == {"agreement": 0.75, "n": 4, "n_invalid": 1}
+    # a tie of the judge's two orders agrees by half with either preference of the reward model
+    assert agreement([True, False, True], [0.5, 0.5, 1.0])["agreement"] == pytest.approx(2 / 3)
     assert math.isnan(agreement([True], [None])["agreement"])
     with pytest.raises(ValueError):
         agreement([True, False], [True])
+
+
+class _J:
+    """The fields of a Judgement that judge_label_agreement reads."""
+
+    def __init__(self, response_is_a, response_wins, outcome=None, orders_agree=None, swapped=True):
+        self.id, self.response_is_a, self.response_wins = "c", response_is_a, response_wins
+        self.outcome, self.orders_agree, self.swapped = outcome, orders_agree, (object() if swapped else None)
+
+
+def test_judge_label_agreement_of_a_judge_that_always_answers_a():
+    """The chosen summary shown as A in half the rows: one order agrees exactly there, with an
+    "A" share of 1; both orders tie everywhere: agreement 0.5, "A" share 0.5, no consistency."""
+    rows = [_J(True, True, 0.5, False), _J(False, False, 0.5, False)] * 10
+    one, both = judge_label_agreement(rows, "one"), judge_label_agreement(rows, "both")
+    assert (one["n"], one["agreement"], one["a_share"], one["order_consistency"]) == (20, 0.5, 1.0, 0.0)
+    assert (both["n"], both["agreement"], both["a_share"]) == (20, 0.5, 0.5)
+    assert both["agreement_ci"] == pytest.approx(list(wilson_interval(10, 20)))
+
+
+def test_judge_label_agreement_of_a_judge_that_reads_the_summaries():
+    rows = [
+        _J(True, True, 1.0, True),
+        _J(False, True, 1.0, True),
+        _J(False, None, None, None),
+        _J(True, False, 0.0, True),
+    ]
+    both = judge_label_agreement(rows, "both")
+    assert (both["n"], both["n_invalid"], both["agreement"], both["order_consistency"]) == (3, 1, 2 / 3, 1.0)
+    assert both["a_share"] == pytest.approx(1 / 3)  # "A" only in row 1: row 2's win was B, row 4's loss B
+    one = judge_label_agreement([_J(True, True, swapped=False), _J(True, False, swapped=False)], "one")
+    assert one["agreement"] == 0.5 and one["order_consistency"] is None
+    with pytest.raises(ValueError, match="swapped"):
+        judge_label_agreement([_J(True, True, swapped=False)], "both")
+    with pytest.raises(ValueError, match="orders"):
+        judge_label_agreement(rows, "two")
+
+
+@pytest.mark.parametrize(
+    "text, loop",
+    [
+        ("I'm not sure if I should eat it. I'm not sure if I should eat it. I'm not", ("i", "m", "not", "sure")),
+        ("girlfriend broke up with me, what do I do", None),
+        ("very very good, the the the end", None),  # repeated words are no loop
+        ("I love you, I love you", ("i", "love", "you")),
+        ("we met. We met. WE MET!", ("we", "met")),  # case and punctuation ignored
+        ("ha ha ha ha ha", None),  # 5 words: under the span
+        ("", None),
+    ],
+)
+def test_repetition_loop(text, loop):
+    found = repetition_loop(text)
+    assert (found is None) == (loop is None)
+    if loop is not None:
+        assert found[: len(loop)] == loop
+
+
+def test_repetition_rate_with_its_interval():
+    out = repetition_rate(["a b c a b c", "a b c d", "x y x y x y", "fine"])
+    assert (out["rate"], out["n"]) == (0.5, 4)
+    assert (out["ci_low"], out["ci_high"]) == pytest.approx(wilson_interval(2, 4))
+    assert repetition_loop("a b a b", min_span=4) == ("a", "b") and repetition_loop("a b a b") is None
+    with pytest.raises(ValueError):
+        repetition_loop("a", min_span=1)
 
 
 # ----------------------------------------------------------------------------- token shift

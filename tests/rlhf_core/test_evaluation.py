@@ -7,12 +7,25 @@ import re
 import pytest
 import torch
 
-from rlhf_core.config import load_config
+from rlhf_core.config import EvalConfig, load_config
 from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import paired_difference
-from rlhf_core.evaluation import learning_checks, response_token_ranks, run_evaluation
+from rlhf_core.evaluation import (
+    REWARD_LOGITS_HEADING,
+    VALUE_VS_REWARD_HEADING,
+    judge_at_chance,
+    judge_human_metrics,
+    judge_note,
+    learning_checks,
+    per_token_sections,
+    response_token_ranks,
+    run_evaluation,
+)
 from rlhf_core.generation import summarize, trim_left_padding, truncate_after_eos
 from rlhf_core.models import load_causal_lm, save_pretrained_atomic
+from rlhf_core.pipeline import REPORT_FILES
+from rlhf_core.plots import plot_reward_logits, plot_value_vs_reward
+from rlhf_core.report import write_report
 from rlhf_core.reward import ResponseScores, ScalarModel, get_reward, reward_model_from_causal_lm, score_responses
 from tests.messages_api import MessagesAPI, error_reply, text_reply
 from tests.stages import link_stages
@@ -85,10 +98,12 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
             "eval.judge_model=claude-test-judge",
             "eval.max_samples=4",
             "eval.max_comparisons=16",
+            "eval.judge_human_comparisons=4",
             "eval.diversity_prompts=0",
             "eval.token_shift_samples=1",
         ],
     )
+    assert cfg.eval.orders == "one"  # the API judge's default: the paper's one order per comparison
     references = [r.strip() for r in load_prepared(root / "data")[0]["validation"]["reference_response"][:4]]
     calls = []
 
@@ -111,7 +126,15 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-secret")
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)
         metrics = evaluate(tmp_path / "out")
-        assert len(calls) == 17  # 16 comparisons (4 policies x 4 prompts), one retried after the 429
+        # 16 comparisons (4 policies x 4 prompts), one retried after the 429, and 4 human-labelled ones
+        assert len(calls) == 21
+        # the human-labelled comparisons: the server answers "B" whenever A is no reference
+        human = [json.loads(line) for line in (tmp_path / "out" / "judgements.jsonl").read_text().splitlines()]
+        human = [j for j in human if j["policy"] == "human-chosen"]
+        assert len(human) == 4 and all(j["preferred"] == "B" and j["swapped"] is None for j in human)
+        assert metrics["eval/judge/human_n"] == 4 and metrics["eval/judge/a_share"] == 0.0
+        assert metrics["eval/judge/human_agreement"] == sum(not j["response_is_a"] for j in human) / 4
+        assert "eval/judge/order_consistency" not in metrics  # one order: not measured
         for policy in ("base", "sft", "ppo", "dpo"):
             assert metrics[f"eval/{policy}/win_rate"] == 0.0 and metrics[f"eval/{policy}/win_rate_n_valid"] == 4
         rows = [json.loads(line) for line in (tmp_path / "out" / "summaries.jsonl").read_text().splitlines()]
@@ -134,16 +157,49 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         assert "RM score of PPO minus SFT summaries" in report and "accuracy, TL;DR validation comparisons" in report
         assert "claude-test-judge" in report and "sk-test-secret" not in report
         assert "0.0% [0.0, 49.0] (n=4)" in report  # Wilson interval of 0/4
+        assert "The judge is at chance on human labels" in report  # 4 comparisons: an interval around 0.5
+        assert "chose the summary shown as A 0.0% of the time" in report
         # the reward model beside DPO's implicit one, on the same pairs (Detail 19)
         md = (tmp_path / "out" / "report.md").read_text()
         assert "| TL;DR validation comparisons | 400 | 61.0% | 57.2% [52.4%, 62.0%] |" in md
         assert "DPO, post 1" in (tmp_path / "out" / "token_shift.html").read_text()
         # a second run is answered from the judgement cache: no request at all
         evaluate(tmp_path / "out2")
-        assert len(calls) == 17
+        assert len(calls) == 21
     for path in (tmp_path / "out").iterdir():
         if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
             assert "sk-test-secret" not in path.read_text(), path
+
+
+def test_the_report_says_in_words_when_the_judge_is_at_chance_on_human_labels():
+    at_chance = {
+        "n": 1576,
+        "agreement": 0.503,
+        "agreement_ci": [0.478, 0.528],
+        "a_share": 0.5,
+        "order_consistency": 0.02,
+    }
+    better = at_chance | {"agreement": 0.62, "agreement_ci": [0.596, 0.644], "order_consistency": 0.7}
+    offline, api = EvalConfig(), EvalConfig(judge="anthropic", judge_model="m")
+    assert (offline.orders, api.orders) == ("both", "one")
+    assert judge_at_chance(at_chance) and not judge_at_chance(better) and judge_at_chance({})
+    text = judge_note("offline:x", offline, 64, at_chance | {"split": "validation"})
+    assert "The judge is at chance on human labels: it agreed with the human label on 50.3% [47.8%, 52.8%]" in text
+    assert "1576 human-labelled comparisons of the validation preference split" in text
+    assert "chose the summary shown as A 50.0% of the time" in text and "both orders 2.0% of the time" in text
+    assert "both A/B orders" in text and "do not tell the policies' summaries apart" in text
+    text = judge_note("claude", api, 64, better | {"split": "validation", "order_consistency": None})
+    assert "better than chance on human labels: it agreed with the human label on 62.0%" in text
+    assert "A/B order randomised per comparison" in text and "both orders" not in text
+    assert "not measured" in judge_note("claude", api, 64, {})
+    below = at_chance | {"agreement": 0.443, "agreement_ci": [0.419, 0.468], "split": "validation"}
+    assert not judge_at_chance(below)
+    text = judge_note("offline:x", offline, 64, below)
+    assert "The judge is below chance on human labels: it agreed with the human label on 44.3% [41.9%, 46.8%]" in text
+    assert "better than chance" not in text
+    metrics = judge_human_metrics(better | {"split": "validation"})
+    assert metrics["eval/judge/human_agreement_ci_low"] == 0.596 and metrics["eval/judge/order_consistency"] == 0.7
+    assert judge_human_metrics({}) == {}
 
 
 def test_paired_difference():
@@ -183,12 +239,123 @@ def test_learning_checks_state_each_target_with_its_interval():
     assert eos["met"] is True and eos["n"] == n and eos["95% interval"] == "[91.5%, 99.0%]"  # Wilson, 97 of 100
     gain = by_check[("SFT", "ROUGE-L gain over the base model")]
     assert gain["met"] is True and metrics["eval/checks/sft_rougeL_gain"] == pytest.approx(0.11, abs=0.001)
-    assert by_check[("reward model", "accuracy, TL;DR validation comparisons")]["met"] is True
-    assert by_check[("reward model", "accuracy, CNN/DM comparisons")]["met"] is None  # reported, no target
+    # no comparisons held out of train: the validation accuracy is the target, named out of distribution
+    assert by_check[("reward model", OOD_CHECK)]["met"] is True
+    assert by_check[("reward model", OOD_CHECK)]["target"] == "interval above 50%"
+    assert by_check[("reward model", "accuracy, CNN/DM comparisons, another task (news articles)")]["met"] is None
     better = by_check[("PPO", "RM score of PPO minus SFT summaries, same prompts")]
     assert better["met"] is True and metrics["eval/checks/ppo_minus_sft_score"] == pytest.approx(0.3)
     assert by_check[("PPO", "greedy summaries that end with EOS")]["met"] is False
     assert metrics["eval/checks/ppo_kl_per_token"] == 0.05
     # a reward model at chance: its interval includes 0.5
     rows, _ = learning_checks({}, [], rm_metrics | {"eval/accuracy_ci_low": 0.46}, {}, ppo, sft)
-    assert [r["met"] for r in rows if r["check"] == "accuracy, TL;DR validation comparisons"] == [False]
+    assert [r["met"] for r in rows if r["check"] == OOD_CHECK] == [False]
+    # repetition loops: PPO's share must not exceed SFT's on the same prompts
+    loop = "I am not sure if I should eat it. I am not sure if I should eat it."
+    texts = {"ppo": [loop, loop, "fine summary here", "ok"], "sft": [loop, "a b c", "d e f", "g"]}
+    rows, metrics = learning_checks({}, [], {}, {}, ppo, sft, texts=texts)
+    [row] = [r for r in rows if r["check"] == "greedy summaries caught in a repetition loop"]
+    assert row["met"] is False and row["result"] == "50.0% (SFT 25.0%)" and row["n"] == 4
+    assert (metrics["eval/checks/ppo_repetition_rate"], metrics["eval/checks/sft_repetition_rate"]) == (0.5, 0.25)
+    rows, _ = learning_checks({}, [], {}, {}, ppo, sft, texts={"ppo": texts["sft"], "sft": texts["ppo"]})
+    assert [r["met"] for r in rows if r["check"] == "greedy summaries caught in a repetition loop"] == [True]
+
+
+OOD_CHECK = "accuracy, TL;DR validation comparisons, out of distribution (other policies, Detail 6)"
+IN_DIST_CHECK = "accuracy, TL;DR comparisons held out of train, in distribution"
+
+
+def test_the_reward_models_learning_check_is_its_in_distribution_accuracy_beside_the_out_of_distribution_one():
+    ppo = sft = ResponseScores(raw_scores=torch.zeros(0), scores=torch.zeros(0), has_eos=torch.zeros(0, dtype=bool))
+    rm_metrics = {
+        "eval/accuracy": 0.58,
+        "eval/count": 200.0,
+        "eval/accuracy_ci_low": 0.511,
+        "eval/accuracy_ci_high": 0.646,
+        "eval/validation_in_dist/accuracy": 0.69,
+        "eval/validation_in_dist/count": 200.0,
+        "eval/validation_in_dist/accuracy_ci_low": 0.623,
+        "eval/validation_in_dist/accuracy_ci_high": 0.750,
+    }
+    rows, _ = learning_checks({}, [], rm_metrics, {}, ppo, sft)
+    assert [(r["check"], r["target"], r["met"]) for r in rows] == [
+        (IN_DIST_CHECK, "interval above 50%", True),
+        (OOD_CHECK, "reported", None),  # kept beside it, named, with its interval
+    ]
+    assert [(r["result"], r["95% interval"], r["n"]) for r in rows] == [
+        ("69.0%", "[62.3%, 75.0%]", 200),
+        ("58.0%", "[51.1%, 64.6%]", 200),
+    ]
+    # in distribution at chance: the check fails, whatever the out-of-distribution accuracy
+    chance = rm_metrics | {"eval/validation_in_dist/accuracy": 0.52, "eval/validation_in_dist/accuracy_ci_low": 0.45}
+    rows, _ = learning_checks({}, [], chance, {}, ppo, sft)
+    assert [r["met"] for r in rows] == [False, None]
+
+
+def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
+    from rlhf_core.evaluation import reward_model_rows
+
+    rm = {"eval/accuracy": 0.535, "eval/count": 200.0, "eval/accuracy_ci_low": 0.466, "eval/accuracy_ci_high": 0.603}
+    rm |= {f"eval/validation_in_dist/{k}": v for k, v in (("accuracy", 0.7), ("count", 200.0))}
+    rm |= {"eval/validation_in_dist/accuracy_ci_low": 0.633, "eval/validation_in_dist/accuracy_ci_high": 0.759}
+    dpo = {"eval/validation_in_dist/accuracy": 0.655, "eval/validation_in_dist/count": 200.0}
+    dpo |= {"eval/validation_in_dist/accuracy_ci_low": 0.587, "eval/validation_in_dist/accuracy_ci_high": 0.718}
+    assert reward_model_rows(rm, dpo) == [
+        {
+            "split": "TL;DR comparisons held out of train",
+            "pairs": "200",
+            "RM": "70.0% [63.3%, 75.9%]",
+            "DPO": "65.5% [58.7%, 71.8%]",
+            "distribution": "in distribution",
+        },
+        {
+            "split": "TL;DR validation comparisons",
+            "pairs": "200",
+            "RM": "53.5% [46.6%, 60.3%]",
+            "DPO": "-",
+            "distribution": "out of distribution (other policies, Detail 6)",
+        },
+    ]
+
+
+def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(tmp_path):
+    """Details 13 and 22: the reward evaluation's and PPO's per-token plots are copied beside the
+    report, listed with their captions and a table of their figures under each."""
+    rm_row = {
+        "pair": 0,
+        "response": "chosen",
+        "token_ids": [5, 6, 2],
+        "tokens": [" a", " $b", "<eos>"],
+        "reward_logits": [-1.0, 0.5, 0.25],
+        "eos_index": 2,
+        "ends_with_eos": True,
+        "score": 0.25,
+    }
+    ppo_row = {**rm_row, "row": 0, "values": [0.1, 0.2, 0.3], "value_at_eos": 0.3}
+    del ppo_row["pair"], ppo_row["response"]
+    reward_eval, ppo, out = tmp_path / "reward_eval", tmp_path / "ppo", tmp_path / "out"
+    for d in (reward_eval, ppo, out):
+        d.mkdir()
+    (reward_eval / "reward_logits.json").write_text(json.dumps({"responses": [rm_row]}))
+    plot_reward_logits([rm_row], reward_eval / "reward_logits.png", ["pair 0, chosen"])
+    (ppo / "value_vs_reward.json").write_text(json.dumps({"responses": [ppo_row]}))
+    plot_value_vs_reward([ppo_row], ppo / "value_vs_reward.png", ["evaluation prompt 0"])
+    assert per_token_sections(tmp_path / "nothing", tmp_path / "nothing", out) == ({}, {})
+
+    plots, tables = per_token_sections(reward_eval, ppo, out)
+    assert plots == {
+        REWARD_LOGITS_HEADING: out / "reward_logits.png",
+        VALUE_VS_REWARD_HEADING: out / "value_vs_reward.png",
+    }
+    assert (out / "value_vs_reward.png").read_bytes() == (ppo / "value_vs_reward.png").read_bytes()
+    assert {"reward_logits.png", "value_vs_reward.png"} <= set(REPORT_FILES)  # logged with the report
+    write_report(out, title="run", headline=[{"policy": "PPO"}], plots=plots, figure_tables=tables)
+    md = (out / "report.md").read_text()
+    html = (out / "report.html").read_text()
+    assert f"![{REWARD_LOGITS_HEADING}](reward_logits.png)" in md and "](value_vs_reward.png)" in md
+    # the score at the EOS, the mean of the other logits (-1, 0.5) and how many are negative
+    rm_table = "| pair 0, chosen | 3 | yes | 0.250 | -0.250 | 1/2 |"
+    value_table = "| 0 | 3 | yes | 0.250 | 0.300 | 0.150 | -0.250 |"
+    assert md.index("](reward_logits.png)") < md.index(rm_table) < md.index("](value_vs_reward.png)")
+    assert md.index("](value_vs_reward.png)") < md.index(value_table)
+    assert "Detail 13, Figure 3" in html and "Detail 22" in html and html.count("<img") == 2

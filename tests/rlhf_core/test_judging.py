@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from rlhf_core.judging import (
     response_is_a,
     win_counts,
 )
+from rlhf_core.judging.prompt import parse_letter_logprobs
 from rlhf_core.models import build_random_model, save_pretrained_atomic
 from tests.conftest import REPO, read_jsonl
 from tests.messages_api import MessagesAPI, Reply, error_reply, message_body, text_reply
@@ -230,12 +232,84 @@ def test_win_counts():
         pref = None if wins is None else "A"
         return Judgement("x", "j", "h", True, "a", pref, wins, 1, error)
 
-    assert win_counts([j(True), j(True), j(False), j(None), j(None, "boom")]) == {
+    tie = replace(j(True), swapped=Judgement("x", "j", "h", False, "a", "A", False, 1))  # "A" twice: a split
+    assert tie.outcome == 0.5
+    assert win_counts([j(True), j(True), j(False), j(None), j(None, "boom"), tie]) == {
         "wins": 2,
         "losses": 1,
+        "ties": 1,
         "invalid": 1,
         "errors": 1,
     }
+
+
+def offline_answer(lp_a: float, lp_b: float) -> str:
+    """An answer in the offline judge's format (OfflineJudge._format)."""
+    judge = OfflineJudge.__new__(OfflineJudge)
+    judge.name = "offline:pkg:x/y.gguf"
+    return judge._format(lp_a, lp_b)
+
+
+@pytest.mark.parametrize("lp", [(-3.2104123, -3.662), (-0.5, -12.25), (-7.0, -1e-05), (-2.0, -2.0)])
+def test_letter_logprobs_round_trip_through_the_offline_answer(lp):
+    answer = offline_answer(*lp)
+    assert parse_letter_logprobs(answer) == pytest.approx(lp, abs=1e-6)
+    assert parse_preference(answer) == ("A" if lp[0] >= lp[1] else "B")
+
+
+@pytest.mark.parametrize("answer", [ANSWER_A, "Comparison: offline judge x: log p(A)=1, Preferred: A", "", None])
+def test_a_text_answer_has_no_letter_logprobs(answer):
+    assert parse_letter_logprobs(answer) is None
+
+
+def _judged(response_is_a: bool, answer: str) -> Judgement:
+    preferred = parse_preference(answer)
+    wins = None if preferred is None else (preferred == "A") == response_is_a
+    return Judgement("c", "j", "h", response_is_a, answer, preferred, wins, 1)
+
+
+@pytest.mark.parametrize(
+    "first, second, expected",
+    [
+        (ANSWER_A, ANSWER_B, 1.0),  # the response shown first (A), then second (B): it wins twice
+        (ANSWER_B, ANSWER_A, 0.0),  # the reference wins twice
+        (ANSWER_A, ANSWER_A, 0.5),  # "A" whatever is shown: a split is a tie
+        (ANSWER_B, ANSWER_B, 0.5),
+        (ANSWER_A, "no verdict", None),  # one order invalid: no verdict
+    ],
+)
+def test_a_text_judge_wins_only_in_both_orders(first, second, expected):
+    j = replace(_judged(True, first), swapped=_judged(False, second))
+    assert j.outcome == expected
+    assert j.valid == (expected is not None)
+    assert j.orders_agree == (None if expected is None else expected != 0.5)
+
+
+def test_the_offline_judge_sums_both_orders_margins():
+    """A constant +2 nats for A cancels; the remaining margin decides, even against both letters."""
+    bias = 2.0
+    # the response is 0.5 nats better than the reference: A-first margin 2.5, B-first margin 2 - 0.5
+    first = _judged(True, offline_answer(-1.0, -1.0 - bias - 0.5))
+    second = _judged(False, offline_answer(-1.0, -1.0 - bias + 0.5))
+    assert first.preferred == second.preferred == "A"  # each order alone: position, not content
+    j = replace(first, swapped=second)
+    assert first.response_margin == pytest.approx(2.5) and second.response_margin == pytest.approx(-1.5)
+    assert j.outcome == 1.0 and j.orders_agree is False
+    # the response 0.5 nats worse and shown first: the first order alone would call it a win
+    worse = replace(
+        _judged(True, offline_answer(-1.0, -1.0 - bias + 0.5)),
+        swapped=_judged(False, offline_answer(-1.0, -1.0 - bias - 0.5)),
+    )
+    assert worse.response_margin == pytest.approx(1.5) and worse.preferred == "A"
+    assert worse.outcome == 0.0
+    # one order only: the parsed letter, as before
+    assert first.outcome == 1.0 and second.outcome == 0.0
+
+
+def test_judgements_with_both_orders_round_trip_as_dicts():
+    j = replace(_judged(True, ANSWER_A), swapped=_judged(False, ANSWER_A))
+    again = Judgement.from_dict(json.loads(json.dumps(j.to_dict())))
+    assert again == j and again.outcome == 0.5
 
 
 # ------------------------------------------------------------------------- cache
@@ -361,7 +435,7 @@ def test_exhausted_retries_are_recorded_not_cached_and_resumed(api, comparisons,
     assert j.error is not None and "529" in j.error and "overloaded_error" in j.error
     assert j.preferred is None and j.response_wins is None and j.answer is None
     assert len(cache) == 0
-    assert win_counts([j]) == {"wins": 0, "losses": 0, "invalid": 0, "errors": 1}
+    assert win_counts([j]) == {"wins": 0, "losses": 0, "ties": 0, "invalid": 0, "errors": 1}
     api.push(text_reply(ANSWER_A))
     [j] = judge_comparisons(judge, comparisons[:1], cache=cache, seed=1, progress=False)
     assert len(api.requests) == 4 and j.preferred == "A" and j.error is None and len(cache) == 1
@@ -444,6 +518,42 @@ def test_response_wins_follows_the_order(api, comparisons):
     assert all(j.preferred == "A" for j in judgements)
     assert [j.response_wins for j in judgements] == [response_is_a(5, c.id) for c in comparisons]
     assert 0 < sum(j.response_wins for j in judgements) < len(judgements)  # both orders occur
+
+
+def test_both_orders_ask_each_order_once_and_tie_a_position_biased_judge(api, comparisons, tmp_path):
+    api.handler = lambda req: text_reply(ANSWER_A)  # "A" whatever the summaries
+    cache = JudgementCache(tmp_path / "cache.jsonl")
+    out = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=5, orders="both", progress=False)
+    assert len(api.requests) == 10 and len(cache) == 10
+    for c, j in zip(comparisons[:5], out):
+        assert j.response_is_a == response_is_a(5, c.id) and j.swapped.response_is_a == (not j.response_is_a)
+        assert j.prompt_sha256 == prompt_sha256(c.prompt(j.response_is_a))
+        assert j.swapped.prompt_sha256 == prompt_sha256(c.prompt(not j.response_is_a))
+        assert j.outcome == 0.5
+    assert win_counts(out)["ties"] == 5
+    # the seeded order's answers are the one-order run's: cached per prompt, nothing new asked
+    one = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=5, progress=False)
+    assert len(api.requests) == 10 and [j.swapped for j in one] == [None] * 5
+    assert [j.response_wins for j in one] == [j.response_wins for j in out]
+
+
+def test_both_orders_let_content_win(api, comparisons):
+    api.handler = lambda req: text_reply(ANSWER_A if letter_in(req.prompt, "Hi,") == "A" else ANSWER_B)
+    items = [
+        Comparison(id=c.id, post=c.post, response="Hi, " + c.response, reference=c.reference) for c in comparisons[:4]
+    ]
+    out = judge_comparisons(make_judge(api), items, cache=None, seed=3, orders="both", progress=False)
+    assert [j.outcome for j in out] == [1.0] * 4 and all(j.orders_agree for j in out)
+
+
+def test_spending_cap_counts_comparisons_in_both_orders(api, comparisons, tmp_path):
+    api.handler = lambda req: text_reply(ANSWER_A)
+    out = judge_comparisons(
+        make_judge(api), comparisons[:6], cache=None, seed=1, orders="both", max_comparisons=2, progress=False
+    )
+    assert len(out) == 2 and len(api.requests) == 4
+    with pytest.raises(ValueError, match="orders"):
+        judge_comparisons(make_judge(api), comparisons[:1], cache=None, seed=1, orders="two", progress=False)
 
 
 def test_cache_hits_make_no_requests(api, comparisons, tmp_path):
@@ -589,6 +699,19 @@ def test_offline_judge_runs_through_judge_comparisons(tiny_model, llama_tokenize
         seed = next(s for s in range(100) if response_is_a(s, c.id) == first)
         [j] = judge_comparisons(judge, [c], cache=None, seed=seed, progress=False)
         assert j.response_wins == ((lp_a > lp_b) == first)
+
+
+def test_offline_judge_in_both_orders_sums_the_direct_margins(tiny_model, llama_tokenizer, short_comparisons):
+    judge = OfflineJudge(tiny_model, llama_tokenizer, name="tiny-random", batch_size=3)
+    items = short_comparisons[:5]
+    out = judge_comparisons(judge, items, cache=None, seed=11, orders="both", progress=False)
+    for c, j in zip(items, out):
+        margin = 0.0
+        for first in (True, False):
+            lp_a, lp_b = direct_letter_logprobs(tiny_model, llama_tokenizer, c.prompt(first))
+            margin += (lp_a - lp_b) if first else (lp_b - lp_a)
+        assert abs(margin) > 1e-5  # far from the answer's rounding (1e-6)
+        assert j.outcome == (1.0 if margin > 0 else 0.0)
 
 
 def test_offline_judge_from_pretrained(tiny_model, llama_tokenizer, tmp_path):

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import PPOConfig, load_config
 from rlhf_core.data import load_data_tokenizer, load_prepared
+from rlhf_core.diagnostics import repetition_loop, wilson_interval
 from rlhf_core.generation import trim_left_padding, truncate_after_eos
 from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits
 from rlhf_core.ppo_trainer import (
@@ -16,10 +17,12 @@ from rlhf_core.ppo_trainer import (
     kl_penalised_rewards,
     make_trajectory,
     response_logits,
+    response_values,
     run_ppo,
     whitened_advantages,
 )
 from rlhf_core.reward import ScalarModel, response_scores, score_responses
+from rlhf_core.reward_eval import TOKEN_TABLE_RESPONSES
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import TrainingError
 from tests.stages import kill_then_resume, link_stages
@@ -219,6 +222,56 @@ def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
     torch.testing.assert_close(rewards.rewards, kl_penalty + score_at)
 
 
+def test_value_vs_reward_reads_both_models_at_every_token_of_the_evaluation(smoke):
+    """Detail 22: the value model's and the reward model's own outputs at the same tokens of the
+    last evaluation's summaries, equal while the value model is still the reward model; the
+    reward logit at the EOS index is the evaluation's score, and the value there is what PPO
+    reads as the value of the next token's state."""
+    cfg, root = smoke
+    ppo_cfg = cfg.ppo.model_copy(update={"bf16": False, "eval_max_samples": 6})
+    trainer = PPOTrainer(ppo_cfg, root / "data", root / "sft", root / "rm")
+    pad = trainer.pad_id
+    assert trainer.value_vs_reward() is None  # nothing evaluated yet
+    _, samples = trainer.evaluate()
+    rows = trainer.value_vs_reward()
+    assert len(rows) == TOKEN_TABLE_RESPONSES == 4
+    assert all(r["values"] == r["reward_logits"] for r in rows)  # the value model starts as the reward model
+    for r, sample in zip(rows, samples):  # the evaluation's scores
+        assert r["score"] == pytest.approx(sample["raw_score_policy"], abs=1e-5)
+    with torch.no_grad():  # a value model that has moved away from the reward model
+        g = torch.Generator().manual_seed(0)
+        for p in trainer.value_model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    # summaries that end at an EOS at 2, 6 and 1, and one without EOS (the random policy writes none)
+    queries, responses = (t[:4].clone() for t in trainer.eval_responses)
+    R = responses.size(1)
+    for i, end in enumerate([3, 7, 2]):
+        responses[i, end - 1], responses[i, end:] = trainer.eos_id, pad
+    trainer.eval_responses = (queries, responses)
+    rows = trainer.value_vs_reward()
+    assert [r["eos_index"] for r in rows] == [2, 6, 1, R - 1]
+    assert [r["ends_with_eos"] for r in rows] == [True, True, True, False]
+    scored = trainer.score(queries, responses)  # the path rollouts and evaluations score through
+    q = trim_left_padding(queries, pad)
+    with torch.no_grad():
+        ppo_values = response_values(trainer.value_model, torch.cat([q, responses], 1), pad, q.size(1))
+    for i, r in enumerate(rows):
+        end = r["eos_index"] + 1
+        assert r["row"] == i and r["token_ids"] == responses[i, :end].tolist()
+        query = queries[i][queries[i] != pad]
+        sequence = torch.cat([query, responses[i, :end]]).unsqueeze(0)
+        with torch.no_grad():  # each ScalarModel's own outputs at the response tokens, the row alone
+            value_alone = trainer.value_model(input_ids=sequence)[0, len(query) :]
+            reward_alone = trainer.reward_model(input_ids=sequence)[0, len(query) :]
+        torch.testing.assert_close(torch.tensor(r["values"]), value_alone, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(r["reward_logits"]), reward_alone, rtol=1e-4, atol=1e-5)
+        assert r["values"] != r["reward_logits"]
+        assert r["score"] == r["reward_logits"][r["eos_index"]] and r["value_at_eos"] == r["values"][r["eos_index"]]
+        assert r["score"] == pytest.approx(scored.raw_scores[i].item(), abs=1e-5)
+        # PPO's value of response token t is the value read at token t - 1
+        torch.testing.assert_close(ppo_values[i, 1:end], torch.tensor(r["values"][:-1]), rtol=1e-4, atol=1e-5)
+
+
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     cfg, root = smoke
     ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 16, "eval_every": 1, "eval_max_samples": 4})
@@ -243,6 +296,48 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"post", "reference", "policy", "score_policy", "raw_score_policy"} <= set(samples[0])
     assert metrics["eval/score_policy"] == pytest.approx(sum(s["score_policy"] for s in samples) / 4)
+    # the learning check against SFT, measured by the stage on the last evaluation's prompts only
+    assert "eval/score_gain_vs_sft" not in records[0][1] and "eval/score_gain_vs_sft" in records[1][1]
+    diffs = [s["score_policy"] - s["score_sft"] for s in samples]
+    assert metrics["eval/score_gain_vs_sft"] == pytest.approx(sum(diffs) / 4)
+    assert metrics["eval/score_gain_vs_sft_ci_low"] <= metrics["eval/score_gain_vs_sft"]
+    assert metrics["eval/score_gain_vs_sft_ci_high"] >= metrics["eval/score_gain_vs_sft"]
+    assert metrics["eval/score_sft"] == pytest.approx(sum(s["score_sft"] for s in samples) / 4)
+    assert metrics["eval/repetition_rate_sft"] == sum(repetition_loop(s["sft"]) is not None for s in samples) / 4
+    assert metrics["eval/repetition_rate_policy"] == sum(repetition_loop(s["policy"]) is not None for s in samples) / 4
+    low, high = metrics["eval/eos_rate_policy_ci_low"], metrics["eval/eos_rate_policy_ci_high"]
+    assert (low, high) == pytest.approx(wilson_interval(round(metrics["eval/eos_rate_policy"] * 4), 4))
+    # Detail 22: the trained value model beside the reward model on the last evaluation's summaries
+    assert (tmp_path / "ppo" / "value_vs_reward.png").read_bytes()[:4] == b"\x89PNG"
+    table = json.loads((tmp_path / "ppo" / "value_vs_reward.json").read_text())["responses"]
+    assert [r["row"] for r in table] == list(range(TOKEN_TABLE_RESPONSES))
+    for r, sample in zip(table, samples):
+        assert len(r["tokens"]) == len(r["values"]) == len(r["reward_logits"]) == r["eos_index"] + 1
+        assert r["score"] == r["reward_logits"][r["eos_index"]]
+        assert r["score"] == pytest.approx(sample["raw_score_policy"], abs=1e-4)
+
+
+def test_the_check_against_sft_summarises_with_the_sft_policy_on_the_same_prompts_and_seeds(smoke):
+    """Before any update the policy is the SFT model: the two policies' summaries, scores and
+    repetition rates are equal and the gain is exactly 0; the SFT summaries are those of the
+    frozen reference model, sampled as the policy's are."""
+    cfg, root = smoke
+    ppo_cfg = cfg.ppo.model_copy(update={"eval_max_samples": 4, "bf16": False})
+    trainer = PPOTrainer(ppo_cfg, root / "data", root / "sft", root / "rm")
+    metrics, samples = trainer.evaluate(against_sft=True)
+    assert [s["sft"] for s in samples] == [s["policy"] for s in samples]
+    assert metrics["eval/score_gain_vs_sft"] == 0.0 and metrics["eval/score_sft"] == metrics["eval/score_policy"]
+    assert metrics["eval/repetition_rate_sft"] == metrics["eval/repetition_rate_policy"]
+    with torch.no_grad():  # a different policy: the SFT side must not follow it
+        for p in trainer.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    moved, moved_samples = trainer.evaluate(against_sft=True)
+    assert [s["sft"] for s in moved_samples] == [s["sft"] for s in samples]
+    assert [s["policy"] for s in moved_samples] != [s["policy"] for s in samples]
+    assert moved["eval/score_sft"] == metrics["eval/score_sft"]
+    assert moved["eval/score_gain_vs_sft"] == pytest.approx(moved["eval/score_policy"] - moved["eval/score_sft"])
+    plain, _ = trainer.evaluate()
+    assert "eval/score_gain_vs_sft" not in plain
 
 
 def test_non_finite_scores_stop_with_the_update_named(smoke, tmp_path):

@@ -17,8 +17,10 @@ from rlhf_core.reward import (
     normalize_reward_model,
     pair_scores,
     preference_loss,
+    response_reward_logits,
     reward_model_from_causal_lm,
     run_reward_training,
+    score_responses,
 )
 from rlhf_core.reward_eval import evaluate_reward_model
 from rlhf_core.training import TrainingError
@@ -304,3 +306,34 @@ def test_a_saved_reward_model_loads_in_transformers_alone_with_our_scores(smoke,
     assert all(torch.equal(v, again[k]) for k, v in ours_model.state_dict().items())
     with pytest.raises(ValueError, match="not a reward model saved by rlhf_core"):
         ScalarModel.from_pretrained(root / "base")
+
+
+def test_response_reward_logits_are_the_heads_outputs_with_the_score_at_the_eos(smoke):
+    """Details 12-13: the reward logits of every response token are the ScalarModel's own outputs
+    there, and the one at the returned EOS index is the score PPO and evaluation read."""
+    cfg, root, sft, _, stats = smoke
+    pad, eos = stats["tokenizer"]["pad_token_id"], stats["tokenizer"]["eos_token_id"]
+    rm = ScalarModel.from_pretrained(root / "rm").eval()
+    queries = torch.tensor(sft["validation"]["query_token"][:4])
+    assert (queries[:, 0] == pad).any()  # left-padded, as PPO's and evaluation's queries are
+    a, b, c, d, e, f = sft["validation"]["reference_response_token"][0][:6]
+    responses = torch.tensor(
+        [
+            [a, b, eos, pad, pad, pad],  # EOS at 2
+            [a, b, c, d, e, f],  # no EOS: read at 5
+            [eos, pad, pad, pad, pad, pad],  # EOS at 0
+            [a, b, c, d, eos, pad],  # EOS at 4
+        ]
+    )
+    logits, scores, indices = response_reward_logits(rm, queries, responses, pad)
+    assert logits.shape == (4, 6) and logits.dtype == torch.float32
+    assert indices.tolist() == [2, 5, 0, 4]
+    assert scores.equal(logits[torch.arange(4), indices])
+    for i in range(4):  # each row alone, unpadded: the head's outputs at its response tokens
+        q = queries[i][queries[i] != pad]
+        end = int(indices[i]) + 1
+        with torch.no_grad():
+            alone = rm(input_ids=torch.cat([q, responses[i, :end]]).unsqueeze(0))[0, len(q) :]
+        torch.testing.assert_close(logits[i, :end], alone, rtol=1e-4, atol=1e-5)
+    scored = score_responses(rm, queries, responses, pad, eos, -1.0, batch_size=3)  # the scoring path
+    torch.testing.assert_close(scores, scored.raw_scores, rtol=1e-4, atol=1e-5)

@@ -1,9 +1,20 @@
+import json
 import math
 
 import pytest
 import torch
 
-from rlhf_core.reward_eval import accuracy_by_group, calibration_table
+from rlhf_core.config import load_config
+from rlhf_core.data import load_data_tokenizer, load_prepared
+from rlhf_core.reward import ScalarModel, get_reward
+from rlhf_core.reward_eval import (
+    TOKEN_TABLE_RESPONSES,
+    accuracy_by_group,
+    calibration_table,
+    evaluate_reward_model,
+    non_eos_negative_share,
+    token_table,
+)
 
 
 def test_accuracy_by_group():
@@ -29,3 +40,116 @@ def test_calibration_table():
     assert [r["count"] for r in rows] == [3, 2]
     assert rows[0]["accuracy"] == pytest.approx(2 / 3) and rows[1]["accuracy"] == 1.0
     assert rows[1]["ideal"] == pytest.approx(1 / (1 + math.exp(-rows[1]["center"])))
+
+
+def test_token_table_rows_end_at_the_score_index(llama_tokenizer):
+    tok = llama_tokenizer
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    ids = tok(" a short summary", add_special_tokens=False)["input_ids"][:3]
+    responses = torch.tensor([[*ids, eos, pad], [*ids, ids[0], ids[1]], [eos, pad, pad, pad, pad]])
+    logits = torch.arange(15, dtype=torch.float32).view(3, 5) - 7.0
+    values = -logits
+    rows = token_table(
+        tok,
+        responses,
+        torch.tensor([10.0, 11.0, 12.0]),
+        torch.tensor([3, 4, 0]),
+        eos,
+        pad,
+        {"reward_logits": logits, "values": values},
+    )
+    assert [r["eos_index"] for r in rows] == [3, 4, 0]
+    assert [r["ends_with_eos"] for r in rows] == [True, False, True]
+    assert rows[0]["token_ids"] == [*ids, eos] and rows[0]["tokens"][-1] == tok.decode([eos])
+    assert "".join(rows[0]["tokens"][:3]) == " a short summary"
+    assert rows[1]["reward_logits"] == [-2.0, -1.0, 0.0, 1.0, 2.0] and rows[1]["values"] == [2.0, 1.0, 0.0, -1.0, -2.0]
+    assert rows[2]["reward_logits"] == [3.0] and [r["score"] for r in rows] == [10.0, 11.0, 12.0]
+    # negative logits among those not at the score index: row 0 [-7, -6, -5], row 1 [-2, -1, 0, 1]
+    assert non_eos_negative_share(rows) == pytest.approx(5 / 7)
+
+
+def test_reward_logits_of_the_evaluation_are_the_models_outputs_at_each_token(smoke_stages, tmp_path):
+    """Detail 13 (Figure 3): reward_logits.json holds the reward model's output at every token of
+    the first validation pairs' responses, and the one at the EOS index is the pair's score."""
+    cfg = load_config("smoke").reward.model_copy(update={"bf16": False})
+    data = smoke_stages / "data"
+    metrics = evaluate_reward_model(cfg, data, smoke_stages / "rm", tmp_path / "eval")
+    out = json.loads((tmp_path / "eval" / "reward_logits.json").read_text())
+    assert (tmp_path / "eval" / "reward_logits.png").read_bytes()[:4] == b"\x89PNG"
+    assert "reward_logits" not in metrics  # a diagnostic file, not metrics
+    rows = out["responses"]
+    assert out["split"] == "validation" and len(rows) == TOKEN_TABLE_RESPONSES
+    assert [(r["pair"], r["response"]) for r in rows] == [
+        (0, "chosen"),
+        (0, "rejected"),
+        (1, "chosen"),
+        (1, "rejected"),
+    ]
+    pairs = load_prepared(data)[1]["validation"].select(range(2))
+    pad, eos = load_data_tokenizer(data).pad_token_id, load_data_tokenizer(data).eos_token_id
+    model = ScalarModel.from_pretrained(smoke_stages / "rm").eval()
+    for r in rows:
+        pair = pairs[r["pair"]]
+        query = [t for t in pair["query_token"] if t != pad]
+        response = [t for t in pair[f"{r['response']}_token"] if t != pad]
+        assert r["token_ids"] == response and r["tokens"] and r["ends_with_eos"]
+        assert r["eos_index"] == len(response) - 1 and response[r["eos_index"]] == eos
+        with torch.no_grad():  # the ScalarModel's head at every response token, the row alone
+            alone = model(input_ids=torch.tensor([query + response]))[0, len(query) :]
+        torch.testing.assert_close(torch.tensor(r["reward_logits"]), alone, rtol=1e-4, atol=1e-5)
+        assert r["score"] == r["reward_logits"][r["eos_index"]]
+        # the score the evaluation reads from the right-padded pair (Details 12, 14)
+        with torch.no_grad():
+            _, score, _ = get_reward(model, torch.tensor([pair[f"query_{r['response']}_token"]]), pad)
+        assert r["score"] == pytest.approx(score.item(), abs=1e-5)
+    negatives = [v < 0 for r in rows for t, v in enumerate(r["reward_logits"]) if t != r["eos_index"]]
+    assert out["non_eos_negative_share"] == pytest.approx(sum(negatives) / len(negatives))
+
+
+@pytest.fixture(scope="module")
+def in_dist_data(smoke_stages, tmp_path_factory):
+    """The smoke data with 6 of its 32 train comparisons held out as ``validation_in_dist``."""
+    from rlhf_core.data import prepare_data
+
+    held = "data.preference_splits.train.holdout={split: validation_in_dist, rows: 6, seed: 1}"
+    cfg = load_config("smoke", [held, "reward.eval_splits=[validation, validation_in_dist, validation_cnndm]"])
+    out = tmp_path_factory.mktemp("in-dist") / "data"
+    prepare_data(cfg, out)
+    return cfg, out
+
+
+def test_the_reward_model_and_dpo_are_evaluated_in_and_out_of_distribution_with_intervals(
+    in_dist_data, smoke_stages, tmp_path
+):
+    from rlhf_core.diagnostics import wilson_interval
+    from rlhf_core.dpo import evaluate_dpo_reward
+    from rlhf_core.reward_eval import evaluate_pairs
+
+    cfg, data = in_dist_data
+    _, pref, _ = load_prepared(data)
+
+    def by_length(rows):  # a reward that prefers the longer query+summary
+        return (rows["query_chosen_token"] != 0).sum(1).float(), (rows["query_rejected_token"] != 0).sum(1).float()
+
+    metrics = evaluate_pairs(by_length, cfg.reward, data, tmp_path / "pairs")
+    held = pref["validation_in_dist"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])[:]
+    chosen, rejected = by_length(held)
+    correct = int((chosen > rejected).sum())
+    assert metrics["eval/validation_in_dist/count"] == 6
+    assert metrics["eval/validation_in_dist/accuracy"] == pytest.approx(correct / 6)
+    assert (
+        metrics["eval/validation_in_dist/accuracy_ci_low"],
+        metrics["eval/validation_in_dist/accuracy_ci_high"],
+    ) == pytest.approx(wilson_interval(correct, 6))
+    assert metrics["eval/count"] == 8 and metrics["eval/validation_cnndm/count"] == 8  # out of distribution
+    assert json.loads((tmp_path / "pairs" / "metrics.json").read_text()) == pytest.approx(metrics)
+
+    # the reward model's and DPO's implicit one's evaluation stages: the same keys, intervals included
+    rm = evaluate_reward_model(cfg.reward, data, smoke_stages / "rm", tmp_path / "rm")
+    dpo = evaluate_dpo_reward(cfg.dpo, cfg.reward, data, smoke_stages / "base", smoke_stages / "base", tmp_path / "dpo")
+    for m in (rm, dpo):
+        for prefix in ("eval/validation_in_dist", "eval", "eval/validation_cnndm"):
+            low, acc, high = (m[f"{prefix}/{k}"] for k in ("accuracy_ci_low", "accuracy", "accuracy_ci_high"))
+            assert 0 <= low <= acc <= high <= 1, (prefix, m)
+        assert m["eval/validation_in_dist/count"] == 6
+    assert dpo["eval/validation_in_dist/accuracy"] == 0.0  # the policy is its reference: every reward is 0

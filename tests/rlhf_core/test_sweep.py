@@ -181,3 +181,38 @@ def test_the_plots_are_against_size_across_presets_and_against_the_setting_withi
     for name, results in (("size", across), ("setting", within)):
         path = plot_sweep(results, "PPO win rate", tmp_path / f"{name}.png")
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_the_summary_gives_reward_model_and_dpo_accuracy_in_and_out_of_distribution(tmp_path):
+    results = []
+    for seed, (rm_in, rm_out, dpo_in) in enumerate([(0.70, 0.53, 0.66), (0.68, 0.55, 0.64)], 1):
+        r = result(seed, 2.0, 24.0)
+        for stage, in_dist, ood in (("reward_eval", rm_in, rm_out), ("dpo_eval", dpo_in, None)):
+            m = r.stages.setdefault(stage, {})
+            m |= {"eval/validation_in_dist/accuracy": in_dist}
+            m |= {"eval/validation_in_dist/accuracy_ci_low": in_dist - 0.06}
+            m |= {"eval/validation_in_dist/accuracy_ci_high": in_dist + 0.06}
+            if ood is not None:
+                m |= {"eval/accuracy": ood, "eval/accuracy_ci_low": ood - 0.07, "eval/accuracy_ci_high": ood + 0.07}
+        results.append(r)
+    assert results[0].value("RM in-distribution accuracy") == pytest.approx((0.70, 0.64, 0.76))
+    assert results[0].value("RM accuracy") == pytest.approx((0.53, 0.46, 0.60))
+    assert results[1].value("DPO in-distribution accuracy") == pytest.approx((0.64, 0.58, 0.70))
+    md = summary_markdown(SweepSpec(name="t", presets=["p"], seeds=[1, 2]), results, {})
+    header = next(line for line in md.splitlines() if line.startswith("| setting"))
+    assert header == (
+        "| setting | n | RM in-distribution accuracy | RM accuracy | DPO in-distribution accuracy "
+        "| PPO win rate | PPO KL | PPO response length |"
+    )
+    assert "| p/seed=1/ppo.kl_coef=a | 0.700 [0.640, 0.760] | 0.530 [0.460, 0.600] | 0.660 [0.600, 0.720] |" in md
+    assert "out of distribution" in md and "held out of the training split (validation_in_dist)" in md
+    rows = summary_rows(results, {})
+    assert rows[1]["RM in-distribution accuracy"] == 0.68
+    assert rows[1]["RM in-distribution accuracy ci_low"] == pytest.approx(0.62)
+    assert rows[0]["DPO in-distribution accuracy ci_high"] == pytest.approx(0.72)
+    assert math.isnan(rows[0]["DPO accuracy"])  # DPO was not evaluated out of distribution here
+    # without in-distribution comparisons, no such column and no word of them
+    ood_only = result(1, 2.0, 24.0)
+    ood_only.stages["reward_eval"] = {"eval/accuracy": 0.55}
+    md = summary_markdown(SweepSpec(name="t", presets=["p"]), [ood_only], {})
+    assert "| RM accuracy |" in md and "out of distribution" in md and "in-distribution" not in md

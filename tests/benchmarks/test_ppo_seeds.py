@@ -1,0 +1,43 @@
+"""benchmarks/ppo_seeds.py: PPO's check per seed from the stage's metrics or a sweep's cells.json."""
+
+import json
+
+from benchmarks.ppo_seeds import cell, from_cells
+from rlhf_core.sweep import COLUMNS
+
+METRICS = {
+    "eval/score_gain_vs_sft": 0.3,
+    "eval/score_gain_vs_sft_ci_low": 0.1,
+    "eval/score_gain_vs_sft_ci_high": 0.5,
+    "eval/eos_rate_policy": 0.95,
+    "eval/eos_rate_policy_ci_low": 0.8,
+    "eval/eos_rate_policy_ci_high": 0.99,
+    "objective/kl": 1.2,
+    "eval/repetition_rate_policy": 0.0,
+    "eval/repetition_rate_sft": 0.05,
+}
+
+
+def test_a_cell_passes_only_with_every_part_of_the_check():
+    ok = cell(2, METRICS)
+    assert ok["passed"] and ok["seed"] == 2 and ok["ppo_score_gain_ci"] == [0.1, 0.5] and ok["ppo_kl"] == 1.2
+    assert not cell(2, METRICS | {"eval/score_gain_vs_sft_ci_low": -0.01})["passed"]  # interval includes 0
+    assert not cell(2, METRICS | {"eval/eos_rate_policy": 0.89})["passed"]
+    assert not cell(2, METRICS | {"eval/repetition_rate_policy": 0.1})["passed"]  # more loops than SFT
+    assert not cell(2, {})["passed"]  # no check measured: not passed
+
+
+def test_cells_of_a_sweep_summary_read_the_columns_the_sweep_writes(tmp_path):
+    """The column names are the sweep's own (rlhf_core.sweep.COLUMNS), as summary_rows writes them."""
+    by_metric = {metric: (name, interval) for name, stage, metric, interval in COLUMNS if stage == "ppo"}
+    row = {"cell": "cpu-demo/seed=3", "seed": 3, "error": None}
+    for metric, value in METRICS.items():
+        if metric in by_metric:
+            row[by_metric[metric][0]] = value
+    for name, interval in by_metric.values():
+        if interval:
+            row[f"{name} ci_low"], row[f"{name} ci_high"] = METRICS[interval[0]], METRICS[interval[1]]
+    path = tmp_path / "cells.json"
+    path.write_text(json.dumps({"cells": [row]}))
+    [out] = from_cells(path)
+    assert out == cell(3, METRICS) | {"cell": "cpu-demo/seed=3", "error": None}
