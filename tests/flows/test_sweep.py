@@ -89,6 +89,10 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
     measured |= {"DPO accuracy": "dpo_eval/eval/accuracy", "PPO win rate": "evaluation/eval/ppo/win_rate"}
     measured |= {"DPO win rate": "evaluation/eval/dpo/win_rate", "PPO KL": "ppo/objective/kl"}
     measured |= {"PPO response length": "ppo/response/length_mean"}
+    # PPO's learning check, measured by its own stage against the SFT policy
+    measured |= {"PPO score gain vs SFT": "ppo/eval/score_gain_vs_sft", "PPO EOS rate": "ppo/eval/eos_rate_policy"}
+    measured |= {"PPO repetition rate": "ppo/eval/repetition_rate_policy"}
+    measured |= {"SFT repetition rate": "ppo/eval/repetition_rate_sft"}
     in_dist = {"RM in-distribution accuracy", "DPO in-distribution accuracy"}  # smoke holds out no comparisons
     assert set(measured) | in_dist == {c for c, *_ in COLUMNS}
     assert all(row[column] != row[column] for row in rows for column in in_dist)  # NaN: not measured
