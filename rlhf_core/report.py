@@ -79,7 +79,8 @@ DEFAULT_CAPTIONS: dict[str, str] = {
         "The reward model's output at every token of a few validation responses, the chosen and the "
         "rejected one of each pair (Huang et al. 2024, Detail 13, Figure 3). Only the output at the EOS "
         "(orange; the token before the first PAD, Detail 12) is trained, and it is the reward; the others "
-        "are by-products, typically negative (grey), and are never used as rewards."
+        "are by-products (mostly negative for the paper's models; their sign varies with the model) and "
+        "are never used as rewards."
     ),
     "value_vs_reward": (
         "The trained value model read as a per-token reward model (Huang et al. 2024, Detail 22): its "

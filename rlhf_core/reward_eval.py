@@ -270,7 +270,7 @@ def write_reward_logits(
 ) -> dict[str, Any] | None:
     """The reward logits at every token of a few validation responses (Huang et al. 2024,
     Detail 13, Figure 3): only the logit at the EOS is the reward; the others are not trained
-    and are typically negative.
+    (mostly negative for the paper's models; their sign varies with the model).
 
     Takes the chosen and the rejected response of the first ``n // 2`` pairs of the
     ``validation`` split (or, when ``cfg.eval_splits`` does not name it, of its first split),
