@@ -651,27 +651,13 @@ class PPOTrainer:
         mine = ds.select(split_range(len(ds), self.world))
         rows: list[tuple[float, float, bool, float, str]] = []
         self.policy.eval()
-        # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
-        # gathered whole first; a rank without prompts joins the gathering and computes nothing.
-        rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
-        with self.policy_parallel.gathered(), rng:  # the same samples every time, training's RNG untouched
-            if len(mine):
-                queries = torch.tensor(mine["query_token"])
-                summaries = self.policy_parallel.inference(
-                    summarize,
-                    self.tokenizer,
-                    queries,
-                    self.response_length,
-                    cfg.eval_temperature,
-                    cfg.micro_batch_size,
-                    cfg.seed + self.world.rank,
-                    cfg.bf16,
-                )
-        if against_sft:  # the SFT policy on the same prompts, with the same seeds
+        def sample(parallel):  # the same samples every time, training's RNG untouched
+            # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
+            # gathered whole first; a rank without prompts joins the gathering and computes nothing.
             rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
-            with self.ref_parallel.gathered(), rng:
+            with parallel.gathered(), rng:
                 if len(mine):
-                    sft_summaries = self.ref_parallel.inference(
+                    return parallel.inference(
                         summarize,
                         self.tokenizer,
                         queries,
@@ -681,6 +667,12 @@ class PPOTrainer:
                         cfg.seed + self.world.rank,
                         cfg.bf16,
                     )
+            return None
+
+        queries = torch.tensor(mine["query_token"]) if len(mine) else None
+        summaries = sample(self.policy_parallel)
+        # the SFT policy (the frozen reference) on the same prompts, with the same seeds
+        sft_summaries = sample(self.ref_parallel) if against_sft else None
         with self.reward_parallel.gathered() if self.reward_parallel is not None else nullcontext():
             if len(mine):
                 policy = self.score(queries, summaries.responses)
