@@ -4,9 +4,12 @@ The check is the one the PPO stage measures against the SFT policy on its evalua
 (:func:`rlhf_core.ppo_trainer.learning_check_metrics`): the reward-model score gain over SFT
 with its 95% interval above 0, and an EOS rate of at least 90%; beside it the KL of the last
 update and both policies' repetition rates (share of greedy summaries caught in a loop, which
-must be no higher for PPO than for SFT). Writes one object per cell: ``seed``,
+must be no higher for PPO than for SFT). From a sweep, the KL must also be bounded: a cell the
+sweep's seed-health rule flags (final KL or response length outside 2x / 1.5x of its sibling
+seeds' median, README "Seed health") fails. Writes one object per cell: ``seed``,
 ``ppo_score_gain``, ``ppo_score_gain_ci`` ``[low, high]``, ``ppo_eos_rate``, ``ppo_kl``,
-``repetition_rate``, ``sft_repetition_rate``, ``passed``, with the machine and the commit.
+``repetition_rate``, ``sft_repetition_rate``, ``flagged`` (``None`` outside a sweep),
+``passed``, with the machine and the commit.
 
 Usage:
   .venv/bin/python benchmarks/ppo_seeds.py --cells runs/sweeps/cpu-seeds/summary/cells.json \\
@@ -27,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cell(seed: int, metrics: dict[str, float]) -> dict:
-    """One cell's check from the PPO stage's final metrics (``eval/...`` and ``objective/kl``)."""
+def cell(seed: int, metrics: dict[str, float], flagged: bool | None = None) -> dict:
+    """One cell's check from the PPO stage's final metrics (``eval/...`` and ``objective/kl``) and
+    the sweep's seed-health flag (``None``: not from a sweep)."""
     gain = metrics.get("eval/score_gain_vs_sft", math.nan)
     low = metrics.get("eval/score_gain_vs_sft_ci_low", math.nan)
     high = metrics.get("eval/score_gain_vs_sft_ci_high", math.nan)
@@ -47,7 +51,8 @@ def cell(seed: int, metrics: dict[str, float]) -> dict:
         "ppo_kl": metrics.get("objective/kl", math.nan),
         "repetition_rate": repetition,
         "sft_repetition_rate": sft_repetition,
-        "passed": bool(low > 0 and eos >= 0.9 and repetition <= sft_repetition),
+        "flagged": flagged,
+        "passed": bool(low > 0 and eos >= 0.9 and repetition <= sft_repetition and not flagged),
     }
 
 
@@ -67,7 +72,8 @@ def from_cells(path: Path) -> list[dict]:
     out = []
     for row in json.loads(path.read_text())["cells"]:
         metrics = {key: row[column] for key, column in names.items() if row.get(column) is not None}
-        out.append(cell(int(row["seed"]), metrics) | {"cell": row["cell"], "error": row.get("error")})
+        flagged = bool(row.get("flagged"))
+        out.append(cell(int(row["seed"]), metrics, flagged) | {"cell": row["cell"], "error": row.get("error")})
     return out
 
 
@@ -94,7 +100,10 @@ def main() -> None:
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}",
         "commit": commit,
         "preset": args.preset,
-        "check": "PPO minus SFT score: 95% interval above 0; PPO EOS rate >= 0.9; PPO repetition rate <= SFT's",
+        "check": (
+            "PPO minus SFT score: 95% interval above 0; PPO EOS rate >= 0.9; PPO repetition rate <= SFT's; "
+            "from a sweep, not flagged by its seed-health rule (KL and length within 2x / 1.5x of the siblings)"
+        ),
         "passed": f"{sum(c['passed'] for c in cells)}/{len(cells)}",
         "cells": cells,
     }

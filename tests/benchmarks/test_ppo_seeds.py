@@ -25,12 +25,14 @@ def test_a_cell_passes_only_with_every_part_of_the_check():
     assert not cell(2, METRICS | {"eval/eos_rate_policy": 0.89})["passed"]
     assert not cell(2, METRICS | {"eval/repetition_rate_policy": 0.1})["passed"]  # more loops than SFT
     assert not cell(2, {})["passed"]  # no check measured: not passed
+    assert not cell(2, METRICS, flagged=True)["passed"]  # KL or length diverging from the sibling seeds
+    assert cell(2, METRICS, flagged=False)["passed"] and ok["flagged"] is None
 
 
 def test_cells_of_a_sweep_summary_read_the_columns_the_sweep_writes(tmp_path):
     """The column names are the sweep's own (rlhf_core.sweep.COLUMNS), as summary_rows writes them."""
     by_metric = {metric: (name, interval) for name, stage, metric, interval in COLUMNS if stage == "ppo"}
-    row = {"cell": "cpu-demo/seed=3", "seed": 3, "error": None}
+    row = {"cell": "cpu-demo/seed=3", "seed": 3, "error": None, "flagged": True}
     for metric, value in METRICS.items():
         if metric in by_metric:
             row[by_metric[metric][0]] = value
@@ -40,4 +42,5 @@ def test_cells_of_a_sweep_summary_read_the_columns_the_sweep_writes(tmp_path):
     path = tmp_path / "cells.json"
     path.write_text(json.dumps({"cells": [row]}))
     [out] = from_cells(path)
-    assert out == cell(3, METRICS) | {"cell": "cpu-demo/seed=3", "error": None}
+    assert out == cell(3, METRICS, flagged=True) | {"cell": "cpu-demo/seed=3", "error": None}
+    assert not out["passed"]  # the sweep's seed-health flag fails the cell

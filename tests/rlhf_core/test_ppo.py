@@ -64,6 +64,35 @@ def test_gae_stops_at_the_end_of_the_valid_positions():
     torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, a1 + 0.6, 0.0]]))
 
 
+
+def test_values_above_the_scores_give_the_eos_the_most_negative_advantage_unless_lam_is_1():
+    """Why cpu-demo runs GAE with lam 1: a value model that starts as a reward model whose
+    outputs off the EOS are positive (Details 13, 22) sits above every return, so each response
+    ends with a large negative TD error at its EOS. With lam < 1 the last tokens take most of
+    it, and after whitening the EOS has the most negative advantage of its response even for
+    the best-scored one (an "end later" push whatever the score); with lam 1 every token's
+    advantage is its return minus its value, and the EOS advantages keep the scores' order."""
+    scores = torch.tensor([-0.6, -0.3, 0.2])  # at the EOS, the last of 32 tokens
+    rewards = torch.zeros(3, 32)
+    rewards[:, -1] = scores
+    values = torch.full((3, 32), 2.5)  # the reward model's outputs off the EOS
+    mask = torch.ones(3, 32, dtype=torch.bool)
+    whitened = {
+        lam: masked_whiten(compute_advantages(rewards, values, mask, gamma=1.0, lam=lam)[0], mask)
+        for lam in (0.95, 1.0)
+    }
+    a = whitened[0.95]
+    assert (a[:, -1] < a[:, 0] - 2.0).all()  # every response: its EOS far below its first token,
+    assert (a[:, -1] == a.min(dim=1).values).all() and a[2, -1] < -1.0  # the best-scored one's too
+    a = whitened[1.0]
+    torch.testing.assert_close(a[:, -1], a[:, 0])  # no position effect
+    assert a[2, -1] > 0 > a[0, -1]  # the EOS is pushed by its score
+    for a in whitened.values():
+        assert a[:, -1].argsort().tolist() == [0, 1, 2]  # the EOS advantages keep the scores' order
+    # lam 1: the advantage at every token of a response is its score minus the (constant) value
+    advantages, _ = compute_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(advantages, (scores - 2.5)[:, None].expand(3, 32))
+
 def test_rewards_put_kl_on_tokens_and_score_at_eos():
     logprobs = torch.tensor([[-1.0, -2.0, -1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.0, -1.0, 1.0], [-2.0, -2.0, -2.0, -2.0]])
