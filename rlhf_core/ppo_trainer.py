@@ -651,6 +651,7 @@ class PPOTrainer:
         mine = ds.select(split_range(len(ds), self.world))
         rows: list[tuple[float, float, bool, float, str]] = []
         self.policy.eval()
+
         def sample(parallel):  # the same samples every time, training's RNG untouched
             # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
             # gathered whole first; a rank without prompts joins the gathering and computes nothing.

@@ -64,7 +64,6 @@ def test_gae_stops_at_the_end_of_the_valid_positions():
     torch.testing.assert_close(ret, torch.tensor([[a0 + 0.5, a1 + 0.6, 0.0]]))
 
 
-
 def test_values_above_the_scores_give_the_eos_the_most_negative_advantage_unless_lam_is_1():
     """Why cpu-demo runs GAE with lam 1: a value model that starts as a reward model whose
     outputs off the EOS are positive (Details 13, 22) sits above every return, so each response
@@ -92,6 +91,7 @@ def test_values_above_the_scores_give_the_eos_the_most_negative_advantage_unless
     # lam 1: the advantage at every token of a response is its score minus the (constant) value
     advantages, _ = compute_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
     torch.testing.assert_close(advantages, (scores - 2.5)[:, None].expand(3, 32))
+
 
 def test_rewards_put_kl_on_tokens_and_score_at_eos():
     logprobs = torch.tensor([[-1.0, -2.0, -1.0, 1.0], [-1.0, -1.0, -1.0, -1.0]])
