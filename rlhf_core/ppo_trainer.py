@@ -649,7 +649,7 @@ class PPOTrainer:
         ds = self.sft[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
         mine = ds.select(split_range(len(ds), self.world))
-        rows: list[tuple[float, float, bool, float, str]] = []
+        rows: list[tuple[float, float, bool, float, str, float, bool, str | None]] = []
         self.policy.eval()
 
         def sample(parallel):  # the same samples every time, training's RNG untouched
