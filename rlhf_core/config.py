@@ -387,6 +387,12 @@ class PPOConfig(TrainerConfig):
     reward: str = "model"
     whiten_rewards: bool = False
     score_position: Literal["eos", "after_eos"] = "eos"
+    #: The value model's start, with a reward model (Detail 22): ``reward_model``, the reward
+    #: model as it is (the paper's); ``zero_head``, its backbone with the head's weight and bias
+    #: zeroed, so every value is 0 until the value model learns and the first advantages are the
+    #: whitened returns. Without a reward model (a rule reward) the start is always the SFT
+    #: backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
+    value_init: Literal["reward_model", "zero_head"] = "reward_model"
     eval_every: int = Field(10, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
     #: Data parallelism under torchrun (rlhf_core.distributed.STRATEGIES): ddp, zero2 (policy and

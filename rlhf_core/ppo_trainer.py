@@ -413,14 +413,19 @@ class PPOTrainer:
             torch.manual_seed(cfg.seed + self.world.rank)  # each rank samples its own responses
 
     def initial_value_model(self) -> ScalarModel:
-        """The value model before training, on the CPU: the reward model (Detail 22), or without
-        one (a rule reward) the SFT backbone with a zero head (V = 0 until it learns), so the first
-        advantages are the lambda-returns of the rewards; Detail 11's random head gives values
-        that dwarf a score in [-1, 0] (benchmarks/README.md)."""
+        """The value model before training, on the CPU: the reward model (Detail 22), with its
+        head zeroed under ``ppo.value_init: zero_head``; without one (a rule reward) the SFT
+        backbone with a zero head. A zero head gives V = 0 until the value model learns, so the
+        first advantages are the lambda-returns of the rewards; Detail 11's random head gives
+        values that dwarf a score in [-1, 0] (benchmarks/README.md)."""
         if self.reward_model_dir is not None:
-            return ScalarModel.from_pretrained(str(self.reward_model_dir))
-        model = reward_model_from_causal_lm(self.sft_model_dir, seed=self.cfg.seed)
+            model = ScalarModel.from_pretrained(str(self.reward_model_dir))
+            if self.cfg.value_init == "reward_model":
+                return model
+        else:
+            model = reward_model_from_causal_lm(self.sft_model_dir, seed=self.cfg.seed)
         nn.init.zeros_(model.head.weight)
+        nn.init.zeros_(model.head.bias)
         return model
 
     # ------------------------------------------------------------------ scoring

@@ -11,11 +11,12 @@ from rlhf_core.config import PPOConfig, load_config
 from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import repetition_loop, wilson_interval
 from rlhf_core.generation import trim_left_padding, truncate_after_eos
-from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits
+from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits, whiten
 from rlhf_core.ppo_trainer import (
     PPOTrainer,
     kl_penalised_rewards,
     make_trajectory,
+    masked_mean_var,
     response_logits,
     response_values,
     run_ppo,
@@ -75,6 +76,34 @@ def test_value_model_starts_as_the_reward_model(smoke):
     assert all(p.requires_grad for p in trainer.value_model.parameters())
     assert not any(p.requires_grad for p in trainer.reward_model.parameters())
     assert not any(p.requires_grad for p in trainer.ref_policy.parameters())
+
+
+def test_zero_head_value_model_is_the_reward_models_backbone_with_values_0(smoke, tmp_path):
+    """``ppo.value_init: zero_head``: the reward model's backbone, its head's weight and bias
+    zeroed, so the first advantages are the whitened returns; the reward model keeps its head."""
+    cfg, root = smoke
+    reward_model = ScalarModel.from_pretrained(str(root / "rm"))
+    with torch.no_grad():
+        reward_model.head.bias.fill_(0.5)  # as after normalisation (Detail 15): a bias to zero too
+    reward_model.save_pretrained(tmp_path / "rm")
+    ppo_cfg = cfg.ppo.model_copy(update={"value_init": "zero_head", "bf16": False})
+    trainer = PPOTrainer(ppo_cfg, root / "data", root / "sft", tmp_path / "rm")
+    assert trainer.reward_model.head.bias.item() == 0.5
+    rm = trainer.reward_model.state_dict()
+    value = trainer.value_model.state_dict()
+    assert rm.keys() == value.keys()
+    for k in rm:
+        if not k.startswith("head."):
+            assert torch.equal(rm[k], value[k]), k
+    head = trainer.value_model.head
+    assert not head.weight.any() and not head.bias.any()
+    assert trainer.reward_model.head.weight.any()
+    assert all(p.requires_grad for p in trainer.value_model.parameters())
+    traj = trainer.generate_trajectory(trainer.queries[:4])
+    assert not traj.values.any()
+    advantages, returns = whitened_advantages(traj, kl_penalised_rewards(traj, ppo_cfg), ppo_cfg)
+    mask = traj.token_mask
+    torch.testing.assert_close(advantages, whiten(returns, *masked_mean_var(returns, mask)) * mask)
 
 
 def test_rollout_is_consistent(smoke):
