@@ -59,6 +59,18 @@ def init_from_env(backend: str | None = None) -> World:
     return world()
 
 
+def leave() -> None:
+    """Leave the process group that :func:`init_from_env` joined; a no-op when none is joined.
+
+    Every rank calls it before its process exits, also after an error: otherwise gloo's worker
+    threads outlive the interpreter's teardown and a rank that finished its work can still abort
+    with SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489), which
+    fails the whole ``torchrun`` job. Local to this rank: no collective, so it cannot hang.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shard(indices: Sequence[int], w: World | None = None) -> list[int]:
     """This rank's contiguous share of a global batch's row indices.
 

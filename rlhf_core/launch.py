@@ -25,11 +25,15 @@ import subprocess
 import sys
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config import PipelineConfig, load_config
 from .io import write_json_atomic
 from .pipeline import STAGES
 from .tracking import JsonlTracker, NullTracker, Tracker, replay
+
+if TYPE_CHECKING:
+    from .distributed import World
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .distributed import init_from_env  # torch: on the ranks, not in the process that launches them
+    from .distributed import init_from_env, leave  # torch: on the ranks, not in the process that launches them
 
     w = init_from_env()
+    try:
+        _run_rank(args, w)
+    finally:
+        leave()
+    return 0
+
+
+def _run_rank(args: argparse.Namespace, w: World) -> None:
+    """This rank's share of :func:`main`: check the arguments, run the stage, write the result."""
     stage = STAGES[args.stage]
     if w.size > 1 and args.stage not in DATA_PARALLEL:
         raise ValueError(f"stage {args.stage} runs on one process; data-parallel stages: {', '.join(DATA_PARALLEL)}")
@@ -150,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     result = stage.run(cfg, args.inputs, args.out, tracker) or {}
     if w.is_main and args.result is not None:
         write_json_atomic(args.result, {k: v for k, v in result.items() if isinstance(v, (int, float, str))})
-    return 0
 
 
 if __name__ == "__main__":

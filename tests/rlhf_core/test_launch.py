@@ -86,3 +86,21 @@ def test_rlhf_sft_trains_on_two_processes_when_asked(tmp_path):
     steps = [step for step, m in read_metrics(tmp_path / "sft" / "metrics.jsonl") if "train/loss" in m]
     assert steps == [1, 2]  # each optimiser step recorded once, by rank 0
     assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()
+
+
+def test_a_rank_leaves_its_process_group_even_when_the_stage_fails(tmp_path):
+    """A rank that exits with gloo's process group still joined can abort in the interpreter's
+    teardown (SIGABRT) after finishing its work; ``main`` leaves the group on every way out, here
+    after the stage's argument check raises (one rank of gloo, in its own process)."""
+    code = f"""
+import torch.distributed as dist
+from rlhf_core.launch import main
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="file://{tmp_path / "store"}")
+try:
+    main(["sft", "--preset", "smoke", "--out", "{tmp_path / "out"}"])
+except ValueError as e:
+    print("RAISED", "input directories" in str(e))
+print("JOINED", dist.is_initialized())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "RAISED True" in out.stdout and "JOINED False" in out.stdout, out.stdout + out.stderr[-2000:]
