@@ -61,7 +61,23 @@ def variant_ids(tokenizer, summary: str, reference: str, variant: str, response_
 
 
 def measure(data_dir: Path, reward_model_dir: Path, samples: Path, response_length: int | None = None) -> dict:
-    """Raw scores of every variant and their paired differences from ``once``."""
+    """The reward model's raw scores (before normalisation, Detail 14) of every variant of each
+    SFT summary in ``samples``, and each variant's paired difference from ``once``.
+
+    Row ``i`` of ``samples`` (a PPO stage's ``samples.jsonl``: ``sft`` and ``reference`` text) is
+    the ``i``-th query of the data stage's SFT ``validation`` split; rows without an SFT summary
+    are skipped. ``response_length`` (tokens; default the data stage's padded SFT response
+    length) is where a variant is cut.
+
+    Returns:
+        ``n`` (rows scored), ``response_length``, ``mean_raw_score`` ``{variant: float}``,
+        ``minus_once`` ``{variant: {"mean", "ci" [low, high] (95%, paired), "share_higher"
+        (fraction of rows, 0-1)}}`` and ``raw_scores`` ``{variant: list of n floats}``; scores
+        are in the reward model's raw logit units.
+
+    Raises:
+        ValueError: ``samples`` has more rows than the validation split of ``data_dir``.
+    """
     import torch
 
     from rlhf_core.data import load_data_tokenizer, load_prepared
