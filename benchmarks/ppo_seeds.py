@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--run", action="append", default=[], help="SEED=DIR: an `rlhf stages` run directory")
     parser.add_argument("--preset", default="cpu-demo")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--commit", default=None, help="the commit the runs were made with (default: HEAD)")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from benchmarks.judge_agreement import cpu_flags
@@ -95,7 +96,10 @@ def main() -> None:
         cells.append(cell(int(seed), metrics) | {"run": directory})
     if not cells:
         parser.error("give --cells or at least one --run")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = (
+        args.commit
+        or subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    )
     report = {
         "machine": f"{cpu_model()}, {os.cpu_count()} cores, flags {' '.join(cpu_flags()) or 'none'}",
         "commit": commit,
