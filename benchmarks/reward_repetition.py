@@ -61,7 +61,7 @@ def variant_ids(tokenizer, summary: str, reference: str, variant: str, response_
 
 
 def measure(data_dir: Path, reward_model_dir: Path, samples: Path, response_length: int | None = None) -> dict:
-    """The reward model's raw scores (before normalisation, Detail 14) of every variant of each
+    """The reward model's raw scores (before normalisation, Detail 15) of every variant of each
     SFT summary in ``samples``, and each variant's paired difference from ``once``.
 
     Row ``i`` of ``samples`` (a PPO stage's ``samples.jsonl``: ``sft`` and ``reference`` text) is
