@@ -1,5 +1,6 @@
-"""Which data-parallel strategy fits each Pythia size on 8 x 80 GB and on 1 x 141 GB: a
-written estimate of GPU memory per rank for every training stage (no GPU needed).
+"""Which data-parallel strategy fits each Pythia size on 8 x 80 GB and on 1 x 141 GB, and the
+LoRA presets on their single GPU: a written estimate of GPU memory per rank for every training
+stage (no GPU needed).
 
 Usage::
 
@@ -18,6 +19,10 @@ published configuration (no weights, no download). Per rank, in bytes, with ``P`
   float32 input kept, ``4 L b s h``, plus one layer's activations while it is recomputed,
   ``34 b s h`` (Korthikanti et al. 2022, arXiv:2205.05198, eq. 1, without the attention-score
   term that a fused attention kernel does not store); the language-model head runs in chunks;
+- a model trained through rank-``r`` low-rank adapters (``rlhf_core.lora``; the presets
+  ``pythia-6.9b-1gpu`` and ``llama-3.2-1b-lora``, one GPU) keeps its float32 weights frozen (4P)
+  and 16 bytes per adapter parameter, ``r`` times the sum of in + out features over the
+  backbone's linear layers; the reference policy is the policy with its adapters off (no copy);
 - PPO peaks in one of two phases. The update holds both trained models whole (weights,
   gradients, AdamW state, as above), the frozen ones and one micro-batch's activations.
   Sampling holds no gradients (they are freed after each optimiser step) but the key/value
@@ -55,12 +60,29 @@ SEQ = {"sft": 565, "reward": 638, "dpo": 638, "ppo": 565}
 GB = 1e9
 
 
+#: Llama-3.2-1B's published configuration (meta-llama/Llama-3.2-1B config.json).
+LLAMA_3_2_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=True,
+)
+#: The LoRA presets, their model and the single GPUs they are meant for.
+LORA_PRESETS = {"pythia-6.9b-1gpu": ("pythia-6.9b", [141]), "llama-3.2-1b-lora": ("llama-3.2-1b", [24, 40])}
+
+
 @dataclass
 class Model:
     params: int
     layer_params: int
     layers: int
     hidden: int
+    #: The sum of in_features + out_features over the backbone's linear layers: rank-r adapters on
+    #: all of them have r times this many parameters (A: r x in, B: out x r).
+    linear_in_out: int = 0
 
 
 def pythia(name: str) -> Model:
@@ -71,8 +93,27 @@ def pythia(name: str) -> Model:
     cfg = GPTNeoXConfig(**PYTHIA[name], rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False)
     with torch.device("meta"):
         model = GPTNeoXForCausalLM(cfg)
-    layer = sum(p.numel() for p in model.gpt_neox.layers[0].parameters())
-    return Model(sum(p.numel() for p in model.parameters()), layer, cfg.num_hidden_layers, cfg.hidden_size)
+    return _counts(model, model.gpt_neox.layers[0], cfg)
+
+
+def llama_3_2_1b() -> Model:
+    """The exact parameter counts of Llama-3.2-1B (``LlamaForCausalLM`` on the meta device)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**LLAMA_3_2_1B)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return _counts(model, model.model.layers[0], cfg)
+
+
+def _counts(model, layer, cfg) -> Model:
+    from torch import nn
+
+    linear = sum(m.in_features + m.out_features for m in model.base_model.modules() if isinstance(m, nn.Linear))
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    layer_params = sum(p.numel() for p in layer.parameters())
+    return Model(params, layer_params, cfg.num_hidden_layers, cfg.hidden_size, linear)
 
 
 def trained(m: Model, strategy: str, n: int) -> float:
@@ -82,6 +123,13 @@ def trained(m: Model, strategy: str, n: int) -> float:
     if strategy == "zero2":
         return 4 * m.params + 12 * m.params / n
     return 16 * m.params / n + 2 * 4 * m.layer_params  # fsdp: shards + a gathered layer (and its prefetch)
+
+
+def adapted(m: Model, r: int) -> float:
+    """Bytes of a model trained through rank-``r`` adapters (``rlhf_core.lora``) on one GPU: its
+    frozen float32 weights (4P) and the adapters' float32 weights, gradients and AdamW moments
+    (16 bytes each); a scalar head trained in full is negligible."""
+    return 4 * m.params + 16 * r * m.linear_in_out
 
 
 def frozen(m: Model, placement: str, n: int) -> float:
@@ -110,6 +158,51 @@ def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placemen
     kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
     gathered = 4 * m.params * (1 - 1 / n) if strategy == "fsdp" else 0.0
     return models + max(activations(m, micro, seq), kv_cache + gathered - gradients)
+
+
+def lora_stage_bytes(stage: str, m: Model, micro: int, r: int, reward_placement: str) -> float:
+    """Bytes of one stage on one GPU with rank-``r`` adapters on every trained model: no
+    reference copy (the policy with its adapters off), PPO's reward model ``whole`` or on the
+    ``cpu``; activations as without adapters (the backward pass still runs through every layer)."""
+    seq = SEQ[stage]
+    if stage == "sft":
+        return adapted(m, r) + activations(m, micro, seq)
+    if stage in ("reward", "dpo"):
+        return adapted(m, r) + activations(m, 2 * micro, seq)
+    models = 2 * adapted(m, r) + frozen(m, reward_placement, 1)
+    gradients = 2 * 4 * r * m.linear_in_out
+    kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
+    return models + max(activations(m, micro, seq), kv_cache - gradients)
+
+
+def lora_rows() -> list[dict]:
+    """The LoRA presets' stages on the single GPUs they are meant for (:data:`LORA_PRESETS`)."""
+    from rlhf_core.config import load_config
+
+    rows = []
+    for preset, (model_name, capacities) in LORA_PRESETS.items():
+        cfg = load_config(preset)
+        m = pythia(model_name) if model_name in PYTHIA else llama_3_2_1b()
+        for stage in ("sft", "reward", "dpo", "ppo"):
+            section = getattr(cfg, stage)
+            for capacity in capacities:
+                for placement in ("whole", "cpu") if stage == "ppo" else ("-",):
+                    estimate = lora_stage_bytes(stage, m, section.micro_batch_size, section.lora.r, placement)
+                    rows.append(
+                        {
+                            "preset": preset,
+                            "parameters": m.params,
+                            "adapter parameters": section.lora.r * m.linear_in_out,
+                            "stage": stage,
+                            "machine": f"1 x {capacity} GB",
+                            "strategy": f"lora r={section.lora.r}",
+                            "frozen models": "reward model " + placement if stage == "ppo" else "-",
+                            "micro_batch_size": section.micro_batch_size,
+                            "GB per GPU": round(estimate / GB, 1),
+                            "fits": estimate <= 0.9 * capacity * GB,
+                        }
+                    )
+    return rows
 
 
 def main() -> None:
@@ -150,6 +243,7 @@ def main() -> None:
                             "fits": estimate <= 0.9 * capacity * GB,
                         }
                     )
+    rows += lora_rows()
     width = max(len(r["preset"]) for r in rows)
     print(f"{'preset':<{width}}  {'params':>13}  stage   machine      strategy  frozen   micro  GB/GPU  fits")
     for r in rows:

@@ -21,6 +21,7 @@ Usage::
     .venv/bin/python benchmarks/ppo_learning.py --sft-model runs/cpu-demo/artifacts/sft/<key>/model
     .venv/bin/python benchmarks/ppo_learning.py --updates 1 --batch-size 2 --response-length 8 \\
         --sft-steps 1 --sft-batch-size 4 --sft-eval-samples 1 --eval-samples 1   # does it run?
+    .venv/bin/python benchmarks/ppo_learning.py --lora-r 16 --lr 5e-4 ...   # low-rank adapters (ppo.lora)
 
 Prints the CPU features that decide the precision (``avx512_bf16``, ``amx_bf16``: native bf16)
 and the resolved precision, then per update the mean score, the KL to the SFT policy (nats
@@ -100,6 +101,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument(
+        "--lora-r",
+        type=int,
+        default=0,
+        help="ppo.lora.r: low-rank adapters on the policy and value model (0: every weight trains)",
+    )
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="ppo.lora.alpha")
+    p.add_argument(
         "--lam",
         type=float,
         default=1.0,
@@ -151,6 +159,8 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"ppo.checkpoint_every={args.updates + 1}",
         f"ppo.bf16={args.bf16}",
         f"ppo.seed={args.seed}",
+        f"ppo.lora.r={args.lora_r}",
+        f"ppo.lora.alpha={args.lora_alpha}",
         f"sft.max_steps={args.sft_steps}",
         f"sft.batch_size={args.sft_batch_size}",
         f"sft.micro_batch_size={min(args.sft_batch_size, 4)}",

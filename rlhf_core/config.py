@@ -258,6 +258,25 @@ class ModelConfig(_Strict):
 # ------------------------------------------------------------------------- stages
 
 
+class LoraConfig(_Strict):
+    """Low-rank adapters for a trainer's models (LoRA: Hu et al. 2021, arXiv 2106.09685),
+    through ``peft`` (:mod:`rlhf_core.lora`).
+
+    ``r`` is the rank; 0 (the default) trains every weight, as without this block. ``alpha``
+    scales the low-rank update (``alpha / r * B @ A``, peft's ``lora_alpha``). ``dropout`` is on
+    the adapters' input (peft's ``lora_dropout``); 0 by default, since dropout makes two
+    forward passes of the same weights differ (Huang et al. 2024, Detail 7). ``target_modules``
+    names the linear layers adapted, by the last part of their name (``q_proj``); ``None``:
+    every linear layer of the backbone, not the language-model head or a scalar head (a reward
+    or value model's head trains in full beside the adapters).
+    """
+
+    r: int = Field(0, ge=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] | None = Field(None, min_length=1)
+
+
 class TrainerConfig(_Strict):
     """Settings every trainer has: AdamW and its schedule, the batch (optimiser step) and
     micro-batch (one forward and backward pass) sizes, precision, activation checkpointing,
@@ -288,6 +307,29 @@ class TrainerConfig(_Strict):
     #: Rows of each evaluation split used (None: all).
     eval_max_samples: int | None = Field(None, gt=0)
     seed: int = 1
+    #: Low-rank adapters instead of training every weight (LoraConfig; r 0: off). With r 0 the
+    #: block is left out of the dumped settings, so that the settings, and the stage's key, are
+    #: what they were before it existed.
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_serializer(mode="wrap")
+    def _no_lora_when_off(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        if self.lora.r == 0:
+            dumped.pop("lora", None)
+        return dumped
+
+    @model_validator(mode="after")
+    def _lora_on_whole_models(self) -> TrainerConfig:
+        # a sharded model is rebuilt whole on rank 0 after training as a plain model
+        # (rlhf_core.distributed.gather_to_main), without the adapters that peft put in place
+        strategy = getattr(self, "strategy", "ddp")
+        if self.lora.r and strategy != "ddp":
+            raise ValueError(
+                f"lora.r {self.lora.r} needs strategy ddp (each rank holds the whole model), not {strategy!r}: "
+                "adapters are not sharded"
+            )
+        return self
 
     @field_validator("checkpoint_every_minutes")
     @classmethod

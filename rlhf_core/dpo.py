@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from . import lora
 from .config import DPOConfig, RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
@@ -275,7 +276,10 @@ def run_dpo(
     """Train a policy with DPO on the preference train split, from and against the SFT policy.
 
     The policy starts as a copy of the SFT model; the reference is another, frozen copy, whose
-    log-probabilities are computed per micro-batch without gradients. Rows are visited in
+    log-probabilities are computed per micro-batch without gradients. With ``dpo.lora.r`` above
+    0 only low-rank adapters of the policy train (:mod:`rlhf_core.lora`), and the reference is
+    the policy with its adapters off (no second copy); ``out_dir/adapter`` holds them and
+    ``out_dir/model`` is the merged policy. Rows are visited in
     :func:`rlhf_core.training.batch_order`'s order, the reward model's for equal ``batch_size``,
     ``num_epochs`` and ``seed`` (Detail 19). Under ``torchrun`` each rank takes its share of
     every global batch and the loss is normalised by the pairs of all ranks, as the reward
@@ -297,9 +301,17 @@ def run_dpo(
     pad_id = tokenizer.pad_token_id
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world().size)
     device = pick_device()
-    reference = load_reference(sft_model_dir, device)
     policy = load_causal_lm(sft_model_dir).to(device)
+    adapted = lora.add_lora(policy, cfg.lora)  # None unless dpo.lora.r > 0
+    # the frozen reference: with adapters, the policy with them off; else a second copy
+    reference = load_reference(sft_model_dir, device) if adapted is None else None
     enable_activation_checkpointing(policy, cfg.gradient_checkpointing)
+
+    def reference_logprobs(parallel: DataParallel, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if adapted is None:
+            return pair_logprobs(reference, *args)
+        return lora.AdaptersDisabled(parallel, adapted).inference(pair_logprobs, *args)
+
     train = pref["train"].with_format(
         "torch", columns=["query_chosen_token", "query_rejected_token", "query_token_len"]
     )
@@ -314,7 +326,7 @@ def run_dpo(
             chosen, rejected = chosen_all[mb].to(device), rejected_all[mb].to(device)
             query_lengths = rows["query_token_len"][mb].to(device)
             with torch.no_grad(), autocast(device, cfg.bf16):
-                ref_chosen, ref_rejected = pair_logprobs(reference, chosen, rejected, query_lengths, pad_id)
+                ref_chosen, ref_rejected = reference_logprobs(parallel, chosen, rejected, query_lengths, pad_id)
             with autocast(device, cfg.bf16):
                 chosen_logps, rejected_logps = parallel(pair_logprobs, chosen, rejected, query_lengths, pad_id)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
@@ -348,6 +360,7 @@ def run_dpo(
     )
     if not world().is_main:
         return {}  # rank 0 saves
+    policy = lora.finish(adapted, policy, out_dir / "adapter")  # with adapters: them, and the merged model
     save_pretrained_atomic(policy, out_dir / "model", tokenizer)
     metrics = {k: v for k, v in last.items() if k.startswith("dpo/")}
     metrics.update({"dpo/steps": float(last["steps"]), "dpo/seconds": last["seconds"]})

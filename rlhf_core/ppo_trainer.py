@@ -53,6 +53,7 @@ from torch import nn
 from transformers import PreTrainedModel, get_scheduler
 
 from . import diagnostics as diag
+from . import lora
 from .config import PPOConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import (
@@ -355,7 +356,12 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 
 class PPOTrainer:
-    """Holds the four models and runs rollouts, updates and evaluations. See :func:`run_ppo`."""
+    """Holds the four models and runs rollouts, updates and evaluations. See :func:`run_ppo`.
+
+    With ``ppo.lora.r`` above 0 it holds three: the policy and the value model train low-rank
+    adapters (:func:`rlhf_core.lora.add_lora`), and the reference policy is the policy with its
+    adapters off (``ref_parallel`` is a :class:`rlhf_core.lora.AdaptersDisabled`; ``ref_policy``
+    is ``None``)."""
 
     def __init__(
         self,
@@ -387,13 +393,21 @@ class PPOTrainer:
         # this rank's queries and summaries of the last evaluate(), (n, query_length) and (n, R)
         self.eval_responses: tuple[torch.Tensor, torch.Tensor] | None = None
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
-        self.ref_policy = load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
         self.reward_model = (
             None
             if self.reward_fn is not None
             else (ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
         )
         self.value_model = self.initial_value_model().to(self.device)
+        # ppo.lora.r > 0: low-rank adapters on the policy and the value model (whose head trains in
+        # full), and the reference policy is the policy with its adapters off, not a second copy
+        self.policy_adapted = lora.add_lora(self.policy, cfg.lora)
+        self.value_adapted = lora.add_lora(self.value_model, cfg.lora, trained_in_full=["head"])
+        self.ref_policy = (
+            load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
+            if self.policy_adapted is None
+            else None
+        )
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
         enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
@@ -402,9 +416,14 @@ class PPOTrainer:
         # under fsdp only (DataParallel).
         self.policy_parallel = DataParallel(self.policy, cfg.strategy)
         self.value_parallel = DataParallel(self.value_model, cfg.strategy)
-        self.ref_parallel = DataParallel(self.ref_policy, cfg.strategy)
+        self.ref_parallel = (
+            DataParallel(self.ref_policy, cfg.strategy)
+            if self.policy_adapted is None
+            else lora.AdaptersDisabled(self.policy_parallel, self.policy_adapted)
+        )
         self.reward_parallel = None if self.reward_model is None else DataParallel(self.reward_model, cfg.strategy)
-        self.optimizer = adamw(self.models.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
+        trained = [p for p in self.models.parameters() if p.requires_grad]  # all, or the adapters and value head
+        self.optimizer = adamw(trained, lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
         self.scheduler = get_scheduler(
             cfg.scheduler, self.optimizer, num_warmup_steps=0, num_training_steps=self.num_updates
@@ -883,7 +902,9 @@ def run_ppo(
     out_dir: str | os.PathLike,
     tracker: Tracker | None = None,
 ) -> dict[str, float]:
-    """Run (or resume) PPO and write ``out_dir/model`` (the policy), ``out_dir/value_model``,
+    """Run (or resume) PPO and write ``out_dir/model`` (the policy), ``out_dir/value_model``
+    (with ``ppo.lora.r`` above 0 both merged, their adapters in ``out_dir/adapter`` and
+    ``out_dir/value_adapter``: :mod:`rlhf_core.lora`),
     ``out_dir/samples.jsonl`` (the last evaluation), ``out_dir/metrics.json`` and, with a reward
     model, ``out_dir/value_vs_reward.json`` and ``.png``: the trained value model's and the
     reward model's outputs at every token of the first few evaluation summaries (Detail 22;
@@ -992,6 +1013,9 @@ def run_ppo(
     value_model = gather_to_main(trainer.value_model, trainer.initial_value_model)
     if not w.is_main:
         return {}
+    # with adapters: they are saved, and merged into the models saved beside them
+    policy = lora.finish(trainer.policy_adapted, policy, out_dir / "adapter")
+    value_model = lora.finish(trainer.value_adapted, value_model, out_dir / "value_adapter")
     policy.eval()
     save_pretrained_atomic(policy, out_dir / "model", trainer.tokenizer)
     save_pretrained_atomic(value_model, out_dir / "value_model")

@@ -45,6 +45,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from . import lora
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
@@ -337,7 +338,10 @@ def run_reward_training(
     """Train a reward model on the preference train split, initialised from the SFT model.
 
     Writes ``out_dir/model`` (a :class:`ScalarModel` with the tokenizer) and
-    ``out_dir/metrics.json``; checkpoints in ``out_dir/checkpoints`` make it resumable.
+    ``out_dir/metrics.json``; checkpoints in ``out_dir/checkpoints`` make it resumable. With
+    ``reward.lora.r`` above 0 the backbone trains through low-rank adapters and the head in
+    full (:mod:`rlhf_core.lora`); ``out_dir/adapter`` holds both, ``out_dir/model`` the merged
+    model.
 
     Returns:
         Flat metrics of the last step: ``train/loss``, ``train/accuracy``,
@@ -353,6 +357,7 @@ def run_reward_training(
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
     device = pick_device()
     model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device)
+    adapted = lora.add_lora(model, cfg.lora, trained_in_full=["head"])  # None unless reward.lora.r > 0
     enable_activation_checkpointing(model, cfg.gradient_checkpointing)
     train = pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
 
@@ -393,6 +398,7 @@ def run_reward_training(
     )
     if not w.is_main:
         return {}  # rank 0 saves
+    model = lora.finish(adapted, model, out_dir / "adapter")  # with adapters: them, and the merged model
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
     metrics = {k: v for k, v in last.items() if k.startswith("train/")}
     metrics.update({"train/steps": float(last["steps"]), "train/seconds": last["seconds"]})

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from . import lora
 from .config import SFTConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import rouge_l
@@ -291,7 +292,9 @@ def run_sft(
 
     Writes ``out_dir/model`` (causal LM + tokenizer, loadable with
     :func:`rlhf_core.models.load_causal_lm`), ``out_dir/samples.jsonl`` and
-    ``out_dir/metrics.json``; mid-stage checkpoints go to ``out_dir/checkpoints`` and a
+    ``out_dir/metrics.json``; with ``sft.lora.r`` above 0 only low-rank adapters train
+    (:mod:`rlhf_core.lora`), ``out_dir/adapter`` holds them and ``out_dir/model`` is the
+    merged model; mid-stage checkpoints go to ``out_dir/checkpoints`` and a
     restarted run with the same configuration resumes from the newest one.
 
     Returns:
@@ -316,6 +319,7 @@ def run_sft(
     device = pick_device()
     torch.manual_seed(cfg.seed)
     model = load_causal_lm(base_model_dir).to(device)
+    adapted = lora.add_lora(model, cfg.lora)  # None unless sft.lora.r > 0
     enable_activation_checkpointing(model, cfg.gradient_checkpointing)
 
     train = sft_data["train"].with_format("torch", columns=["query_reference_response_token", "query_token_len"])
@@ -353,6 +357,7 @@ def run_sft(
     )
     if not w.is_main:
         return {}  # rank 0 saves and evaluates
+    model = lora.finish(adapted, model, out_dir / "adapter")  # with adapters: them, and the merged model
     save_pretrained_atomic(model, out_dir / "model", tokenizer)
     eval_metrics, samples = evaluate_sft(model, base_model_dir, sft_data[cfg.eval_split], stats, tokenizer, cfg, device)
     with open(out_dir / "samples.jsonl", "w") as fh:

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from .config import EpochTrainerConfig, TrainerConfig
+from .config import EpochTrainerConfig, TrainerConfig, flatten
 from .distributed import (
     DataParallel,
     all_reduce_sum,
@@ -356,14 +356,27 @@ def micro_batches(indices: list[int], micro_batch_size: int) -> Iterator[list[in
         yield indices[i : i + micro_batch_size]
 
 
+def frozen_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The state-dict names of ``model``'s parameters that do not require a gradient: with
+    low-rank adapters (:mod:`rlhf_core.lora`), the weights they adapt; none for a model that
+    trains every weight."""
+    return {
+        name
+        for name, value in model.state_dict(keep_vars=True).items()
+        if isinstance(value, torch.nn.Parameter) and not value.requires_grad
+    }
+
+
 class CheckpointManager:
     """Mid-stage checkpoints under ``root/step-NNNNNN/state.pt``, the newest ``keep`` kept.
 
-    A checkpoint holds the model and optimiser state dicts, the scheduler state, the torch
-    and Python RNG states, the step, and the stage's config digest; only checkpoints with
-    the same digest are resumed. Under ``torchrun`` every rank calls :meth:`save` and
-    :meth:`load_latest` (a sharded model's full state is gathered from all ranks) and rank 0
-    alone writes.
+    A checkpoint holds the model's state dict without its frozen parameters
+    (:func:`frozen_parameter_names`: with adapters, only they and a trained head are saved, and
+    the frozen weights come from the stage's input on resume), the optimiser state dict, the
+    scheduler state, the torch and Python RNG states, the step, and the stage's config digest;
+    only checkpoints with the same digest are resumed. Under ``torchrun`` every rank calls
+    :meth:`save` and :meth:`load_latest` (a sharded model's full state is gathered from all
+    ranks) and rank 0 alone writes.
 
     A checkpoint counts once its ``state.pt`` exists: the file is written under a temporary
     name, flushed to disk (``fsync``) and renamed, and only then are older checkpoints removed,
@@ -392,7 +405,9 @@ class CheckpointManager:
         Before writing, what an interrupted save left (a partial ``state.pt``, a folder without
         one) is removed; complete checkpoints are removed only after the new one is complete.
         """
+        frozen = frozen_parameter_names(model)  # LoRA's base weights: rebuilt, not saved
         model_sd, optimizer_sd = model_state(model), optimizer_state(model, optimizer)
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
         target = self.root / f"step-{step:06d}"
         if not world().is_main:
             return target
@@ -461,7 +476,16 @@ class CheckpointManager:
                 f"checkpoint {found[-1]} was written with a different configuration "
                 f"({state['config_digest']} != {self.config_digest}); remove {self.root} or use another output directory"
             )
-        load_model_state(model, state["model"])
+        frozen = frozen_parameter_names(model)
+        if frozen:  # the checkpoint holds what trains; the frozen weights are the model's own
+            missing, unexpected = model.load_state_dict(state["model"], strict=False)
+            if set(missing) != frozen or unexpected:
+                raise TrainingError(
+                    f"checkpoint {found[-1]} does not hold this model's trained parameters "
+                    f"(missing {sorted(set(missing) - frozen)[:5]}, unexpected {unexpected[:5]})"
+                )
+        else:
+            load_model_state(model, state["model"])
         load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -491,7 +515,7 @@ def trainer_checkpoints(
     ``cfg.keep_checkpoints`` are kept.
     """
     tracker.log_params(
-        {f"{section}.{k}": v for k, v in cfg.model_dump().items()}
+        flatten(cfg, prefix=f"{section}.")  # sft.lora.r, ...
         | {f"{section}.precision": precision_name(cfg.bf16, device)}
         | (extra_params or {})
     )

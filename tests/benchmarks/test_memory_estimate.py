@@ -36,3 +36,39 @@ def test_per_rank_bytes_of_weights_gradients_and_adam_under_each_strategy():
     sharded = memory_estimate.stage_bytes("ppo", m, 2, "fsdp", "sharded", 8)
     trained, frozen = 16 * 1_000 + 800, 4_000 + 800
     assert sharded == pytest.approx(2 * trained + 2 * frozen + max(acts, kv + 4 * 7_000 - 2 * 4 * 1_000))
+
+
+def test_llama_3_2_1b_and_its_adapter_parameters_are_counted_exactly():
+    import peft
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert memory_estimate.llama_3_2_1b().params == 1_235_814_400  # the published count
+    # r x (in + out) per adapted linear layer equals what peft builds (a 2-layer model of that shape)
+    cfg = LlamaConfig(**{**memory_estimate.LLAMA_3_2_1B, "num_hidden_layers": 2, "vocab_size": 64})
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    m = memory_estimate._counts(model, model.model.layers[0], cfg)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == 8 * m.linear_in_out
+
+
+def test_lora_presets_hold_no_reference_copy_and_no_optimiser_state_for_frozen_weights():
+    m = memory_estimate.Model(params=8_000, layer_params=100, layers=4, hidden=8, linear_in_out=50)
+    assert memory_estimate.adapted(m, 4) == 4 * 8_000 + 16 * 4 * 50
+    acts = memory_estimate.activations(m, 2, 638)
+    assert memory_estimate.lora_stage_bytes("dpo", m, 1, 4, "-") == memory_estimate.adapted(m, 4) + acts
+    # PPO: policy and value model adapted, the reward model whole or on the CPU, no reference
+    acts = memory_estimate.activations(m, 2, 565)
+    kv = 2 * 4 * 2 * 565 * 8 * 2
+    for placement, frozen in (("whole", 32_000), ("cpu", 0)):
+        expected = 2 * memory_estimate.adapted(m, 4) + frozen + max(acts, kv - 2 * 4 * 4 * 50)
+        assert memory_estimate.lora_stage_bytes("ppo", m, 2, 4, placement) == expected
+
+
+def test_every_stage_of_the_one_gpu_presets_fits_by_the_estimate():
+    rows = memory_estimate.lora_rows()
+    assert {r["preset"] for r in rows} == {"pythia-6.9b-1gpu", "llama-3.2-1b-lora"}
+    assert {r["stage"] for r in rows} == {"sft", "reward", "dpo", "ppo"}
+    assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]

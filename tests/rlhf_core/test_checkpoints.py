@@ -30,7 +30,14 @@ def test_the_default_cadence_is_30_minutes_with_one_checkpoint_kept_and_steps_ta
     for name in TRAINERS:
         assert getattr(demo, name).checkpoint_every is None and getattr(demo, name).checkpoint_every_minutes == 5
         assert getattr(smoke, name).checkpoint_every == 2  # the kill-and-resume tests wait for step 2
-    for preset in ("pythia-1b", "pythia-2.8b", "pythia-6.9b", "llama-3.2-1b-h200"):
+    for preset in (
+        "pythia-1b",
+        "pythia-2.8b",
+        "pythia-6.9b",
+        "pythia-6.9b-1gpu",
+        "llama-3.2-1b-h200",
+        "llama-3.2-1b-lora",
+    ):
         assert all(getattr(load_config(preset), name).checkpoint_every is None for name in TRAINERS), preset
 
 

@@ -9,7 +9,16 @@ import yaml
 from rlhf_core.cli import main
 from rlhf_core.config import ConfigError, available_presets, config_from_dict, flatten, load_config, parse_override
 
-PRESETS = ["smoke", "cpu-demo", "pythia-1b", "pythia-2.8b", "pythia-6.9b", "llama-3.2-1b-h200"]
+PRESETS = [
+    "smoke",
+    "cpu-demo",
+    "pythia-1b",
+    "pythia-2.8b",
+    "pythia-6.9b",
+    "pythia-6.9b-1gpu",
+    "llama-3.2-1b-h200",
+    "llama-3.2-1b-lora",
+]
 
 
 def test_all_presets_exist_and_validate():
