@@ -302,7 +302,7 @@ def run_dpo(
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world().size)
     device = pick_device()
     policy = load_causal_lm(sft_model_dir).to(device)
-    adapted = lora.add_lora(policy, cfg.lora)  # None unless dpo.lora.r > 0
+    adapted = lora.add_lora(policy, cfg.lora, cfg.seed)  # None unless dpo.lora.r > 0
     # the frozen reference: with adapters, the policy with them off; else a second copy
     reference = load_reference(sft_model_dir, device) if adapted is None else None
     enable_activation_checkpointing(policy, cfg.gradient_checkpointing)

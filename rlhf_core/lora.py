@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import peft
+import torch
 from torch import nn
 
 from .config import LoraConfig
@@ -36,7 +37,9 @@ def linear_layer_names(module: nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in module.named_modules() if isinstance(m, nn.Linear) and name})
 
 
-def add_lora(model: nn.Module, cfg: LoraConfig, trained_in_full: Sequence[str] = ()) -> peft.PeftModel | None:
+def add_lora(
+    model: nn.Module, cfg: LoraConfig, seed: int, trained_in_full: Sequence[str] = ()
+) -> peft.PeftModel | None:
     """Adapt ``model``'s backbone with LoRA in place, as ``cfg`` says; ``None`` when ``cfg.r``
     is 0 (``model`` untouched, every weight trained as before).
 
@@ -46,9 +49,14 @@ def add_lora(model: nn.Module, cfg: LoraConfig, trained_in_full: Sequence[str] =
     parameter of ``model`` but the modules named in ``trained_in_full`` (a scalar model's
     ``head``, peft's ``modules_to_save``), stop requiring gradients.
 
+    The adapters' ``A`` matrices are drawn (peft's Kaiming-uniform initialisation) from
+    ``seed``, in a forked random state: the same adapters in every process and on every rank,
+    and the caller's random stream (PPO's sampling) as it would be without them.
+
     Args:
         model: a model with ``base_model`` (a ``transformers`` model, a ``ScalarModel``).
         cfg: the trainer section's ``lora`` block.
+        seed: the seed of the adapters' initialisation (the trainer section's ``seed``).
         trained_in_full: names of ``model``'s direct submodules trained whole beside the adapters.
 
     Returns:
@@ -75,8 +83,11 @@ def add_lora(model: nn.Module, cfg: LoraConfig, trained_in_full: Sequence[str] =
         target_modules=targets,
         modules_to_save=list(trained_in_full) or None,
     )
-    with warnings.catch_warnings():  # peft reads a property transformers 5 deprecates
+    cuda = list(range(torch.cuda.device_count()))  # torch.manual_seed seeds them all: all restored
+    with torch.random.fork_rng(devices=cuda), warnings.catch_warnings():
+        # peft reads a property transformers 5 deprecates
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        torch.manual_seed(seed)
         return peft.get_peft_model(model, config)
 
 

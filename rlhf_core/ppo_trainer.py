@@ -401,8 +401,8 @@ class PPOTrainer:
         self.value_model = self.initial_value_model().to(self.device)
         # ppo.lora.r > 0: low-rank adapters on the policy and the value model (whose head trains in
         # full), and the reference policy is the policy with its adapters off, not a second copy
-        self.policy_adapted = lora.add_lora(self.policy, cfg.lora)
-        self.value_adapted = lora.add_lora(self.value_model, cfg.lora, trained_in_full=["head"])
+        self.policy_adapted = lora.add_lora(self.policy, cfg.lora, cfg.seed)
+        self.value_adapted = lora.add_lora(self.value_model, cfg.lora, cfg.seed, trained_in_full=["head"])
         self.ref_policy = (
             load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
             if self.policy_adapted is None

@@ -357,7 +357,7 @@ def run_reward_training(
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
     device = pick_device()
     model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device)
-    adapted = lora.add_lora(model, cfg.lora, trained_in_full=["head"])  # None unless reward.lora.r > 0
+    adapted = lora.add_lora(model, cfg.lora, cfg.seed, trained_in_full=["head"])  # None unless reward.lora.r > 0
     enable_activation_checkpointing(model, cfg.gradient_checkpointing)
     train = pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
 

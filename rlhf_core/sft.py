@@ -319,7 +319,7 @@ def run_sft(
     device = pick_device()
     torch.manual_seed(cfg.seed)
     model = load_causal_lm(base_model_dir).to(device)
-    adapted = lora.add_lora(model, cfg.lora)  # None unless sft.lora.r > 0
+    adapted = lora.add_lora(model, cfg.lora, cfg.seed)  # None unless sft.lora.r > 0
     enable_activation_checkpointing(model, cfg.gradient_checkpointing)
 
     train = sft_data["train"].with_format("torch", columns=["query_reference_response_token", "query_token_len"])

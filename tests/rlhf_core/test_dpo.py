@@ -183,21 +183,24 @@ def test_dpo_trains_the_policy_against_a_frozen_reference(smoke_stages, tmp_path
     assert any(not torch.equal(t, sft[k]) for k, t in trained.items())
 
 
-def _dpo_on_rank(rank: int, world_size: int, store: str, smoke_stages, out: str) -> None:
+def _dpo_on_rank(rank: int, world_size: int, store: str, smoke_stages, out: str, *overrides: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
-        _dpo_on_smoke(smoke_stages, out, "dpo.micro_batch_size=2")
+        _dpo_on_smoke(smoke_stages, out, "dpo.micro_batch_size=2", *overrides)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_ranks_with_half_the_micro_batch_match_one_rank(smoke_stages, tmp_path):
+@pytest.mark.parametrize("adapters", [[], ["dpo.lora.r=8"]], ids=["full", "lora"])
+def test_two_ranks_with_half_the_micro_batch_match_one_rank(smoke_stages, tmp_path, adapters):
     """DPO under data parallelism (DDP, 2 gloo ranks, 2 pairs per micro-batch each) trains like
-    one process with 4 pairs per micro-batch: same per-step metrics and saved weights."""
-    _dpo_on_smoke(smoke_stages, tmp_path / "one", "dpo.micro_batch_size=4")
-    mp.spawn(_dpo_on_rank, args=(2, str(tmp_path / "store"), smoke_stages, str(tmp_path / "two")), nprocs=2, join=True)
+    one process with 4 pairs per micro-batch: same per-step metrics and saved weights; with
+    low-rank adapters too (DDP sums the adapters' gradients, the frozen weights have none)."""
+    _dpo_on_smoke(smoke_stages, tmp_path / "one", "dpo.micro_batch_size=4", *adapters)
+    args = (2, str(tmp_path / "store"), smoke_stages, str(tmp_path / "two"), *adapters)
+    mp.spawn(_dpo_on_rank, args=args, nprocs=2, join=True)
     runs = [[m for _, m in read_metrics(tmp_path / run / "metrics.jsonl") if "dpo/loss" in m] for run in ("one", "two")]
     for key in ("dpo/loss", "dpo/rewards/chosen", "dpo/rewards/rejected"):
         assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], rel=1e-4, abs=1e-6), key

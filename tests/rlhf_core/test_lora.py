@@ -68,7 +68,7 @@ def test_config_lora_off_by_default_and_out_of_the_dumped_settings():
 
 def test_lora_off_leaves_the_model_alone(tiny_llama):
     model = copy.deepcopy(tiny_llama)
-    assert lora.add_lora(model, LoraConfig(r=0)) is None
+    assert lora.add_lora(model, LoraConfig(r=0), 0) is None
     assert all(p.requires_grad for p in model.parameters())
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
 
@@ -77,7 +77,7 @@ def test_adapters_train_alone_and_merge_into_a_plain_checkpoint(tiny_llama, tmp_
     model = copy.deepcopy(tiny_llama)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert lora.linear_layer_names(model.base_model) == LLAMA_LINEAR  # the backbone's, not lm_head
-    adapted = lora.add_lora(model, LoraConfig(r=4, alpha=8))
+    adapted = lora.add_lora(model, LoraConfig(r=4, alpha=8), 0)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert {n.split(".")[-4] for n in trained} == set(LLAMA_LINEAR)  # ...q_proj.lora_A.default.weight
@@ -103,7 +103,7 @@ def test_adapters_train_alone_and_merge_into_a_plain_checkpoint(tiny_llama, tmp_
 def test_a_scalar_models_head_trains_in_full_beside_the_adapters(smoke, tmp_path):
     model = reward_model_from_causal_lm(smoke / "sft", seed=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    adapted = lora.add_lora(model, LoraConfig(r=4), trained_in_full=["head"])
+    adapted = lora.add_lora(model, LoraConfig(r=4), 0, trained_in_full=["head"])
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {n for n in trained if ".lora_" not in n} == {
         "head.modules_to_save.default.weight",
@@ -124,14 +124,31 @@ def test_a_scalar_models_head_trains_in_full_beside_the_adapters(smoke, tmp_path
         torch.testing.assert_close(reloaded(ids), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_adapters_are_drawn_from_their_seed_without_touching_the_callers_random_stream(tiny_llama):
+    def adapters(seed: int) -> dict:
+        model = copy.deepcopy(tiny_llama)
+        lora.add_lora(model, LoraConfig(r=4), seed)
+        return {n: p.detach().clone() for n, p in model.named_parameters() if ".lora_A." in n}
+
+    torch.manual_seed(123)
+    expected_next = torch.rand(3)
+    torch.manual_seed(123)
+    first = adapters(1)
+    assert torch.equal(torch.rand(3), expected_next)  # the caller's stream goes on as without adapters
+    torch.manual_seed(456)  # another process state: the same adapters
+    again, other = adapters(1), adapters(2)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not any(torch.equal(first[n], other[n]) for n in first)
+
+
 def test_unknown_target_modules_name_the_setting_and_the_layers(tiny_llama):
     with pytest.raises(ValueError, match=r"lora.target_modules \['qkv'\] name no linear layer .*'q_proj'"):
-        lora.add_lora(copy.deepcopy(tiny_llama), LoraConfig(r=4, target_modules=["q_proj", "qkv"]))
+        lora.add_lora(copy.deepcopy(tiny_llama), LoraConfig(r=4, target_modules=["q_proj", "qkv"]), 0)
 
 
 def test_adapters_off_is_the_model_they_adapt(tiny_llama):
     model = copy.deepcopy(tiny_llama)
-    adapted = lora.add_lora(model, LoraConfig(r=4))
+    adapted = lora.add_lora(model, LoraConfig(r=4), 0)
     ids = torch.randint(0, 40, (3, 8), generator=torch.Generator().manual_seed(1))
     _adam_steps(model, lambda: model(ids).logits.logsumexp(-1).mean())
 
@@ -289,7 +306,7 @@ def test_a_checkpoint_holds_what_trains_and_resumes_it(tiny_llama, tmp_path):
 
     def build(**settings):
         model = copy.deepcopy(tiny_llama)
-        lora.add_lora(model, LoraConfig(**{"r": 4, **settings}))
+        lora.add_lora(model, LoraConfig(**{"r": 4, **settings}), 0)
         optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-8)
         return model, optimizer, get_scheduler("constant", optimizer)
 
