@@ -14,7 +14,11 @@ published configuration (no weights, no download). Per rank, in bytes, with ``P`
   two moments (8P): 16P under DDP; 4P + 12P/N under ZeRO-2 (gradients and optimiser state
   sharded); 16P/N under FSDP2 full sharding (plus one gathered layer at a time, counted);
 - a frozen model (the reference policy; PPO's reward model) keeps float32 weights: 4P, or 4P/N
-  sharded, or nothing on the GPU when offloaded to CPU (the paper's 6.9B PPO, Detail 8);
+  sharded, or nothing on the GPU between its forward passes when offloaded to CPU (the paper's
+  6.9B PPO, Detail 8; ``ppo.offload_frozen``, ``dpo.offload_reference``). During a pass an
+  offloaded whole model (``rlhf_core.offload.CPUOffload``) has its weights outside the
+  transformer blocks (embeddings, head) and one block on the GPU; a sharded one (FSDP2's
+  ``CPUOffloadPolicy``) one gathered block, counted with the trained model's;
 - activations with every decoder layer recomputed (activation checkpointing): each layer's
   float32 input kept, ``4 L b s h``, plus one layer's activations while it is recomputed,
   ``34 b s h`` (Korthikanti et al. 2022, arXiv:2205.05198, eq. 1, without the attention-score
@@ -137,6 +141,14 @@ def frozen(m: Model, placement: str, n: int) -> float:
     return {"whole": 4 * m.params, "sharded": 4 * m.params / n + 2 * 4 * m.layer_params, "cpu": 0.0}[placement]
 
 
+def streamed(m: Model) -> float:
+    """Bytes on the GPU while an offloaded whole frozen model runs a forward pass
+    (``rlhf_core.offload.CPUOffload``): its float32 weights outside the transformer blocks and
+    one block's. That pass's own activations (one micro-batch's hidden states, without
+    gradients) are small beside a training micro-batch's and not counted."""
+    return 4 * (m.params - m.layers * m.layer_params) + 4 * m.layer_params
+
+
 def activations(m: Model, rows: int, seq: int) -> float:
     """Bytes of activations of ``rows`` sequences of ``seq`` tokens with every layer recomputed."""
     return 4 * m.layers * rows * seq * m.hidden + 34 * rows * seq * m.hidden
@@ -149,7 +161,9 @@ def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placemen
         return trained(m, strategy, n) + activations(m, micro, seq)
     if stage == "reward":
         return trained(m, strategy, n) + activations(m, 2 * micro, seq)
-    if stage == "dpo":  # the policy trains, the reference is frozen
+    if stage == "dpo":  # the policy trains, the reference is frozen (whole on each rank, or offloaded)
+        if frozen_placement == "cpu":  # the reference's pass precedes the policy's in each micro-batch
+            return trained(m, strategy, n) + max(activations(m, 2 * micro, seq), streamed(m))
         return trained(m, strategy, n) + frozen(m, frozen_placement, n) + activations(m, 2 * micro, seq)
     # ppo: policy and value model train, reference and reward model frozen; the larger of the update
     # (activations) and sampling (no gradients; KV cache; under FSDP2 the policy's other shards gathered)
@@ -163,7 +177,8 @@ def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placemen
 def lora_stage_bytes(stage: str, m: Model, micro: int, r: int, reward_placement: str) -> float:
     """Bytes of one stage on one GPU with rank-``r`` adapters on every trained model: no
     reference copy (the policy with its adapters off), PPO's reward model ``whole`` or on the
-    ``cpu``; activations as without adapters (the backward pass still runs through every layer)."""
+    ``cpu`` (``ppo.offload_frozen``: streamed to the GPU block by block for its passes);
+    activations as without adapters (the backward pass still runs through every layer)."""
     seq = SEQ[stage]
     if stage == "sft":
         return adapted(m, r) + activations(m, micro, seq)
@@ -172,7 +187,8 @@ def lora_stage_bytes(stage: str, m: Model, micro: int, r: int, reward_placement:
     models = 2 * adapted(m, r) + frozen(m, reward_placement, 1)
     gradients = 2 * 4 * r * m.linear_in_out
     kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
-    return models + max(activations(m, micro, seq), kv_cache - gradients)
+    scoring = streamed(m) - gradients if reward_placement == "cpu" else 0.0  # the reward model's pass
+    return models + max(activations(m, micro, seq), kv_cache - gradients, scoring)
 
 
 def lora_rows() -> list[dict]:

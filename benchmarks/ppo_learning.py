@@ -22,6 +22,7 @@ Usage::
     .venv/bin/python benchmarks/ppo_learning.py --updates 1 --batch-size 2 --response-length 8 \\
         --sft-steps 1 --sft-batch-size 4 --sft-eval-samples 1 --eval-samples 1   # does it run?
     .venv/bin/python benchmarks/ppo_learning.py --lora-r 16 --lr 5e-4 ...   # low-rank adapters (ppo.lora)
+    .venv/bin/python benchmarks/ppo_learning.py --offload-frozen ...        # the reference offloaded (Detail 8)
 
 Prints the CPU features that decide the precision (``avx512_bf16``, ``amx_bf16``: native bf16)
 and the resolved precision, then per update the mean score, the KL to the SFT policy (nats
@@ -108,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lora-alpha", type=float, default=16.0, help="ppo.lora.alpha")
     p.add_argument(
+        "--offload-frozen",
+        action="store_true",
+        help="ppo.offload_frozen: the frozen reference policy in CPU memory between its passes (Detail 8)",
+    )
+    p.add_argument(
         "--lam",
         type=float,
         default=1.0,
@@ -161,6 +167,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"ppo.seed={args.seed}",
         f"ppo.lora.r={args.lora_r}",
         f"ppo.lora.alpha={args.lora_alpha}",
+        f"ppo.offload_frozen={str(args.offload_frozen).lower()}",
         f"sft.max_steps={args.sft_steps}",
         f"sft.batch_size={args.sft_batch_size}",
         f"sft.micro_batch_size={min(args.sft_batch_size, 4)}",

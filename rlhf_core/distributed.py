@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .offload import CPUOffload, is_frozen, transformer_blocks
+
 log = logging.getLogger(__name__)
 
 
@@ -162,25 +164,44 @@ class DataParallel:
     left whole on every rank under ``ddp`` and ``zero2``, and sharded under ``fsdp``, its
     parameters freed again after every forward pass. Forward passes without gradients go
     through :meth:`inference`, and through :meth:`gathered` where the ranks run different
-    numbers of them.
+    numbers of them. With ``offload`` (Detail 8, :mod:`rlhf_core.offload`) a frozen model lives
+    in CPU memory between its forward passes and runs on ``device``: a whole one as a
+    :class:`rlhf_core.offload.CPUOffload` (streamed to ``device`` block by block for each
+    :meth:`inference`, copied whole for a :meth:`gathered` block), a sharded one under FSDP2's
+    ``CPUOffloadPolicy``.
 
     Build it before the optimiser: FSDP2 replaces the parameters by their shards, in place.
     ``model`` keeps its parameters (sharded or not), so its state is read and written with
     :func:`model_state` and :func:`load_model_state`.
 
     Raises:
-        ValueError: an unknown strategy, or a sharded strategy on a model with no block classes.
+        ValueError: an unknown strategy, a sharded strategy on a model with no block classes,
+            ``offload`` of a model that trains, or ``offload`` without a ``device``.
     """
 
-    def __init__(self, model: torch.nn.Module, strategy: str = "ddp"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        strategy: str = "ddp",
+        offload: bool = False,
+        device: torch.device | None = None,
+    ):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown data-parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         self.model, self.strategy = model, strategy
         self._forward: torch.nn.Module | None = None
-        frozen = not any(p.requires_grad for p in model.parameters())
+        self._offload: CPUOffload | None = None
+        frozen = is_frozen(model)
+        if offload and (not frozen or device is None):
+            raise ValueError(
+                f"offload needs a frozen model and a device (got {'a frozen' if frozen else 'a trained'} "
+                f"{type(model).__name__}, device {device})"
+            )
         # parameters freed after each forward pass: ZeRO-3, and any sharded frozen model (it has no backward)
         self._reshard_after_forward = strategy == "fsdp"
         if world().size == 1 or (frozen and strategy != "fsdp"):
+            if offload:
+                self._offload = CPUOffload(model, device)  # type: ignore[arg-type]
             return
         if strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -190,7 +211,7 @@ class DataParallel:
             ddp.register_comm_hook(None, _allreduce_sum_hook)
             self._forward = ddp
         else:
-            self._forward = _fully_shard(model, self._reshard_after_forward, strategy)
+            self._forward = _fully_shard(model, self._reshard_after_forward, strategy, offload)
 
     @property
     def sharded(self) -> bool:
@@ -221,7 +242,10 @@ class DataParallel:
         pass of the sharded whole, which gathers each block's parameters for its forward and
         frees them after it under ``fsdp``: collective, so every rank must make the same calls
         with the same number of block forward passes (inside :meth:`gathered` they need not).
-        An unsharded model, DDP's included, runs ``fn`` on the plain model."""
+        An unsharded model, DDP's included, runs ``fn`` on the plain model, an offloaded one
+        streamed to its device for the call."""
+        if self._offload is not None:
+            return self._offload.inference(fn, *args, **kwargs)
         if not self.sharded:
             return fn(self.model, *args, **kwargs)
         return self._forward(fn, *args, **kwargs)  # type: ignore[misc]
@@ -232,8 +256,12 @@ class DataParallel:
         between forward passes, so that :meth:`inference` inside communicates nothing and the
         ranks may run different numbers of forward passes: generation that stops at EOS,
         evaluation prompts that do not split evenly. Costs the full model's weights on each
-        rank while it lasts (as DDP always does). Entering and leaving are collective; a no-op
-        for an unsharded model."""
+        rank while it lasts (as DDP always does). Entering and leaving are collective; for an
+        unsharded model a no-op, unless it is offloaded: then it is on its device for the duration."""
+        if self._offload is not None:
+            with self._offload.gathered():
+                yield
+            return
         if not self.sharded:
             yield
             return
@@ -252,18 +280,22 @@ class DataParallel:
                 module.reshard()
 
 
-def _fully_shard(model: torch.nn.Module, reshard_after_forward: bool, strategy: str) -> torch.nn.Module:
+def _fully_shard(
+    model: torch.nn.Module, reshard_after_forward: bool, strategy: str, offload: bool = False
+) -> torch.nn.Module:
     """FSDP2 on ``model``'s transformer blocks and on a :class:`_TrainingForward` around it;
-    ``strategy`` names it in the log."""
-    from torch.distributed.fsdp import fully_shard
+    ``strategy`` names it in the log. With ``offload`` (a frozen model, Detail 8) the shards live
+    in CPU memory (FSDP2's ``CPUOffloadPolicy``, pinned where CUDA is available) and are copied
+    to the device for each all-gather."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    blocks = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
-    targets = [m for m in model.modules() if type(m).__name__ in blocks]
+    targets = transformer_blocks(model)
     if not targets:
         raise ValueError(f"{type(model).__name__} names no transformer block class (_no_split_modules) to shard")
     root = _TrainingForward(model)
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for module in [*targets, root]:
-        fully_shard(module, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, reshard_after_forward=reshard_after_forward, offload_policy=policy)
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no PREMUL_SUM
     if world().is_main:
@@ -277,6 +309,8 @@ def _fully_shard(model: torch.nn.Module, reshard_after_forward: bool, strategy: 
             100 * in_blocks / total,
             total,
         )
+        if offload:
+            log.info("%s: the shards of %s kept in CPU memory (CPUOffloadPolicy)", strategy, type(model).__name__)
     return root
 
 

@@ -27,6 +27,7 @@ from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded, world
 from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, pair_forward, pair_layout, save_pretrained_atomic
+from .offload import CPUOffload
 from .reward_eval import evaluate_pairs
 from .sft import head_chunking, make_loss_mask
 from .tracking import NullTracker, Tracker
@@ -259,7 +260,7 @@ def pair_logprobs(
     return summed[:, 0], summed[:, 1]
 
 
-def load_reference(sft_model_dir: str | os.PathLike, device: torch.device) -> PreTrainedModel:
+def load_reference(sft_model_dir: str | os.PathLike, device: torch.device | str) -> PreTrainedModel:
     """The frozen reference policy: the SFT model, in eval mode, no parameter requiring a gradient."""
     reference = load_causal_lm(sft_model_dir).to(device).eval()
     reference.requires_grad_(False)
@@ -279,7 +280,9 @@ def run_dpo(
     log-probabilities are computed per micro-batch without gradients. With ``dpo.lora.r`` above
     0 only low-rank adapters of the policy train (:mod:`rlhf_core.lora`), and the reference is
     the policy with its adapters off (no second copy); ``out_dir/adapter`` holds them and
-    ``out_dir/model`` is the merged policy. Rows are visited in
+    ``out_dir/model`` is the merged policy. With ``dpo.offload_reference`` the reference copy
+    lives in CPU memory and is streamed to the device block by block for each micro-batch
+    (Detail 8, :class:`rlhf_core.offload.CPUOffload`). Rows are visited in
     :func:`rlhf_core.training.batch_order`'s order, the reward model's for equal ``batch_size``,
     ``num_epochs`` and ``seed`` (Detail 19). Under ``torchrun`` each rank takes its share of
     every global batch and the loss is normalised by the pairs of all ranks, as the reward
@@ -303,14 +306,20 @@ def run_dpo(
     device = pick_device()
     policy = load_causal_lm(sft_model_dir).to(device)
     adapted = lora.add_lora(policy, cfg.lora, cfg.seed)  # None unless dpo.lora.r > 0
-    # the frozen reference: with adapters, the policy with them off; else a second copy
-    reference = load_reference(sft_model_dir, device) if adapted is None else None
+    # the frozen reference: with adapters, the policy with them off; else a second copy, which
+    # dpo.offload_reference keeps in CPU memory between micro-batches
+    reference = (
+        None if adapted is not None else load_reference(sft_model_dir, "cpu" if cfg.offload_reference else device)
+    )
+    offloaded = CPUOffload(reference, device) if reference is not None and cfg.offload_reference else None
     enable_activation_checkpointing(policy, cfg.gradient_checkpointing)
 
     def reference_logprobs(parallel: DataParallel, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if adapted is None:
-            return pair_logprobs(reference, *args)
-        return lora.AdaptersDisabled(parallel, adapted).inference(pair_logprobs, *args)
+        if adapted is not None:
+            return lora.AdaptersDisabled(parallel, adapted).inference(pair_logprobs, *args)
+        if offloaded is not None:
+            return offloaded.inference(pair_logprobs, *args)
+        return pair_logprobs(reference, *args)
 
     train = pref["train"].with_format(
         "torch", columns=["query_chosen_token", "query_rejected_token", "query_token_len"]

@@ -361,7 +361,8 @@ class PPOTrainer:
     With ``ppo.lora.r`` above 0 it holds three: the policy and the value model train low-rank
     adapters (:func:`rlhf_core.lora.add_lora`), and the reference policy is the policy with its
     adapters off (``ref_parallel`` is a :class:`rlhf_core.lora.AdaptersDisabled`; ``ref_policy``
-    is ``None``)."""
+    is ``None``). With ``ppo.offload_frozen`` the frozen models (reference policy, reward model)
+    live in CPU memory between their forward passes (Detail 8, :mod:`rlhf_core.offload`)."""
 
     def __init__(
         self,
@@ -393,10 +394,13 @@ class PPOTrainer:
         # this rank's queries and summaries of the last evaluate(), (n, query_length) and (n, R)
         self.eval_responses: tuple[torch.Tensor, torch.Tensor] | None = None
         self.policy = load_causal_lm(sft_model_dir).to(self.device)
+        # ppo.offload_frozen: the frozen models stay in CPU memory, their DataParallel copies
+        # them to the device for each forward pass (Detail 8)
+        frozen_home = torch.device("cpu") if cfg.offload_frozen else self.device
         self.reward_model = (
             None
             if self.reward_fn is not None
-            else (ScalarModel.from_pretrained(str(reward_model_dir)).to(self.device).eval().requires_grad_(False))
+            else (ScalarModel.from_pretrained(str(reward_model_dir)).to(frozen_home).eval().requires_grad_(False))
         )
         self.value_model = self.initial_value_model().to(self.device)
         # ppo.lora.r > 0: low-rank adapters on the policy and the value model (whose head trains in
@@ -404,7 +408,7 @@ class PPOTrainer:
         self.policy_adapted = lora.add_lora(self.policy, cfg.lora, cfg.seed)
         self.value_adapted = lora.add_lora(self.value_model, cfg.lora, cfg.seed, trained_in_full=["head"])
         self.ref_policy = (
-            load_causal_lm(sft_model_dir).to(self.device).eval().requires_grad_(False)
+            load_causal_lm(sft_model_dir).to(frozen_home).eval().requires_grad_(False)
             if self.policy_adapted is None
             else None
         )
@@ -413,15 +417,18 @@ class PPOTrainer:
         self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
         # One wrapper per model, before the optimiser (FSDP2 shards in place): the policy's and the
         # value model's losses are backpropagated one after the other; the frozen models are sharded
-        # under fsdp only (DataParallel).
+        # under fsdp only (DataParallel), and offloaded with ppo.offload_frozen.
         self.policy_parallel = DataParallel(self.policy, cfg.strategy)
         self.value_parallel = DataParallel(self.value_model, cfg.strategy)
+        offload = {"offload": cfg.offload_frozen, "device": self.device}
         self.ref_parallel = (
-            DataParallel(self.ref_policy, cfg.strategy)
+            DataParallel(self.ref_policy, cfg.strategy, **offload)
             if self.policy_adapted is None
             else lora.AdaptersDisabled(self.policy_parallel, self.policy_adapted)
         )
-        self.reward_parallel = None if self.reward_model is None else DataParallel(self.reward_model, cfg.strategy)
+        self.reward_parallel = (
+            None if self.reward_model is None else DataParallel(self.reward_model, cfg.strategy, **offload)
+        )
         trained = [p for p in self.models.parameters() if p.requires_grad]  # all, or the adapters and value head
         self.optimizer = adamw(trained, lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)

@@ -72,3 +72,25 @@ def test_every_stage_of_the_one_gpu_presets_fits_by_the_estimate():
     assert {r["preset"] for r in rows} == {"pythia-6.9b-1gpu", "llama-3.2-1b-lora"}
     assert {r["stage"] for r in rows} == {"sft", "reward", "dpo", "ppo"}
     assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
+
+
+def test_an_offloaded_frozen_model_holds_its_blocks_one_at_a_time_during_a_pass():
+    """``ppo.offload_frozen``, ``dpo.offload_reference`` (rlhf_core.offload.CPUOffload): nothing
+    of the frozen model on the GPU between passes; during one, its weights outside the blocks
+    and one block."""
+    m = memory_estimate.Model(params=8_000, layer_params=1_000, layers=4, hidden=8)
+    assert memory_estimate.streamed(m) == 4 * (8_000 - 4 * 1_000) + 4 * 1_000
+    # a model whose pass outweighs a micro-batch's activations
+    big = memory_estimate.Model(params=10**9, layer_params=10**8, layers=8, hidden=8, linear_in_out=50)
+    pass_bytes = 4 * (10**9 - 8 * 10**8) + 4 * 10**8
+    dpo_acts = memory_estimate.activations(big, 2, 638)
+    assert pass_bytes > dpo_acts
+    # DPO: the reference's pass precedes the policy's forward in each micro-batch
+    trained = memory_estimate.trained(big, "ddp", 1)
+    assert memory_estimate.stage_bytes("dpo", big, 1, "ddp", "cpu", 1) == trained + pass_bytes
+    assert memory_estimate.stage_bytes("dpo", big, 1, "ddp", "whole", 1) == trained + 4 * 10**9 + dpo_acts
+    # PPO with adapters: the reward model's pass, with the adapters' gradients freed
+    grads = 2 * 4 * 4 * 50
+    assert memory_estimate.lora_stage_bytes("ppo", big, 1, 4, "cpu") == 2 * memory_estimate.adapted(big, 4) + (
+        pass_bytes - grads
+    )

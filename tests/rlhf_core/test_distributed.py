@@ -297,15 +297,25 @@ def _safetensors(directory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,sharded_models", [("fsdp", 4), ("zero2", 2)])
-def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, sharded_models, ppo_ddp, inputs, tmp_path):
+@pytest.mark.parametrize(
+    "strategy,offload,expect,expect_times",
+    [
+        ("fsdp", False, "fsdp: 2 blocks sharded over 2 ranks", 4),
+        ("zero2", False, "zero2: 2 blocks sharded over 2 ranks", 2),
+        ("fsdp", True, "kept in CPU memory (CPUOffloadPolicy)", 2),
+    ],
+    ids=["fsdp", "zero2", "fsdp-offload"],
+)
+def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, offload, expect, expect_times, ppo_ddp, inputs, tmp_path):
     """PPO with the policy and value model sharded (ZeRO-2: gradients and optimiser state; FSDP2:
-    parameters too, and the frozen reference and reward models) on the same 2 ranks as DDP, each
-    rank with its own sampling seed: the same samples, per-update losses, statistics and
-    evaluation (whose 5 prompts split 3 + 2: the ranks summarise in different numbers of
-    forward passes, so a sharded policy is gathered first), the
-    same full checkpoint, and the same saved policy and value model. (One rank with the global
-    batch samples other responses: each rank has its own sampling stream.)"""
+    parameters too, and the frozen reference and reward models: 4 sharded models, 2 under
+    ZeRO-2) on the same 2 ranks as DDP, each rank with its own sampling seed: the same samples,
+    per-update losses, statistics and evaluation (whose 5 prompts split 3 + 2: the ranks
+    summarise in different numbers of forward passes, so a sharded policy is gathered first),
+    the same full checkpoint, and the same saved policy and value model. (One rank with the
+    global batch samples other responses: each rank has its own sampling stream.) With
+    ``ppo.offload_frozen`` under FSDP2 the two frozen models' shards live in CPU memory
+    (Detail 8, FSDP2's ``CPUOffloadPolicy``), with the same results."""
     ddp_out, ddp = ppo_ddp
     out = tmp_path / "ppo"
     got = launch(
@@ -315,8 +325,9 @@ def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, sharded_models, ppo_dd
         2,
         *PPO_TWO_RANKS,
         f"ppo.strategy={strategy}",
-        expect=f"{strategy}: 2 blocks sharded over 2 ranks",
-        expect_times=sharded_models,
+        f"ppo.offload_frozen={str(offload).lower()}",
+        expect=expect,
+        expect_times=expect_times,
     )
     updates = [[m for step, m in run if "loss/policy" in m] for run in (ddp, got)]
     assert len(updates[0]) == len(updates[1]) == 2
