@@ -3,9 +3,11 @@ parameters are their CPU tensors, during one the tensors outside the transformer
 block at a time are copies on the device (a real copy on the CPU too, so both are checked
 here), and every result equals the run without offloading."""
 
+import copy
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from rlhf_core import dpo
 from rlhf_core.config import ConfigError, load_config
@@ -32,18 +34,18 @@ def smoke(smoke_stages, tmp_path_factory):
     return link_stages(smoke_stages, tmp_path_factory.mktemp("offload"), data="data", sft="base", rm="rm")
 
 
-def _tied_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    return disable_dropout(LlamaForCausalLM(config)).eval().requires_grad_(False)
+@pytest.fixture
+def tied_llama(tiny_llama):
+    """Makes fresh frozen models of ``tiny_llama``'s shape with tied input and output embeddings
+    (the offload moves a model's tensors and hooks its blocks, so each test builds its own)."""
+
+    def make() -> LlamaForCausalLM:
+        config = copy.deepcopy(tiny_llama.config)
+        config.tie_word_embeddings = True
+        torch.manual_seed(0)
+        return disable_dropout(LlamaForCausalLM(config)).eval().requires_grad_(False)
+
+    return make
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -95,11 +97,11 @@ class PlacementSpy:
             block.register_forward_pre_hook(look)
 
 
-def test_a_frozen_model_lives_on_its_cpu_tensors_and_streams_its_blocks():
+def test_a_frozen_model_lives_on_its_cpu_tensors_and_streams_its_blocks(tied_llama):
     """Between uses the model is its CPU tensors; in a pass, the tensors outside the blocks are
     copies on the device and one block at a time joins them; a ``gathered`` block holds every
     block's copy through several passes; the outputs are the unoffloaded model's."""
-    model = _tied_llama()
+    model = tied_llama()
     expected = model(IDS).logits
     offload = CPUOffload(model, "cpu")
     spy = PlacementSpy(offload)
@@ -121,8 +123,8 @@ def test_a_frozen_model_lives_on_its_cpu_tensors_and_streams_its_blocks():
     assert spy.seen == ["streamed"] * 2 + ["whole"] * 4 and _on_host(offload)
 
 
-def test_an_error_inside_a_pass_leaves_the_model_on_the_cpu():
-    model = _tied_llama()
+def test_an_error_inside_a_pass_leaves_the_model_on_the_cpu(tied_llama):
+    model = tied_llama()
     offload = CPUOffload(model, "cpu")
     model.model.layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("out of memory")))
     with pytest.raises(RuntimeError, match="out of memory"):  # inside the second block's pass
@@ -133,18 +135,18 @@ def test_an_error_inside_a_pass_leaves_the_model_on_the_cpu():
     assert _on_host(offload)
 
 
-def test_only_a_frozen_model_is_offloaded():
-    model = _tied_llama().requires_grad_(True)
+def test_only_a_frozen_model_is_offloaded(tied_llama):
+    model = tied_llama().requires_grad_(True)
     with pytest.raises(ValueError, match="only a frozen model.*LlamaForCausalLM"):
         CPUOffload(model, "cpu")
     with pytest.raises(ValueError, match="offload needs a frozen model and a device"):
         DataParallel(model, "ddp", offload=True, device=torch.device("cpu"))
     with pytest.raises(ValueError, match="offload needs a frozen model and a device"):
-        DataParallel(_tied_llama(), "ddp", offload=True)
+        DataParallel(tied_llama(), "ddp", offload=True)
 
 
-def test_data_parallel_of_a_frozen_model_runs_it_offloaded():
-    model = _tied_llama()
+def test_data_parallel_of_a_frozen_model_runs_it_offloaded(tied_llama):
+    model = tied_llama()
     expected = model(IDS).logits
     parallel = DataParallel(model, "ddp", offload=True, device=torch.device("cpu"))
     spy = PlacementSpy(parallel._offload)
