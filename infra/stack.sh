@@ -16,7 +16,9 @@ PREFECT_PORT="${PREFECT_PORT:-4200}"
 MLFLOW_PORT="${MLFLOW_PORT:-5000}"
 BIN="${VENV:-.venv}/bin"
 export DO_NOT_TRACK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true
-export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false HF_HUB_DISABLE_TELEMETRY=1
+# The hub's offline mode (HF_HUB_OFFLINE and the like) is passed on as given: the Makefile sets it
+# for an offline preset whose rows are on disk; a preset that reads the hub reaches it.
 export PREFECT_HOME="$STACK_DIR/prefect"
 export PREFECT_API_URL="http://127.0.0.1:$PREFECT_PORT/api"
 export MLFLOW_TRACKING_URI="http://127.0.0.1:$MLFLOW_PORT"

@@ -137,10 +137,14 @@ def _default_preference_splits() -> dict[str, SplitSpec]:
 class DataConfig(_Strict):
     """Where the TL;DR data comes from and how it is tokenised (Details 1-6).
 
-    ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` with
-    ``datasets.load_dataset``; ``local`` reads JSONL files from ``local_dir`` (default:
-    the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
-    directory is known, else ``hub``. ``max_*_response_length`` of ``None`` derive the
+    ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
+    (:func:`rlhf_core.data.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
+    (default: the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
+    directory is known, else the rows of ``hub_subset`` when it is set, else ``hub``.
+    ``hub_subset`` names a subset file (``configs/data/NAME.json`` or a path): the identities
+    of the rows of a local folder and the hub datasets they come from. With ``auto`` and no
+    local directory, those rows are fetched once from the hub into a cache folder
+    (:func:`rlhf_core.hub_subset.ensure_local_rows`) and read from it as a local folder. ``max_*_response_length`` of ``None`` derive the
     padded lengths from the data (Detail 4); a number caps them and drops longer rows,
     counted in ``stats.json``. ``on_bad_row`` is ``error`` (stop, naming file and row)
     or ``skip`` (drop and count). ``revision`` pins the hub datasets to a branch, tag or
@@ -149,6 +153,7 @@ class DataConfig(_Strict):
 
     source: Literal["auto", "hub", "local"] = "auto"
     local_dir: str | None = None
+    hub_subset: str | None = None
     sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
     preference_dataset: str = "openai/summarize_from_feedback"
     preference_config: str | None = "comparisons"
@@ -162,6 +167,15 @@ class DataConfig(_Strict):
     max_sft_response_length: int | None = Field(None, gt=0)
     max_rm_response_length: int | None = Field(None, gt=0)
     on_bad_row: Literal["error", "skip"] = "error"
+
+    @field_validator("hub_subset")
+    @classmethod
+    def _check_subset(cls, name: str | None) -> str | None:
+        if name is not None:
+            from .hub_subset import subset_path
+
+            subset_path(name)  # a missing file is named now, not when the rows are first read
+        return name
 
     @model_validator(mode="after")
     def _check_holdouts(self) -> DataConfig:
@@ -194,13 +208,25 @@ class DataConfig(_Strict):
         return self
 
     def resolved_source(self) -> Literal["hub", "local"]:
-        """``hub`` or ``local``, resolving ``auto`` from ``local_dir``/``RLHF_TLDR_DIR``."""
+        """``hub`` or ``local``, resolving ``auto`` from ``local_dir``/``RLHF_TLDR_DIR``, then
+        ``hub_subset`` (its rows are read as a local folder)."""
         if self.source != "auto":
             return self.source
         return "local" if self.resolved_local_dir() else "hub"
 
+    def subset_in_use(self) -> str | None:
+        """``hub_subset`` when its rows are what is read: ``source`` is ``auto`` and neither
+        ``local_dir`` nor ``$RLHF_TLDR_DIR`` is set; else ``None``."""
+        explicit = self.local_dir or os.environ.get("RLHF_TLDR_DIR")
+        return self.hub_subset if self.source == "auto" and not explicit else None
+
     def resolved_local_dir(self) -> str | None:
-        """``local_dir``, else ``$RLHF_TLDR_DIR``, else ``None``."""
+        """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
+        ``auto`` (:func:`rlhf_core.hub_subset.subset_dir`; there or not yet), else ``None``."""
+        if self.subset_in_use():
+            from .hub_subset import subset_dir
+
+            return str(subset_dir(self.hub_subset))  # type: ignore[arg-type]
         return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None
 
 

@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import DataConfig, PipelineConfig, QueryFormat, SplitSpec
-from .errors import DataError  # noqa: F401  (re-exported: DataError of this module)
+from .errors import DataError, HubUnreachable
+from .hub_subset import ensure_local_rows
 from .io import atomic_directory, content_digest, write_json_atomic
 from .sources import data_fingerprint, local_split_files
 
@@ -101,13 +102,102 @@ def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[st
 def iter_hub_split(
     dataset: str, config: str | None, split: str, revision: str | None = None
 ) -> Iterator[tuple[str, dict]]:
-    """Yield ``(where, row)`` from ``datasets.load_dataset(dataset, config, split=split, revision=revision)``.
+    """Yield ``(where, row)`` for the rows of one split of a hub dataset (:func:`load_hub_split`).
 
     ``dataset`` may be a hub id or a local dataset directory in the hub layout.
     """
-    ds = datasets.load_dataset(dataset, config, split=split, revision=revision)
+    ds, _ = load_hub_split(dataset, config, split, revision)
     for i, row in enumerate(ds):
         yield f"{dataset}[{split}] row {i}", row
+
+
+#: The ``datasets`` builder that reads each kind of data file a hub split may be stored as.
+HUB_DATA_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
+#: The hub's Parquet export of a dataset (made for every dataset, loading scripts' included).
+PARQUET_EXPORT = "refs/convert/parquet"
+
+
+def load_hub_split(
+    dataset: str, config: str | None, split: str, revision: str | None = None
+) -> tuple[datasets.Dataset, str]:
+    """One split of a dataset, and the commit it was read at (``"local"`` for a directory).
+
+    A local directory in the hub layout is read by ``datasets.load_dataset(dir, config,
+    split=split)``. For a hub id, the split's data files (under the folder named ``config``, if
+    any; named ``{split}-*``, ``{split}.*`` or inside a folder ``{split}/``) are fetched at
+    ``revision`` (default ``main``) into the hub cache with ``huggingface_hub.snapshot_download``,
+    which offline (``HF_HUB_OFFLINE``) or without a network reads that cache alone, then read by
+    the ``datasets`` builder of their file type. A dataset whose revision holds a loading script
+    and no data files (``datasets`` no longer runs scripts) is read from the hub's Parquet export
+    (:data:`PARQUET_EXPORT`).
+
+    Raises:
+        HubUnreachable: the hub cannot be reached and its cache lacks the files.
+        DataError: the dataset or revision does not exist, access is refused, or the revision holds
+            no data file for the split; naming the dataset, revision and split.
+    """
+    path = Path(dataset).expanduser()
+    if path.is_dir():
+        return datasets.load_dataset(str(path), config, split=split), "local"
+    revision = revision or "main"
+    files, commit, script = _hub_split_files(dataset, config, split, revision)
+    if not files and script:
+        log.info(
+            "%s at %s is made by a loading script (%s), which datasets no longer runs: reading its Parquet export %s",
+            dataset,
+            revision,
+            script,
+            PARQUET_EXPORT,
+        )
+        revision = PARQUET_EXPORT
+        files, commit, _ = _hub_split_files(dataset, config, split, revision)
+    if not files:
+        raise DataError(
+            f"{dataset}@{revision} (commit {commit}) has no data file for split {split!r}"
+            + (f" of config {config!r}" if config else "")
+        )
+    builders = {HUB_DATA_BUILDERS[f.suffix] for f in files}
+    if len(builders) != 1:
+        raise DataError(f"{dataset}@{revision}: split {split!r} mixes file types ({', '.join(f.name for f in files)})")
+    ds = datasets.load_dataset(builders.pop(), data_files={split: [str(f) for f in files]}, split=split)
+    return ds, commit
+
+
+def _hub_split_files(dataset: str, config: str | None, split: str, revision: str) -> tuple[list[Path], str, str | None]:
+    """The data files of one split of a hub dataset at ``revision`` (fetched into the hub cache,
+    or found there), the commit, and the name of a loading script at its top, if any."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    prefix = f"{config}/" if config else ""
+    patterns = [f"{prefix}*{split}-*", f"{prefix}*{split}.*", f"{prefix}*{split}/*", "*.py", "README.md"]
+    where = f"{dataset}@{revision}"
+    try:
+        root = Path(snapshot_download(dataset, repo_type="dataset", revision=revision, allow_patterns=patterns))
+    except LocalEntryNotFoundError as exc:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else str(exc).splitlines()[0].removeprefix("Got: ")
+        raise HubUnreachable(f"{where} is not in the local hub cache and the hub cannot be reached: {why}") from None
+    except GatedRepoError:
+        raise DataError(f"{where}: the hub refused access (a gated dataset: log in with `hf auth login`)") from None
+    except RevisionNotFoundError:
+        raise DataError(f"{where}: no such revision of the dataset on the hub") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"{dataset}: no such dataset on the hub (or it is private)") from None
+    base = root / config if config and (root / config).is_dir() else root
+    files = sorted(
+        f
+        for f in base.rglob("*")
+        if f.is_file()
+        and f.suffix in HUB_DATA_BUILDERS
+        and (f.stem == split or f.stem.startswith(f"{split}-") or f.parent.name == split)
+    )
+    script = next((f.name for f in sorted(root.glob("*.py"))), None)
+    return files, root.name, script
 
 
 def flatten_comparison(row: dict) -> dict:
@@ -750,6 +840,7 @@ def prepare_data(
     from .models import load_tokenizer
 
     data_cfg = cfg.data
+    ensure_local_rows(data_cfg)  # the rows of data.hub_subset, fetched into their folder if needed
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id

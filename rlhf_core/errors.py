@@ -12,9 +12,20 @@ class DataError(ValueError):
     """Data that cannot be processed; the message names the file (or dataset) and row."""
 
 
+class HubUnreachable(DataError):
+    """The Hugging Face hub cannot be reached (no network, or ``HF_HUB_OFFLINE``) and its local
+    cache lacks what was asked for; the message names the dataset and the revision."""
+
+
 class ModelSourceError(ValueError):
     """A model or tokenizer source that cannot be resolved (missing package, file or directory)."""
 
 
 class TrainingError(RuntimeError):
     """Training cannot continue (non-finite loss, incompatible checkpoint)."""
+
+
+class ForeignFilesError(FileExistsError):
+    """An output directory holds what the command did not write: replacing it, or writing into
+    it, could lose the user's files, so the command stops before changing anything. The message
+    names the directory, the entries that are not the command's own, and what to do."""

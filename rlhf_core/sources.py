@@ -102,8 +102,11 @@ def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str 
 
 
 def cache_root() -> Path:
-    """Where converted checkpoints are cached: ``$RLHF_CACHE_DIR`` or ``~/.cache/rlhf``."""
-    return Path(os.environ.get("RLHF_CACHE_DIR") or Path.home() / ".cache" / "rlhf")
+    """Where converted checkpoints and fetched rows are cached: ``$RLHF_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/rlhf``, else ``~/.cache/rlhf``."""
+    if os.environ.get("RLHF_CACHE_DIR"):
+        return Path(os.environ["RLHF_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf"
 
 
 #: Version of the way a GGUF file is converted (its tokenizer's special tokens set from the GGUF
@@ -146,9 +149,16 @@ def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
     the hub, each dataset's id and ``data.revision``, or a digest of its files when the id is
     a local directory in the hub layout.
 
+    The rows of ``data.hub_subset``, when they are what is read, are fetched first if they are
+    not in their cache folder yet (:func:`rlhf_core.hub_subset.ensure_local_rows`).
+
     Raises:
-        DataError: the local directory is unset or missing, or a split has no file.
+        DataError: the local directory is unset or missing, a split has no file, or the subset's
+            rows can be neither found nor fetched.
     """
+    from .hub_subset import ensure_local_rows
+
+    ensure_local_rows(data_cfg)
     source = data_cfg.resolved_source()
     if source == "local":
         local_dir = data_cfg.resolved_local_dir()

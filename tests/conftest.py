@@ -17,7 +17,12 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["DO_NOT_TRACK"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
-os.environ.setdefault("RLHF_TLDR_DIR", str((REPO.parent / "shared" / "data" / "tldr").resolve()))
+#: The real TL;DR rows read: ``$RLHF_TLDR_DIR``, else the offline folder beside the repository,
+#: else the rows committed with the tests (tests/data/tldr/README.md), so that the suite runs from
+#: a clone with nothing beside it.
+SHARED_TLDR = (REPO.parent / "shared" / "data" / "tldr").resolve()
+FIXTURE_TLDR = REPO / "tests" / "data" / "tldr"
+os.environ.setdefault("RLHF_TLDR_DIR", str(SHARED_TLDR if SHARED_TLDR.is_dir() else FIXTURE_TLDR))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Test processes running side by side (`make test`: pytest -n) each get one math thread:
     # OpenMP threads spin while they wait, so two processes with a thread per core each
@@ -62,7 +67,7 @@ def _cache_dir(tmp_path_factory):
 def tldr_dir() -> Path:
     path = Path(os.environ["RLHF_TLDR_DIR"])
     if not (path / "sft_validation.jsonl").is_file():
-        pytest.fail(f"real TL;DR data not found in {path}: set RLHF_TLDR_DIR to ../shared/data/tldr")
+        pytest.fail(f"real TL;DR data not found in {path}: unset RLHF_TLDR_DIR to read {FIXTURE_TLDR}")
     return path
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import os
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -428,3 +430,51 @@ def test_a_grouped_test_carries_its_group_under_loadgroup(request):
     if not getattr(request.config.option, "loadgroup", False):
         pytest.skip("not run with --dist loadgroup")
     assert request.node.nodeid.endswith("@group-check")
+
+
+def _make_env(tmp_path, *args: str, env: dict[str, str]) -> dict[str, str]:
+    """The hub settings a recipe of the Makefile runs with, for ``make ARGS`` in ``env``."""
+    names = (
+        "HF_HUB_OFFLINE",
+        "HF_DATASETS_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "HF_HUB_DISABLE_TELEMETRY",
+        "RLHF_TLDR_DIR",
+    )
+    show = "show-env: ; @" + " ".join(f'echo "{n}=$${n}";' for n in names)
+    out = subprocess.run(
+        ["make", "--no-print-directory", "-s", "--eval", show, "show-env", *args],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k not in names} | env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return dict(line.split("=", 1) for line in out.splitlines())
+
+
+def test_the_makefile_keeps_the_hub_offline_only_for_an_offline_preset_with_its_rows(tmp_path):
+    """Offline presets (models in PyPI packages) with a rows folder run with the hub off; one
+    without rows reaches the hub for them, and so does a preset that reads the hub. Telemetry stays
+    off everywhere; the folder beside the repository is used only where it exists."""
+    rows = tmp_path / "tldr"
+    rows.mkdir()
+    (rows / "sft_validation.jsonl").write_text("{}\n")
+    for preset in ("cpu-demo", "smoke"):
+        env = _make_env(tmp_path, f"PRESET={preset}", f"SHARED_TLDR={rows}", env={})
+        assert env["RLHF_TLDR_DIR"] == str(rows) and env["HF_HUB_OFFLINE"] == "1" == env["TRANSFORMERS_OFFLINE"]
+    none = _make_env(tmp_path, "PRESET=cpu-demo", f"SHARED_TLDR={tmp_path / 'absent'}", env={})
+    assert none["RLHF_TLDR_DIR"] == "" and none["HF_HUB_OFFLINE"] == "" == none["HF_DATASETS_OFFLINE"]
+    given = _make_env(tmp_path, "PRESET=cpu-demo", env={"RLHF_TLDR_DIR": str(rows)})
+    assert given["HF_HUB_OFFLINE"] == "1"
+    for preset in ("pythia-1b", "llama-3.2-1b-h200"):
+        hub = _make_env(tmp_path, f"PRESET={preset}", f"SHARED_TLDR={rows}", env={})
+        assert hub["HF_HUB_OFFLINE"] == "" and hub["HF_HUB_DISABLE_TELEMETRY"] == "1"
+
+
+def test_make_demo_checks_the_run_before_it_starts_the_servers():
+    recipe = subprocess.run(
+        ["make", "--no-print-directory", "-n", "demo", "STAMP=Makefile"], cwd=REPO, capture_output=True, text=True
+    ).stdout.splitlines()
+    check = next(i for i, line in enumerate(recipe) if "/rlhf check --preset cpu-demo" in line)
+    assert check < next(i for i, line in enumerate(recipe) if "stack-up" in line or "stack.sh up" in line)

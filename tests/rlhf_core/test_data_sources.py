@@ -9,6 +9,7 @@ import pytest
 from rlhf_core.config import load_config
 from rlhf_core.data import DataError, load_prepared, prepare_data
 from tests.conftest import read_jsonl
+from tests.hub_layout import to_hub_comparison
 
 SPLITS = [
     "data.sft_splits={train: {source: train}}",
@@ -165,32 +166,6 @@ dataset_info:
     - {name: confidence, dtype: int32}
 ---
 """
-
-
-def to_hub_comparison(row: dict) -> dict:
-    """The inverse of the flat format: the hub's `openai/summarize_from_feedback` comparison row."""
-    chosen = {"text": " " + row["chosen"], "policy": row["chosen_policy"], "note": row.get("chosen_note")}
-    rejected = {"text": " " + row["rejected"], "policy": row["rejected_policy"], "note": row.get("rejected_note")}
-    choice = row["choice"]
-    summaries = [chosen, rejected] if choice == 0 else [rejected, chosen]
-    is_news = row.get("subreddit") is None
-    info = {
-        "id": row["id"],
-        "post": None if is_news else row["post"],
-        "title": row["title"],
-        "subreddit": row["subreddit"],
-        "site": row.get("site"),
-        "article": row["post"] if is_news else None,
-    }
-    return {
-        "info": info,
-        "summaries": summaries,
-        "choice": choice,
-        "worker": row["worker"],
-        "batch": row["batch"],
-        "split": row["orig_split"],
-        "extra": {"confidence": row["confidence"]},
-    }
 
 
 def test_hub_loader_matches_the_local_loader(tmp_path, tldr_dir, sft_rows, preference_rows, llama_tokenizer):

@@ -35,6 +35,9 @@ from tests.conftest import REPO, read_jsonl
 from tests.messages_api import MessagesAPI, Reply, error_reply, message_body, text_reply
 
 PAPER = REPO.parent / "shared" / "reference" / "huang2024_n_implementation_details_rlhf_ppo.txt"
+#: The paper's judge prompt (Huang et al. 2024, arXiv 2403.17031, its lines as the text of the
+#: paper above gives them), read when the paper's text is not beside the repository.
+PAPER_PROMPT = REPO / "tests" / "data" / "paper_judge_prompt.txt"
 KEY = "sk-ant-test-0123456789-secret"
 MODEL = "claude-judge-test"
 TINY = RandomInitConfig(
@@ -129,12 +132,13 @@ def test_prompt_is_the_papers_appendix_i_with_tagged_texts():
         'Comparison: <one-sentence comparison and explanation>\nPreferred: <"A" or "B">'
     )
     assert "\\" not in JUDGE_PROMPT
-    if not PAPER.is_file():
-        pytest.skip(f"{PAPER} not present")
-    lines = PAPER.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Which of the following summaries"))
-    end = next(i for i in range(start, len(lines)) if lines[i].startswith("Preferred: <"))
-    paper = "\n".join(lines[start : end + 1]).replace(" \\ ", " ")
+    quoted = PAPER_PROMPT.read_text().splitlines()
+    if PAPER.is_file():  # the committed lines are the paper's
+        lines = PAPER.read_text().splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("Which of the following summaries"))
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith("Preferred: <"))
+        assert lines[start : end + 1] == quoted
+    paper = "\n".join(quoted).replace(" \\ ", " ")
     untagged = format_judge_prompt("<post>", "<Summary A>", "<Summary B>")
     for tag in ("<post>", "</post>", "<summary>", "</summary>"):
         untagged = untagged.replace(f"{tag}\n", "")
