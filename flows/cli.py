@@ -1,5 +1,5 @@
-"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.cli` plus ``rlhf run``
-and ``rlhf sweep``.
+"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.cli` plus ``rlhf run``,
+``rlhf sweep`` and ``rlhf check``.
 
 ``rlhf run --preset NAME [key=value ...]`` runs the ``rlhf`` flow in this process (Prefect's
 ephemeral mode when no ``PREFECT_API_URL`` is set), every stage cached, tracking to MLflow:
@@ -40,9 +40,11 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if args.out is not None or not os.environ.get("RLHF_WORK_DIR"):
         os.environ["RLHF_WORK_DIR"] = str(root / "work")
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    from rlhf_core.pipeline import stages_until
     from tasks.stages import preflight
 
-    preflight(cfg)  # as the flow does first, but before its Prefect server starts: errors at once
+    # as the flow does first, but before its Prefect server starts: errors at once
+    preflight(cfg, stages_until(args.until))
     from flows.pipeline import rlhf
 
     result = rlhf(preset=args.preset, overrides=args.overrides, until=args.until)
@@ -51,6 +53,36 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(summary(result, uri))
+    return 0
+
+
+def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    """``rlhf check``: what a run of ``cfg`` up to ``--until`` checks before its first stage
+    (:func:`rlhf_core.preflight.check_before_stages`: the data rows, fetched from the hub for the
+    offline presets when no folder holds them; model sources; ``ppo.reward``; the splits; the
+    judge's key), with no run directory, store or server. The Anthropic judge's Prefect Secret
+    block is looked up on the server ``PREFECT_API_URL`` names; with none named, a run's own
+    check looks it up when the run starts."""
+    from rlhf_core.config import check_world_size
+    from rlhf_core.launch import nproc_per_node
+    from rlhf_core.pipeline import stages_until
+    from rlhf_core.preflight import JUDGE_KEY_VARIABLE, check_before_stages
+
+    stages = stages_until(args.until)
+    check_world_size(cfg, nproc_per_node())
+    lookup = None
+    if cfg.eval.judge == "anthropic" and "evaluation" in stages and not os.environ.get(JUDGE_KEY_VARIABLE):
+        if os.environ.get("PREFECT_API_URL"):
+            from tasks.stages import secret_block_exists as lookup
+        else:
+            print(
+                f"rlhf check: {JUDGE_KEY_VARIABLE} is unset; the Prefect Secret block {cfg.eval.api_key_secret!r} "
+                "(eval.api_key_secret) is looked up on the Prefect server when the run starts",
+                file=sys.stderr,
+            )
+            lookup = lambda name: True  # noqa: E731  (left to the run's own check)
+    check_before_stages(cfg, stages, secret_exists=lookup)
+    print(f"rlhf check: preset {cfg.name}: {len(stages)} stages ({stages[0]} to {stages[-1]}) can start")
     return 0
 
 
@@ -78,6 +110,8 @@ def sweep_main(argv: list[str]) -> int:
     from pydantic import ValidationError
 
     from rlhf_core.config import ConfigError
+    from rlhf_core.errors import DataError, ModelSourceError
+    from rlhf_core.pipeline import stages_until
     from rlhf_core.sweep import SweepSpec, cell_configs, expand, load_sweep
     from tasks.storage import ArtifactError
 
@@ -123,7 +157,7 @@ def sweep_main(argv: list[str]) -> int:
         from tasks.stages import preflight
 
         for cfg in configs.values():  # as the flow does first, but before a Prefect server starts
-            preflight(cfg)
+            preflight(cfg, stages_until(spec.until))
         if spec.max_concurrent > 1:
             check_pipeline_deployment(spec)
         try:
@@ -131,7 +165,7 @@ def sweep_main(argv: list[str]) -> int:
         except SweepError as exc:
             print(f"rlhf sweep: {exc}", file=sys.stderr)
             return 1
-    except (ConfigError, ArtifactError, ValidationError) as exc:
+    except (ConfigError, DataError, ModelSourceError, ArtifactError, ValidationError) as exc:
         print(f"rlhf sweep: error: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else Path(result["summary"]).read_text())
@@ -140,6 +174,13 @@ def sweep_main(argv: list[str]) -> int:
 
 COMMANDS: dict[str, core.Command] = {
     **core.COMMANDS,
+    "check": core.Command(
+        cmd_check,
+        "check, in seconds, what a run of the preset would read before its first stage (data rows, "
+        "models, reward function, splits, the judge's key) and exit; no stage runs",
+        out="none",
+        until=True,
+    ),
     "run": core.Command(
         cmd_run,
         "run the whole pipeline as the Prefect flow `rlhf` in this process, every stage "

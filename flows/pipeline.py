@@ -51,7 +51,7 @@ def rlhf(
     if until is not None and until not in STAGES:
         raise ValueError(f"until={until!r} is not a stage ({', '.join(STAGES)})")
     names = stages_until(until)  # a DPO-only run trains no reward model, a PPO-only run no DPO
-    preflight(cfg)  # settings for this machine's process count, writable stores: before any stage
+    preflight(cfg, names)  # process count, writable stores, what the stages read: before any stage
     client = tracking_client(cfg.tracking.tracking_uri)
     exp = experiment_id(client, cfg.tracking.experiment_name)
     end_dead_attempts(work_root(), client)  # what a killed run on this work directory left RUNNING

@@ -37,7 +37,7 @@ from prefect.runtime import flow_run
 
 from rlhf_core.config import ConfigError
 from rlhf_core.io import write_json_atomic
-from rlhf_core.pipeline import STAGES
+from rlhf_core.pipeline import STAGES, stages_until
 from rlhf_core.sweep import (
     COLUMNS,
     Cell,
@@ -106,7 +106,7 @@ def sweep(spec: str = "cpu-seeds", overrides: list[str] | None = None, max_concu
             "a sweep's runs are nested under one parent run: set tracking.* equal for every preset"
         )
     for cfg in configs.values():
-        preflight(cfg)
+        preflight(cfg, stages_until(s.until))
     if s.max_concurrent > 1:
         check_pipeline_deployment(s)
     ensure_concurrency_limits(s.concurrency_limits, logger)

@@ -7,6 +7,11 @@ sub-commands write plain directories and need neither Prefect nor MLflow; the in
 ``rlhf verify DIR`` reads every file of finished stage outputs or stored artifacts and
 reports each one that differs from its manifest.
 
+Nothing of the user's is removed or overwritten: a stage command writes only into a run
+directory it created or adopted (:func:`claim_run_directory`) and into stage folders the
+pipeline wrote (:func:`_check_stage_folders`); ``rlhf data|model --overwrite`` replaces only an
+empty directory or an earlier output of the same command (:func:`check_replaceable`).
+
 Importing this module loads neither torch, transformers nor datasets: a command imports
 what it runs, so that ``rlhf --help``, ``rlhf config`` and ``rlhf verify`` start at once.
 """
@@ -19,15 +24,17 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
 import yaml
 
 from .config import ConfigError, PipelineConfig, available_presets, load_config
-from .errors import DataError, ModelSourceError, TrainingError
+from .errors import DataError, ForeignFilesError, ModelSourceError, TrainingError
 from .pipeline import STAGES, stage_keys
+from .sources import RewardSpecError
 
 log = logging.getLogger("rlhf")
 
@@ -39,6 +46,90 @@ DEFAULT_PRESET = "cpu-demo"
 def _stage_marker(out: Path) -> dict:
     marker = out / "stage.json"
     return json.loads(marker.read_text()) if marker.is_file() else {}
+
+
+#: The file that marks a run directory as the stage commands': written when a command creates
+#: the directory, or adopts an empty one or one written before the marker existed.
+RUN_MARKER = ".rlhf-run.json"
+#: What the stage commands write at the top of a run directory besides the stage folders:
+#: ``config.yaml``, ``summary.json``, the evaluation's ``judge_cache.jsonl`` (these three count
+#: as theirs only beside a stage folder holding a ``stage.json``), the lock, the marker and the
+#: leftovers of an interrupted crash-safe write (:mod:`rlhf_core.io`).
+RUN_RECORDS = ("config.yaml", "summary.json", "judge_cache.jsonl")
+RUN_FILES = (".rlhf-stages.lock", RUN_MARKER, ".*.tmp", ".*.partial", ".*.old-*")
+#: The last words of every refusal to write into a directory: what to do instead.
+WHAT_TO_DO = "nothing was changed: give --out a new or empty directory, or move those files away"
+
+
+def _names(entries: list[Path]) -> str:
+    """``entries`` by name, folders with a slash, the first few only."""
+    names = [p.name + "/" * p.is_dir() for p in entries]
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def _writable_stage_folder(out: Path) -> bool:
+    """Whether a stage may write to ``out``: absent, an empty folder, or one holding a
+    ``stage.json`` (the pipeline's). Anything else may be the user's."""
+    if not out.exists():
+        return True
+    return out.is_dir() and ((out / "stage.json").is_file() or not any(out.iterdir()))
+
+
+def claim_run_directory(root: Path, command: str) -> None:
+    """Make ``root`` a run directory of the stage commands, marked by :data:`RUN_MARKER`, or
+    refuse it before anything is written there.
+
+    A stage command writes ``config.yaml``, ``summary.json`` and stage folders into ``root``, so
+    it takes only a directory that is new or empty, holds the marker, or holds nothing but what
+    a stage command writes (a run directory from before the marker: stage folders holding a
+    ``stage.json`` or empty, :data:`RUN_RECORDS` beside at least one ``stage.json``,
+    :data:`RUN_FILES`). Anything else may be the user's: a ``config.yaml`` or ``data/`` of theirs
+    would be overwritten or removed.
+
+    Raises:
+        ForeignFilesError: ``root`` is not a directory, or holds entries no stage command wrote
+            (the message names ``root`` and those entries).
+    """
+    if (root / RUN_MARKER).is_file():
+        return
+    if root.exists() and not root.is_dir():
+        raise ForeignFilesError(f"{root} is not a directory; {WHAT_TO_DO}")
+    entries = sorted(root.iterdir()) if root.exists() else []
+    started = any((p / "stage.json").is_file() for p in entries if p.name in STAGES)
+    files = RUN_FILES + (RUN_RECORDS if started else ())
+    foreign = [
+        p
+        for p in entries
+        if not (_writable_stage_folder(p) if p.name in STAGES else any(fnmatch(p.name, f) for f in files))
+    ]
+    if foreign:
+        raise ForeignFilesError(
+            f"{root} is not a run directory of the rlhf stage commands (it has no {RUN_MARKER}) "
+            f"and holds what they did not write: {_names(foreign)}; {WHAT_TO_DO}"
+        )
+    from .io import write_json_atomic
+
+    root.mkdir(parents=True, exist_ok=True)
+    record = {"written_by": f"rlhf {command}", "adopted": bool(entries), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    write_json_atomic(root / RUN_MARKER, record)
+    if entries:
+        log.info("%s: a run directory of the stage commands without %s: adopted", root, RUN_MARKER)
+
+
+def _check_stage_folders(root: Path, names: Iterable[str]) -> None:
+    """Refuse stage folders the pipeline did not write: a stage replaces or resumes a folder
+    holding its ``stage.json`` and reuses an empty one, but never removes or writes into one
+    holding anything else (``--overwrite`` included), which may be the user's. Checked for
+    every stage before any runs, so that a refusal comes before hours of work, not after.
+
+    Raises:
+        ForeignFilesError: a stage folder is not a directory, or holds entries and no
+            ``stage.json`` (the message names the folder and those entries).
+    """
+    for out in (root / name for name in names):
+        if not _writable_stage_folder(out):
+            what = f"holds {_names(sorted(out.iterdir()))} and no stage.json" if out.is_dir() else "is a file"
+            raise ForeignFilesError(f"{out} {what}: not a stage folder the pipeline wrote; {WHAT_TO_DO}")
 
 
 def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = False) -> dict:
@@ -54,9 +145,13 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
     With ``RLHF_NPROC_PER_NODE`` above 1, SFT, the reward model and PPO run as a ``torchrun`` job of
     that many processes (:func:`rlhf_core.launch.launch_torchrun`). A second ``rlhf stages`` on
     the same directory waits for the first (a lock naming the holder), then reuses its stages.
+    A stage folder holding entries but no ``stage.json`` is not the pipeline's: it is refused,
+    never removed (:func:`_check_stage_folders`). ``root`` itself is the caller's to choose; the
+    stage commands take it through :func:`claim_run_directory` first.
 
     Raises:
-        LaunchError: a ``torchrun`` job failed; ValueError: a bad ``RLHF_NPROC_PER_NODE``.
+        LaunchError: a ``torchrun`` job failed; ValueError: a bad ``RLHF_NPROC_PER_NODE``;
+        ForeignFilesError: a stage folder the pipeline did not write.
     """
     from .config import check_world_size
     from .io import exclusive_lock
@@ -76,9 +171,11 @@ def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: b
     from .launch import DATA_PARALLEL, launch_torchrun
     from .tracking import JsonlTracker, NullTracker
 
+    keys = stage_keys(cfg, until)
+    _check_stage_folders(root, keys)
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = {}
-    for name, key in stage_keys(cfg, until).items():
+    for name, key in keys.items():
         stage = STAGES[name]
         out = root / name
         marker = _stage_marker(out)
@@ -126,9 +223,52 @@ def cmd_config(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+#: What ``rlhf data`` writes (:func:`rlhf_core.data.prepare_data`), its record first.
+DATA_OUTPUT = ("stats.json", "sft", "preference", "tokenizer", "token_lengths.png")
+#: What ``rlhf model`` writes (:func:`rlhf_core.models.import_base_model`), its record first:
+#: the model's and the tokenizer's files as ``save_pretrained`` names them.
+MODEL_OUTPUT = (
+    "import.json",
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.*",
+    "vocab.*",
+    "merges.txt",
+)
+
+
+def check_replaceable(out: Path, output: tuple[str, ...], command: str) -> None:
+    """Refuse to replace ``out`` (``rlhf <command> --overwrite``) unless it is new, empty, or an
+    earlier output of that command: it holds the record ``output[0]`` and nothing whose name
+    matches no pattern of ``output``. Anything else in it may be the user's, and replacing the
+    directory would remove it.
+
+    Raises:
+        ForeignFilesError: naming ``out`` and the entries that are not the command's own.
+    """
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ForeignFilesError(f"{out} is not a directory; {WHAT_TO_DO}")
+    entries = sorted(out.iterdir())
+    foreign = [p for p in entries if not any(fnmatch(p.name, pattern) for pattern in output)]
+    if foreign or (entries and not (out / output[0]).exists()):
+        why = f"it holds {_names(foreign)}, which that command does not write" if foreign else f"no {output[0]}"
+        raise ForeignFilesError(
+            f"{out} is not an output of rlhf {command} ({why}), so --overwrite does not replace it; {WHAT_TO_DO}"
+        )
+
+
 def cmd_data(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     from .data import prepare_data
 
+    if args.overwrite:
+        check_replaceable(args.out, DATA_OUTPUT, "data")
     stats = prepare_data(cfg, args.out, overwrite=args.overwrite)
     print(
         json.dumps(
@@ -147,6 +287,8 @@ def cmd_data(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 def cmd_model(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     from .models import import_base_model
 
+    if args.overwrite:
+        check_replaceable(args.out, MODEL_OUTPUT, "model")
     info = import_base_model(cfg.model, args.out, overwrite=args.overwrite)
     print(json.dumps({"out": str(args.out), **info}, indent=2))
     return 0
@@ -224,7 +366,13 @@ def cmd_verify(cfg: PipelineConfig | None, args: argparse.Namespace) -> int:
 
 def _until(stage: str):
     def cmd(cfg: PipelineConfig, args: argparse.Namespace) -> int:
-        summary = run_stages(cfg, Path(args.out), getattr(args, "until", None) or stage, overwrite=args.overwrite)
+        from .pipeline import stages_until
+        from .preflight import check_before_stages
+
+        until = getattr(args, "until", None) or stage
+        check_before_stages(cfg, stages_until(until))  # what the stages read, before any of them starts
+        claim_run_directory(Path(args.out), args.command)
+        summary = run_stages(cfg, Path(args.out), until, overwrite=args.overwrite)
         print(json.dumps(summary, indent=2))
         return 0
 
@@ -311,7 +459,11 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
                 help="output directory" + ("" if command.out == "required" else " (default runs/<preset>)"),
             )
             if command.out == "required":
-                p.add_argument("--overwrite", action="store_true", help="replace existing output")
+                p.add_argument(
+                    "--overwrite",
+                    action="store_true",
+                    help="replace existing output (the command's own, never other files)",
+                )
         if command.until:
             p.add_argument("--until", choices=list(STAGES), default=None, help="last stage to run")
         for flag, text in command.flags:
@@ -326,6 +478,8 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
     ModelSourceError,
     TrainingError,
     FileExistsError,
+    ForeignFilesError,
+    RewardSpecError,
 )
 
 

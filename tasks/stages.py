@@ -30,6 +30,7 @@ from rlhf_core.config import PipelineConfig, TrainerConfig
 from rlhf_core.io import exclusive_lock, write_json_atomic
 from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
 from rlhf_core.pipeline import STAGES, stage_key
+from rlhf_core.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
 from rlhf_core.tracking import JsonlTracker, TeeTracker
 
 from .storage import ArtifactError, ArtifactStore
@@ -66,9 +67,10 @@ def provide_judge_key(secret_block: str) -> None:
     ``secret_block``. The key is never logged.
 
     Raises:
-        JudgeConfigError: neither the variable nor the block exists.
+        JudgeConfigError: neither the variable nor the block exists
+            (:func:`rlhf_core.preflight.judge_key_missing`).
     """
-    if os.environ.get("ANTHROPIC_API_KEY"):
+    if os.environ.get(JUDGE_KEY_VARIABLE):
         return
     from prefect.blocks.system import Secret
 
@@ -77,20 +79,39 @@ def provide_judge_key(secret_block: str) -> None:
     try:
         key = Secret.load(secret_block).get()
     except ValueError:
-        raise JudgeConfigError(
-            f"the Anthropic judge needs ANTHROPIC_API_KEY or a Prefect Secret block named "
-            f"{secret_block!r} (eval.api_key_secret); neither exists"
-        ) from None
-    os.environ["ANTHROPIC_API_KEY"] = str(key)
+        raise JudgeConfigError(judge_key_missing(secret_block)) from None
+    os.environ[JUDGE_KEY_VARIABLE] = str(key)
 
 
-def preflight(cfg: PipelineConfig) -> None:
-    """What must hold before the first stage runs, checked at once: the batch settings divide
-    for this machine's process count (``RLHF_NPROC_PER_NODE``), the artifact store and the
-    work directory can be written to.
+def secret_block_exists(name: str) -> bool:
+    """Whether the Prefect server has a Secret block named ``name``, asked without its value
+    (``include_secrets=False``): what :func:`provide_judge_key` will load."""
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_block_document_by_name(
+                name, block_type_slug=Secret.get_block_type_slug(), include_secrets=False
+            )
+        except ObjectNotFound:
+            return False
+    return True
+
+
+def preflight(cfg: PipelineConfig, stages: list[str] | None = None) -> None:
+    """What must hold before the first of the stages ``stages`` (default: every stage) runs,
+    checked at once: the batch settings divide for this machine's process count
+    (``RLHF_NPROC_PER_NODE``); the artifact store and the work directory can be written to;
+    what the stages will read exists (:func:`rlhf_core.preflight.check_before_stages`: data
+    splits, local data files, ``ppo.reward``, model sources, hub models and datasets); and, for
+    the Anthropic judge, a key is there: ``ANTHROPIC_API_KEY`` or the Prefect Secret block named
+    by ``eval.api_key_secret`` (:func:`secret_block_exists`: its presence, never its value).
 
     Raises:
-        ConfigError, ArtifactError, OSError: naming the key or the directory.
+        ConfigError (PreflightError), ModelSourceError, DataError, ArtifactError, OSError:
+            naming the key or the directory.
     """
     from rlhf_core.config import check_world_size
 
@@ -105,6 +126,8 @@ def preflight(cfg: PipelineConfig) -> None:
         raise ArtifactError(
             f"the work directory {root} (RLHF_WORK_DIR) is not writable: {type(exc).__name__}: {exc}"
         ) from None
+    # the judge's key is checked last: looking up the block may start Prefect's temporary server
+    check_before_stages(cfg, stages, secret_exists=secret_block_exists)
 
 
 #: A mid-stage checkpoint's size in multiples of the float32 weights a stage trains: the

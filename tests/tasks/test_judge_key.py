@@ -1,37 +1,89 @@
 """The Anthropic key reaches the evaluation stage from the environment or a Prefect Secret block,
-on a real (temporary) Prefect server."""
+on a real (temporary) Prefect server; before any stage runs, the preflight checks that one of
+them is there, without reading or showing the key."""
 
+import logging
 import os
 
 import pytest
 
+from rlhf_core.config import ConfigError, load_config
 from rlhf_core.judging import JudgeConfigError
-from tasks.stages import provide_judge_key
+from rlhf_core.pipeline import stages_until
+from rlhf_core.preflight import PreflightError, check_judge_key
+from tasks.stages import preflight, provide_judge_key, secret_block_exists
+
+KEY = "sk-ant-preflight-test-0123456789abcdefghij"  # a made-up key: it must appear nowhere
+
+
+@pytest.fixture
+def anthropic_cfg(tmp_path, monkeypatch):
+    """The smoke preset with the Anthropic judge, its stores in ``tmp_path``, no key in the environment."""
+    monkeypatch.setenv("RLHF_ARTIFACT_ROOT", str(tmp_path / "artifacts"))
+    monkeypatch.setenv("RLHF_WORK_DIR", str(tmp_path / "work"))
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    return load_config(
+        "smoke", ["eval.judge=anthropic", "eval.judge_model=claude-test", "eval.api_key_secret=judge-key"]
+    )
+
+
+def test_the_key_in_the_environment_passes_and_is_never_shown(anthropic_cfg, monkeypatch, capsys, caplog):
+    monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
+    with caplog.at_level(logging.DEBUG):
+        preflight(anthropic_cfg)
+    captured = capsys.readouterr()
+    assert KEY not in captured.out + captured.err + caplog.text
+
+
+def test_without_the_variable_or_the_block_the_error_names_both(anthropic_cfg):
+    with pytest.raises(PreflightError) as info:
+        check_judge_key(anthropic_cfg, secret_exists=lambda name: False)
+    message = str(info.value)
+    assert isinstance(info.value, ConfigError) and "\n" not in message  # `rlhf` prints it in one line
+    assert message.startswith(
+        "eval.judge is anthropic but neither is ANTHROPIC_API_KEY set nor does a Prefect Secret block named "
+        "'judge-key' exist (eval.api_key_secret)"
+    )
+    check_judge_key(anthropic_cfg, secret_exists=lambda name: name == "judge-key")
+    preflight(anthropic_cfg, stages_until("ppo"))  # no evaluation: no key needed, Prefect not asked
 
 
 @pytest.mark.slow
-def test_key_from_environment_or_secret_block(monkeypatch, tmp_path):
+def test_key_from_environment_or_secret_block(anthropic_cfg, monkeypatch, tmp_path, capsys, caplog):
     from prefect.blocks.system import Secret
     from prefect.testing.utilities import prefect_test_harness
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
     saved = os.environ.pop("ANTHROPIC_API_KEY", None)
     try:
-        check(Secret, prefect_test_harness)
+        check(Secret, prefect_test_harness, anthropic_cfg, capsys, caplog)
     finally:
         os.environ.pop("ANTHROPIC_API_KEY", None)
         if saved is not None:
             os.environ["ANTHROPIC_API_KEY"] = saved
 
 
-def check(Secret, prefect_test_harness):
+def check(Secret, prefect_test_harness, cfg, capsys, caplog):
     with prefect_test_harness(server_startup_timeout=180):
+        Secret(value=KEY).save("another-key")  # a block of another name does not count
         with pytest.raises(JudgeConfigError, match="'judge-key'") as info:
             provide_judge_key("judge-key")
         assert "ANTHROPIC_API_KEY" in str(info.value) and os.environ.get("ANTHROPIC_API_KEY") is None
-        Secret(value="sk-from-block").save("judge-key")
+        with pytest.raises(PreflightError) as info:
+            preflight(cfg)
+        assert "ANTHROPIC_API_KEY" in str(info.value) and "'judge-key' exist (eval.api_key_secret)" in str(info.value)
+        assert KEY not in str(info.value)
+        assert not secret_block_exists("judge-key") and secret_block_exists("another-key")
+
+        Secret(value=KEY).save("judge-key")
+        with caplog.at_level(logging.DEBUG):
+            preflight(cfg)  # the block is there: only its presence is checked
+        assert os.environ.get("ANTHROPIC_API_KEY") is None
+        captured = capsys.readouterr()
+        assert KEY not in captured.out + captured.err + caplog.text
+
         provide_judge_key("judge-key")
-        assert os.environ["ANTHROPIC_API_KEY"] == "sk-from-block"
+        assert os.environ["ANTHROPIC_API_KEY"] == KEY
         os.environ["ANTHROPIC_API_KEY"] = "sk-from-env"  # the environment wins over the block
         provide_judge_key("judge-key")
         assert os.environ["ANTHROPIC_API_KEY"] == "sk-from-env"
