@@ -144,11 +144,11 @@ class DataConfig(_Strict):
     ``hub_subset`` names a subset file (``configs/data/NAME.json`` or a path): the identities
     of the rows of a local folder and the hub datasets they come from. With ``auto`` and no
     local directory, those rows are fetched once from the hub into a cache folder
-    (:func:`rlhf_core.hub_subset.ensure_local_rows`) and read from it as a local folder. ``max_*_response_length`` of ``None`` derive the
-    padded lengths from the data (Detail 4); a number caps them and drops longer rows,
-    counted in ``stats.json``. ``on_bad_row`` is ``error`` (stop, naming file and row)
-    or ``skip`` (drop and count). ``revision`` pins the hub datasets to a branch, tag or
-    commit (``datasets.load_dataset(revision=...)``).
+    (:func:`rlhf_core.hub_subset.ensure_local_rows`) and read from it as a local folder.
+    ``max_*_response_length`` of ``None`` derive the padded lengths from the data (Detail 4); a
+    number caps them and drops longer rows, counted in ``stats.json``. ``on_bad_row`` is
+    ``error`` (stop, naming file and row) or ``skip`` (drop and count). ``revision`` pins the
+    hub datasets to a branch, tag or commit.
     """
 
     source: Literal["auto", "hub", "local"] = "auto"

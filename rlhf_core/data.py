@@ -113,7 +113,8 @@ def iter_hub_split(
 
 #: The ``datasets`` builder that reads each kind of data file a hub split may be stored as.
 HUB_DATA_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-#: The hub's Parquet export of a dataset (made for every dataset, loading scripts' included).
+#: The branch of the hub's Parquet export of a dataset (its dataset viewer's conversion, made for
+#: datasets built by a loading script too).
 PARQUET_EXPORT = "refs/convert/parquet"
 
 
