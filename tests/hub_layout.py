@@ -33,22 +33,28 @@ def to_hub_comparison(row: dict) -> dict:
 
 
 def hub_cache_repo(
-    cache: Path, repo_id: str, commit: str, files: dict[str, list[dict] | str], ref: str | None = "main"
+    cache: Path,
+    repo_id: str,
+    commit: str,
+    files: dict[str, list[dict] | str],
+    ref: str | None = "main",
+    repo_type: str = "dataset",
 ) -> Path:
-    """A dataset repository ``repo_id`` at ``commit`` in the hub cache ``cache``, as
-    ``huggingface_hub`` leaves it after a download: ``datasets--OWNER--NAME/snapshots/COMMIT/``
-    holding ``files`` (rows saved as Parquet by ``datasets``, text as given), and
-    ``refs/REF`` naming the commit. Returns the snapshot folder."""
-    import datasets
-
-    repo = cache / f"datasets--{repo_id.replace('/', '--')}"
+    """A repository ``repo_id`` (a dataset, or a ``model``) at ``commit`` in the hub cache
+    ``cache``, as ``huggingface_hub`` leaves it after a download:
+    ``{repo_type}s--OWNER--NAME/snapshots/COMMIT/`` holding ``files`` (rows saved as Parquet by
+    ``datasets``, text as given), and ``refs/REF`` naming the commit. Returns the snapshot folder."""
+    repo = cache / f"{repo_type}s--{repo_id.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
         path = snapshot / name
         path.parent.mkdir(parents=True, exist_ok=True)
         if isinstance(content, str):
             path.write_text(content)
         else:
+            import datasets
+
             datasets.Dataset.from_list(content).to_parquet(str(path))
     if ref is not None:
         (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ MAX_BYTES = 3_000_000
 #: The tests read at most the first 400 SFT rows and 64 comparisons of a batch; a file's first
 #: rows keep them as they are in the whole folder.
 FIRST_ROWS: dict[str, dict[str | None, int | None]] = {
-    "sft_train.jsonl": {None: None},
+    "sft_train.jsonl": {None: 6},
     "sft_validation.jsonl": {None: 450},
     "sft_test.jsonl": {None: 64},
     "preference_validation.jsonl": {"batch13": 160, "batch18": 64, "edit_b2_eval_test": None},

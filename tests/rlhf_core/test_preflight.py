@@ -17,6 +17,7 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.errors import DataError, ModelSourceError
 from rlhf_core.pipeline import STAGES, stages_until
 from rlhf_core.preflight import PreflightError, check_before_stages
+from tests.hub_layout import hub_cache_repo
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -73,14 +74,9 @@ def hub_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
-def cache_hub_repo(root, repo_type, repo_id, ref="main", commit=COMMIT):
-    """Put a snapshot of ``repo_id`` in the hub cache ``root`` as huggingface_hub lays it out."""
-    repo = root / f"{repo_type}s--{repo_id.replace('/', '--')}"
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    (repo / "refs" / ref).write_text(commit)
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+def cache_hub_repo(root, repo_type, repo_id, ref="main"):
+    """Put a snapshot of ``repo_id`` (holding a ``config.json``) in the hub cache ``root``."""
+    hub_cache_repo(root, repo_id, COMMIT, {"config.json": json.dumps({"model_type": "llama"})}, ref, repo_type)
 
 
 def test_a_hub_model_passes_offline_only_when_the_hub_cache_holds_it(hub_cache):
