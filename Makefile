@@ -99,10 +99,15 @@ stack-status:
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# Style is checked, not argued: ruff's linter and formatter, configured in pyproject.toml.
+# Style is checked, not argued: ruff's linter and formatter, configured in pyproject.toml. Then the
+# docs (mkdocs.yml) built offline into $(SITE_DIR): a broken link or anchor, or a page missing
+# from the navigation, fails (not --quiet: it also hides the warnings that --strict counts).
+SITE_DIR ?= .site
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE_DIR)
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
@@ -159,4 +164,4 @@ gpu-bundle: $(STAMP)
 	BUNDLE=$(GPU_BUNDLE) PY=$(BIN)/python infra/offline-gpu/prepare.sh
 
 clean: stack-down
-	rm -rf $(VENV) runs .pytest_cache $(STACK_DIR)
+	rm -rf $(VENV) runs .pytest_cache $(STACK_DIR) $(SITE_DIR)

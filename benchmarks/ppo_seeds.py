@@ -6,7 +6,7 @@ with its 95% interval above 0, and an EOS rate of at least 90%; beside it the KL
 update and both policies' repetition rates (share of greedy summaries caught in a loop, which
 must be no higher for PPO than for SFT). From a sweep, the KL must also be bounded: a cell the
 sweep's seed-health rule flags (final KL or response length outside 2x / 1.5x of its sibling
-seeds' median, README "Seed health") fails. Writes one object per cell: ``seed``,
+seeds' median, docs/operations/sweeps.md "Seed health") fails. Writes one object per cell: ``seed``,
 ``ppo_score_gain``, ``ppo_score_gain_ci`` ``[low, high]``, ``ppo_eos_rate``, ``ppo_kl``,
 ``repetition_rate``, ``sft_repetition_rate``, ``flagged`` (``None`` outside a sweep),
 ``passed``, with the machine and the commit.
