@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from .stage_names import STAGE_NAMES
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
@@ -590,12 +592,10 @@ class OrchestrationConfig(_Strict):
     @field_validator("timeout_seconds", mode="before")
     @classmethod
     def _stages_and_positive(cls, value: Any) -> Any:
-        from .pipeline import STAGES  # the stage table imports this module
-
         for stage, seconds in value.items() if isinstance(value, dict) else ():
             key = f"orchestration.timeout_seconds.{stage}"
-            if stage not in STAGES:
-                raise ValueError(f"{key}: {stage!r} is not a stage ({', '.join(STAGES)})")
+            if stage not in STAGE_NAMES:
+                raise ValueError(f"{key}: {stage!r} is not a stage ({', '.join(STAGE_NAMES)})")
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
                 raise ValueError(f"{key}: a positive number of seconds is needed, not {seconds!r}")
         return value
