@@ -174,7 +174,7 @@ class DataConfig(_Strict):
     @classmethod
     def _check_subset(cls, name: str | None) -> str | None:
         if name is not None:
-            from .hub_subset import subset_path
+            from .subset_files import subset_path
 
             subset_path(name)  # a missing file is named now, not when the rows are first read
         return name
@@ -224,9 +224,9 @@ class DataConfig(_Strict):
 
     def resolved_local_dir(self) -> str | None:
         """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
-        ``auto`` (:func:`rlhf_core.hub_subset.subset_dir`; there or not yet), else ``None``."""
+        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``."""
         if self.subset_in_use():
-            from .hub_subset import subset_dir
+            from .subset_files import subset_dir
 
             return str(subset_dir(self.hub_subset))  # type: ignore[arg-type]
         return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None

@@ -23,6 +23,14 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def cache_root() -> Path:
+    """Where converted checkpoints and fetched rows are cached: ``$RLHF_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/rlhf``, else ``~/.cache/rlhf``."""
+    if os.environ.get("RLHF_CACHE_DIR"):
+        return Path(os.environ["RLHF_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf"
+
+
 def json_digest(payload: Any, length: int = 16) -> str:
     """The first ``length`` hex characters of the SHA-256 of ``payload`` as canonical JSON (keys
     sorted; paths and tensors' scalars as :func:`write_json_atomic` writes them). The one digest
