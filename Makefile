@@ -99,10 +99,12 @@ stack-status:
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# Style is checked, not argued: ruff's linter and formatter, configured in pyproject.toml.
+# Style and imports are checked, not argued: ruff's linter and formatter, and import-linter's
+# contracts on the core's imports, all configured in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix .
