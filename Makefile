@@ -99,14 +99,16 @@ stack-status:
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
-# Style is checked, not argued: ruff's linter and formatter, configured in pyproject.toml. Then the
-# docs (mkdocs.yml) built offline into $(SITE_DIR): a broken link or anchor, or a page missing
-# from the navigation, fails (not --quiet: it also hides the warnings that --strict counts).
+# Style and imports are checked, not argued: ruff's linter and formatter, and import-linter's
+# contracts on the core's imports, all configured in pyproject.toml. Then the docs (mkdocs.yml)
+# built offline into $(SITE_DIR): a broken link or anchor, or a page missing from the navigation,
+# fails (not --quiet: it also hides the warnings that --strict counts).
 SITE_DIR ?= .site
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE_DIR)
 
 format: $(STAMP)

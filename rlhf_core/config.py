@@ -29,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from .stage_names import STAGE_NAMES
+
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
@@ -172,7 +174,7 @@ class DataConfig(_Strict):
     @classmethod
     def _check_subset(cls, name: str | None) -> str | None:
         if name is not None:
-            from .hub_subset import subset_path
+            from .subset_files import subset_path
 
             subset_path(name)  # a missing file is named now, not when the rows are first read
         return name
@@ -222,9 +224,9 @@ class DataConfig(_Strict):
 
     def resolved_local_dir(self) -> str | None:
         """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
-        ``auto`` (:func:`rlhf_core.hub_subset.subset_dir`; there or not yet), else ``None``."""
+        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``."""
         if self.subset_in_use():
-            from .hub_subset import subset_dir
+            from .subset_files import subset_dir
 
             return str(subset_dir(self.hub_subset))  # type: ignore[arg-type]
         return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None
@@ -590,12 +592,10 @@ class OrchestrationConfig(_Strict):
     @field_validator("timeout_seconds", mode="before")
     @classmethod
     def _stages_and_positive(cls, value: Any) -> Any:
-        from .pipeline import STAGES  # the stage table imports this module
-
         for stage, seconds in value.items() if isinstance(value, dict) else ():
             key = f"orchestration.timeout_seconds.{stage}"
-            if stage not in STAGES:
-                raise ValueError(f"{key}: {stage!r} is not a stage ({', '.join(STAGES)})")
+            if stage not in STAGE_NAMES:
+                raise ValueError(f"{key}: {stage!r} is not a stage ({', '.join(STAGE_NAMES)})")
             if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
                 raise ValueError(f"{key}: a positive number of seconds is needed, not {seconds!r}")
         return value

@@ -2,6 +2,7 @@
 
 * :func:`rouge_l` — ROUGE-L F1 of summaries against references (SFT and evaluation).
 * :func:`win_rate` — a judge's win rate with a Wilson score interval (Huang et al. 2024, Figure 1).
+* :func:`mean_ignoring_missing` — a mean over the rows that have the measurement.
 * :func:`length_log_ratio`, :func:`length_control`, :func:`plot_length_control` — win rate
   against ``log(summary length / reference length)`` (Huang et al. 2024, Figure 8).
 * :func:`title_coverage`, :func:`title_copy_rate` — how much of the post's title a summary
@@ -25,7 +26,7 @@ from __future__ import annotations
 import html
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -127,6 +128,14 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
     low = 0.0 if successes == 0 else max(0.0, centre - half)
     high = 1.0 if successes == n else min(1.0, centre + half)
     return low, high
+
+
+def mean_ignoring_missing(values: Iterable[float | None]) -> float:
+    """Mean of the values that are neither ``None`` nor NaN (a measurement missing for a row,
+    e.g. an unreadable judgement); NaN when none is left. Infinities are kept.
+    """
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return sum(present) / len(present) if present else NAN
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict[str, float | int]:

@@ -1,24 +1,21 @@
-"""The evaluation stage: base, SFT, PPO and DPO summaries judged against the human references, with
-length control, reward-model/judge agreement, reward-hacking diagnostics and one report.
+"""The evaluation: base, SFT, PPO and DPO summaries of the evaluation prompts, scored by the
+reward model, judged against the human references, and measured.
 
-Huang et al. 2024: win rates against the reference summaries judged by an LLM (Figure 1, the
-prompt of Appendix I), win rate against ``log(summary length / reference length)``
-(Figure 8), agreement between the reward model and the judge (Detail 17), the reward model's
-calibration (Figure 5), and token ranks under the pre-trained model (Table 8).
+Huang et al. 2024 (arXiv:2403.17031): win rates against the reference summaries judged by an
+LLM (Figure 1, the prompt of Appendix I), win rate against ``log(summary length / reference
+length)`` (Figure 8), agreement between the reward model and the judge (Detail 17), and token
+ranks under the pre-trained model (Table 8).
 
-Outputs in ``out_dir``: ``metrics.json``, ``summaries.jsonl`` (one row per prompt with each
-policy's summary, reward score, ROUGE-L and judgement), ``judgements.jsonl``,
-``length_control.png``, ``training_curves.png``, ``calibration.png`` (copied from the
-reward-model evaluation), ``token_shift.html``, ``report.html`` and ``report.md``.
+:func:`run_evaluation` writes ``summaries.jsonl`` (one row per prompt with each policy's
+summary, reward score and judgement) and ``judgements.jsonl`` to the stage's output and returns
+an :class:`Evaluation`; the report and the stage's ``metrics.json`` follow from it
+(:func:`rlhf_core.run_report.finish_evaluation`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,22 +24,23 @@ from typing import Any
 import torch
 
 from . import diagnostics as diag
-from .config import IN_DISTRIBUTION_SPLIT, EvalConfig, PipelineConfig
+from .config import EvalConfig, PipelineConfig
 from .data import load_data_tokenizer, load_prepared
 from .generation import Summaries, summarize, trim_left_padding
-from .io import atomic_file, write_json_atomic, write_jsonl_atomic
+from .io import write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .models import ModelSourceError, load_causal_lm, resolve_source
-from .pipeline import POLICIES, REPORT_FILES
-from .report import plot_training_curves, write_report
 from .reward import ResponseScores, ScalarModel, score_responses
-from .tracking import NullTracker, Tracker, read_metrics
+from .tracking import NullTracker, Tracker
 from .training import pick_device, precision_name
 
 log = logging.getLogger(__name__)
 
+#: The policies compared with the references, in report order: ``(key, display name)``, the key
+#: being the stage that trains the policy (``base``: the base model).
+POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
 
-#: The policies compared with the references, in report order: (key, display name).
+
 @torch.no_grad()
 def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> list[list[int]]:
     """Rank of each response token under ``model`` (1 = its top prediction), per row
@@ -97,217 +95,9 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: to
     )
 
 
-def _mean(values) -> float:
-    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    return sum(values) / len(values) if values else float("nan")
-
-
 def _free(*_):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-#: PPO metrics the report plots per update: score, KL, EOS rate and response length.
-PPO_CURVE_KEYS = ["objective/scores", "objective/kl", "response/eos_rate", "response/length_mean"]
-
-
-def _interval(low: float, high: float, percent: bool = False) -> str:
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return "n/a"
-    return f"[{low:.1%}, {high:.1%}]" if percent else f"[{low:+.3f}, {high:+.3f}]"
-
-
-#: The reward model's evaluation splits in the report, by metric prefix (``reward_eval`` and
-#: ``dpo_eval`` metrics): ``(name, distribution)``, the distribution being how the split stands to
-#: the reward model's training pairs: held out of them (in distribution), other policies (out of
-#: distribution, Detail 6), or another task.
-RM_SPLITS = {
-    f"eval/{IN_DISTRIBUTION_SPLIT}": ("TL;DR comparisons held out of train", "in distribution"),
-    "eval": ("TL;DR validation comparisons", "out of distribution (other policies, Detail 6)"),
-    "eval/validation_cnndm": ("CNN/DM comparisons", "another task (news articles)"),
-}
-
-
-def learning_checks(
-    sft_metrics: dict[str, float],
-    sft_samples: list[dict],
-    rm_metrics: dict[str, float],
-    ppo_last: dict[str, float],
-    ppo: ResponseScores,
-    sft: ResponseScores,
-    texts: dict[str, list[str]] | None = None,
-) -> tuple[list[dict], dict[str, float]]:
-    """Whether each stage learned, measured on rows its training never saw: the report's first table.
-
-    - SFT (its stage's evaluation prompts): share of greedy summaries that end with EOS within
-      the response length, with a 95% Wilson interval (target at least 95%), and the ROUGE-L
-      gain over the base model on the same prompts, with a 95% paired interval (target +0.05).
-    - Reward model: accuracy with a 95% Wilson interval on the comparisons held out of its
-      training split (``eval/validation_in_dist/...``: in distribution; target: the interval lies
-      above 0.5, chance), on the TL;DR validation comparisons (``eval/...``: out of distribution,
-      other policies, Detail 6; reported, or the target when no comparisons were held out), and
-      on the CNN/DM comparisons (reported).
-    - PPO (the evaluation prompts): the mean difference between PPO's and SFT's normalised
-      reward-model scores (with the EOS trick, Detail 23) on the same prompts, with a 95% paired
-      interval (target: above 0); PPO's EOS rate (target at least 90%); KL to the SFT policy per
-      summary and per token, from the last PPO update's samples (reported); the share of PPO's
-      greedy summaries caught in a repetition loop (:func:`rlhf_core.diagnostics.repetition_loop`;
-      target: no higher than SFT's on the same prompts).
-
-    Args:
-        sft_metrics: the SFT stage's ``metrics.json``; sft_samples: its ``samples.jsonl`` rows
-            (``rougeL_sft``, ``rougeL_base``); rm_metrics: the reward-model evaluation's
-            ``metrics.json``; ppo_last: the last PPO update's metrics (``objective/kl``,
-            ``objective/kl_per_token``); ppo, sft: both policies' scores on the same prompts;
-            texts: their summaries (``{"ppo": [...], "sft": [...]}``), for the repetition check.
-
-    Returns:
-        ``(rows, metrics)``: table rows (stage, check, result, 95% interval, n, target, met)
-        and flat metrics (``eval/checks/...``). A check whose inputs are missing is left out.
-    """
-    rows: list[dict] = []
-    metrics: dict[str, float] = {}
-
-    def add(stage, check, result, interval, n, target, met):
-        rows.append(
-            {
-                "stage": stage,
-                "check": check,
-                "result": result,
-                "95% interval": interval,
-                "n": n,
-                "target": target,
-                "met": met,
-            }
-        )
-
-    n_sft = int(sft_metrics.get("eval/samples", 0))
-    if "eval/eos_rate" in sft_metrics and n_sft:
-        rate = sft_metrics["eval/eos_rate"]
-        low, high = diag.wilson_interval(round(rate * n_sft), n_sft)
-        base = sft_metrics.get("eval/eos_rate_base", float("nan"))
-        add(
-            "SFT",
-            "greedy summaries that end with EOS",
-            f"{rate:.1%} (base model {base:.1%})",
-            _interval(low, high, True),
-            n_sft,
-            "≥ 95%",
-            rate >= 0.95,
-        )
-        metrics.update(
-            {
-                "eval/checks/sft_eos_rate": rate,
-                "eval/checks/sft_eos_rate_ci_low": low,
-                "eval/checks/sft_eos_rate_ci_high": high,
-            }
-        )
-    pairs = [(r["rougeL_sft"], r["rougeL_base"]) for r in sft_samples if "rougeL_sft" in r and "rougeL_base" in r]
-    if pairs:
-        gain = diag.paired_difference([a for a, _ in pairs], [b for _, b in pairs])
-        add(
-            "SFT",
-            "ROUGE-L gain over the base model",
-            f"{gain['mean']:+.3f} (SFT {_mean([a for a, _ in pairs]):.3f}, base {_mean([b for _, b in pairs]):.3f})",
-            _interval(gain["ci_low"], gain["ci_high"]),
-            gain["n"],
-            "≥ +0.05",
-            gain["mean"] >= 0.05,
-        )
-        metrics.update(
-            {
-                "eval/checks/sft_rougeL_gain": gain["mean"],
-                "eval/checks/sft_rougeL_gain_ci_low": gain["ci_low"],
-                "eval/checks/sft_rougeL_gain_ci_high": gain["ci_high"],
-            }
-        )
-    # the target is the in-distribution accuracy; without held-out comparisons, the validation one
-    in_dist = f"eval/{IN_DISTRIBUTION_SPLIT}"
-    targeted = in_dist if f"{in_dist}/accuracy" in rm_metrics else "eval"
-    for prefix, (split_name, distribution) in RM_SPLITS.items():
-        name, target = f"{split_name}, {distribution}", "interval above 50%" if prefix == targeted else "reported"
-        if f"{prefix}/accuracy" in rm_metrics:
-            acc, n = rm_metrics[f"{prefix}/accuracy"], int(rm_metrics.get(f"{prefix}/count", 0))
-            low = rm_metrics.get(f"{prefix}/accuracy_ci_low", float("nan"))
-            high = rm_metrics.get(f"{prefix}/accuracy_ci_high", float("nan"))
-            add(
-                "reward model",
-                f"accuracy, {name}",
-                f"{acc:.1%}",
-                _interval(low, high, True),
-                n,
-                target,
-                bool(low > 0.5) if target != "reported" else None,
-            )
-    if len(ppo.scores) and len(ppo.scores) == len(sft.scores):
-        diff = diag.paired_difference(ppo.scores.tolist(), sft.scores.tolist())
-        add(
-            "PPO",
-            "RM score of PPO minus SFT summaries, same prompts",
-            f"{diff['mean']:+.3f} (PPO {ppo.scores.mean().item():+.3f}, SFT {sft.scores.mean().item():+.3f})",
-            _interval(diff["ci_low"], diff["ci_high"]),
-            diff["n"],
-            "interval above 0",
-            bool(diff["ci_low"] > 0),
-        )
-        eos = int(ppo.has_eos.sum().item())
-        low, high = diag.wilson_interval(eos, len(ppo.has_eos))
-        add(
-            "PPO",
-            "greedy summaries that end with EOS",
-            f"{eos / len(ppo.has_eos):.1%}",
-            _interval(low, high, True),
-            len(ppo.has_eos),
-            "≥ 90%",
-            eos / len(ppo.has_eos) >= 0.9,
-        )
-        metrics.update(
-            {
-                "eval/checks/ppo_minus_sft_score": diff["mean"],
-                "eval/checks/ppo_minus_sft_score_ci_low": diff["ci_low"],
-                "eval/checks/ppo_minus_sft_score_ci_high": diff["ci_high"],
-                "eval/checks/ppo_eos_rate_ci_low": low,
-                "eval/checks/ppo_eos_rate_ci_high": high,
-            }
-        )
-    if texts and texts.get("ppo") and texts.get("sft"):
-        loops = {key: diag.repetition_rate(texts[key]) for key in ("ppo", "sft")}
-        add(
-            "PPO",
-            "greedy summaries caught in a repetition loop",
-            f"{loops['ppo']['rate']:.1%} (SFT {loops['sft']['rate']:.1%})",
-            _interval(loops["ppo"]["ci_low"], loops["ppo"]["ci_high"], True),
-            loops["ppo"]["n"],
-            "≤ SFT's",
-            loops["ppo"]["rate"] <= loops["sft"]["rate"],
-        )
-        metrics.update(
-            {
-                "eval/checks/ppo_repetition_rate": loops["ppo"]["rate"],
-                "eval/checks/sft_repetition_rate": loops["sft"]["rate"],
-            }
-        )
-    if "objective/kl" in ppo_last:
-        per_token = ppo_last.get("objective/kl_per_token", float("nan"))
-        add(
-            "PPO",
-            "KL to the SFT policy, last update's samples",
-            f"{ppo_last['objective/kl']:.3f} nats per summary, {per_token:.4f} per token",
-            "",
-            None,
-            "reported",
-            None,
-        )
-        metrics.update({"eval/checks/ppo_kl": ppo_last["objective/kl"], "eval/checks/ppo_kl_per_token": per_token})
-    return rows, metrics
-
-
-def _last_record_with(path: Path, key: str) -> dict[str, float]:
-    """The last stepped record of a ``metrics.jsonl`` that holds ``key`` (``{}`` if none)."""
-    if not path.is_file():
-        return {}
-    records = [m for step, m in read_metrics(path) if step is not None and key in m]
-    return records[-1] if records else {}
 
 
 @dataclass
@@ -562,52 +352,6 @@ def judge_human_metrics(figures: dict[str, Any]) -> dict[str, float]:
     return metrics
 
 
-def judge_note(judge_name: str, ecfg: EvalConfig, n: int, judge_human: dict[str, Any]) -> str:
-    """The report's sentence on how win rates were judged and how far the judge can be trusted:
-    its agreement with human labels in words ("at chance on human labels" when the interval
-    includes 0.5, "below chance" when it lies under it), its share of "A" verdicts and its order
-    consistency."""
-    orders = (
-        "each comparison judged in both A/B orders (a split verdict is a tie, or for an offline judge "
-        "the two orders' letter margins are summed)"
-        if ecfg.orders == "both"
-        else "A/B order randomised per comparison"
-    )
-    text = (
-        f"Win rates: share of valid judgements preferring the policy's summary to the human reference "
-        f"(a tie counts half), judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, "
-        f"{orders}; 95% Wilson intervals; {n} {ecfg.split} prompts."
-    )
-    if not judge_human:
-        return text + " The judge's agreement with human labels was not measured (eval.judge_human_comparisons: 0)."
-    low, high = judge_human["agreement_ci"]
-    measured = (
-        f"it agreed with the human label on {judge_human['agreement']:.1%} [{low:.1%}, {high:.1%}] of "
-        f"{judge_human['n']} human-labelled comparisons of the {judge_human['split']} preference split, "
-        f"chose the summary shown as A {judge_human['a_share']:.1%} of the time"
-    )
-    if judge_human["order_consistency"] is not None:
-        measured += f", and picked the same summary in both orders {judge_human['order_consistency']:.1%} of the time"
-    if judge_at_chance(judge_human):
-        return (
-            text + f" The judge is at chance on human labels: {measured}. Its win rates do not tell the policies' "
-            "summaries apart; read the reward-model scores and the learning checks instead."
-        )
-    if high < 0.5:
-        return (
-            text + f" The judge is below chance on human labels: {measured}; it prefers the summary the human "
-            "rejected more often than not, so its win rates do not measure quality; read the reward-model "
-            "scores and the learning checks instead."
-        )
-    return text + f" The judge is better than chance on human labels: {measured}."
-
-
-def judge_at_chance(figures: dict[str, Any]) -> bool:
-    """Whether the judge's agreement interval on human labels includes 0.5 (or nothing was measured)."""
-    low, high = figures.get("agreement_ci", [float("nan")] * 2)
-    return not (math.isfinite(low) and math.isfinite(high)) or low <= 0.5 <= high
-
-
 def policy_measurements(
     prompts: EvalPrompts,
     summaries: dict[str, Summaries],
@@ -653,7 +397,7 @@ def policy_measurements(
                 f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
                 f"eval/{key}/win_rate_invalid": float(counts["invalid"]),
                 f"eval/{key}/win_rate_errors": float(counts["errors"]),
-                f"eval/{key}/rougeL": _mean(rouge),
+                f"eval/{key}/rougeL": diag.mean_ignoring_missing(rouge),
                 f"eval/{key}/score": scores[key].mean().item(),
                 f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
                 f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
@@ -662,14 +406,14 @@ def policy_measurements(
                 f"eval/{key}/win_rate_ties": float(counts["ties"]),
                 f"eval/{key}/diversity": float(div["mean"]),
                 f"eval/{key}/agreement": float(agree["agreement"]),
-                f"eval/{key}/response_words": _mean([len(diag.words(t)) for t in texts]),
+                f"eval/{key}/response_words": diag.mean_ignoring_missing([len(diag.words(t)) for t in texts]),
             }
         )
         headline.append(
             {
                 "policy": label,
                 "win rate vs reference": wr,
-                "ROUGE-L": _mean(rouge),
+                "ROUGE-L": diag.mean_ignoring_missing(rouge),
                 "RM score": scores[key].mean().item(),
                 "RM raw score": scored[key].raw_scores.mean().item(),
                 "EOS rate": scored[key].has_eos.double().mean().item(),
@@ -677,7 +421,7 @@ def policy_measurements(
                 "repetition loops": float(repetition["rate"]),
                 "diversity": float(div["mean"]),
                 "RM-judge agreement": float(agree["agreement"]),
-                "words": _mean([len(diag.words(t)) for t in texts]),
+                "words": diag.mean_ignoring_missing([len(diag.words(t)) for t in texts]),
             }
         )
     ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
@@ -697,7 +441,7 @@ def policy_measurements(
             "EOS rate": scored["reference"].has_eos.double().mean().item(),
             "title copy": float(ref_title["rate"]),
             "repetition loops": float(diag.repetition_rate(references)["rate"]),
-            "words": _mean([len(diag.words(t)) for t in references]),
+            "words": diag.mean_ignoring_missing([len(diag.words(t)) for t in references]),
         }
     )
     return metrics, headline, curves
@@ -731,49 +475,76 @@ def summary_rows(
     return rows
 
 
+@dataclass
+class Evaluation:
+    """What :func:`run_evaluation` measured, for the report
+    (:func:`rlhf_core.run_report.finish_evaluation`).
+
+    Attributes:
+        prompts: the evaluation prompts; rows: ``summaries.jsonl``'s rows (:func:`summary_rows`).
+        headline: the report's headline rows, one per policy and one for the references;
+            curves: ``{policy label: (log length ratios, wins)}`` of the judged prompts, for
+            the length-control plot (both from :func:`policy_measurements`).
+        shift_blocks: HTML of the token-shift page (:func:`token_shift_blocks`).
+        scored: each policy's and the references' reward-model scores (:func:`score_policies`).
+        verdicts: the judge's verdicts; judge_human: the judge on human labels
+            (:func:`judge_human_labels`' figures, ``{}`` when not measured).
+        base_name: the base model's name in the report.
+        metrics: the flat metrics measured so far (:func:`run_evaluation`).
+        started: :func:`time.perf_counter` at the stage's start, in seconds.
+    """
+
+    prompts: EvalPrompts
+    rows: list[dict]
+    headline: list[dict]
+    curves: dict[str, tuple[list[float], list]]
+    shift_blocks: list[str]
+    scored: dict[str, ResponseScores]
+    verdicts: JudgedPolicies
+    judge_human: dict[str, Any]
+    base_name: str
+    metrics: dict[str, float]
+    started: float
+
+
 def run_evaluation(
     cfg: PipelineConfig,
     data_dir: str | os.PathLike,
     base_model_dir: str | os.PathLike,
-    sft_dir: str | os.PathLike,
-    reward_dirs: dict[str, str | os.PathLike],
-    ppo_dir: str | os.PathLike,
+    policy_dirs: dict[str, str | os.PathLike],
+    reward_model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     tracker: Tracker | None = None,
     judgement_cache: str | os.PathLike | None = None,
-    *,
-    dpo_dirs: dict[str, str | os.PathLike],
-) -> dict[str, float]:
-    """Evaluate the base, SFT, PPO and DPO policies and write the run's report.
+) -> Evaluation:
+    """Sample, score, judge and measure the base, SFT, PPO and DPO policies; write
+    ``summaries.jsonl`` and ``judgements.jsonl`` to ``out_dir``.
 
     Args:
         cfg: the pipeline config; reads ``cfg.eval``, ``cfg.ppo.temperature`` (the training
             temperature, for diversity) and ``cfg.ppo.non_eos_penalty`` (the score of a summary
             without EOS, as in PPO: Detail 23).
-        data_dir, base_model_dir, sft_dir, ppo_dir: stage outputs (``sft_dir/model``,
-            ``ppo_dir/model``; their ``metrics.jsonl`` give the training curves).
-        reward_dirs: ``{"reward": ..., "reward_norm": ..., "reward_eval": ...}`` stage outputs:
-            the normalised reward model scores summaries; training curves, accuracy and the
-            calibration plot come from the others.
+        data_dir, base_model_dir: stage outputs (the prepared data, the base model).
+        policy_dirs: ``{"sft": ..., "ppo": ..., "dpo": ...}``: each trained policy's model
+            directory (``save_pretrained`` layout).
+        reward_model_dir: the normalised reward model, which scores every summary.
+        tracker: receives the ``eval.*`` settings as parameters.
         judgement_cache: a JSONL file shared across runs (default ``out_dir/judge_cache.jsonl``):
             a comparison already judged by the same judge with the same prompt is not sent again.
-        dpo_dirs: ``{"dpo": ..., "dpo_eval": ...}`` stage outputs: the DPO policy
-            (``dpo/model``, its ``metrics.jsonl``) and its implicit reward model's accuracy,
-            reported beside the reward model's (Detail 19).
 
     Returns:
-        Flat metrics: ``eval/{policy}/win_rate`` (and ``_ci_low``, ``_ci_high``, ``_n_valid``,
-        ``_invalid``, ``_errors``), ``eval/{policy}/rougeL``, ``eval/{policy}/score`` (mean
-        reward-model score with the EOS trick), ``eval/{policy}/raw_score`` (without it),
-        ``eval/{policy}/eos_rate`` (share of summaries ending with EOS),
-        ``eval/{policy}/title_copy_rate``, ``eval/{policy}/diversity``,
-        ``eval/{policy}/agreement``, ``eval/{policy}/repetition_rate`` (share of summaries with
-        a :func:`rlhf_core.diagnostics.repetition_loop`), ``eval/{policy}/win_rate_ties`` for
-        base, sft, ppo and dpo; ``eval/reference/score``, ``eval/reference/title_copy_rate``,
-        ``eval/agreement``, ``eval/samples``, ``eval/seconds``; with
-        ``eval.judge_human_comparisons`` > 0, the judge on human labels: ``eval/judge/human_agreement``
-        (``_ci_low``, ``_ci_high``), ``eval/judge/human_n``, ``eval/judge/a_share`` and, with both
-        orders judged, ``eval/judge/order_consistency``.
+        An :class:`Evaluation` whose flat metrics are ``eval/{policy}/win_rate`` (and
+        ``_ci_low``, ``_ci_high``, ``_n_valid``, ``_invalid``, ``_errors``),
+        ``eval/{policy}/rougeL``, ``eval/{policy}/score`` (mean reward-model score with the EOS
+        trick), ``eval/{policy}/raw_score`` (without it), ``eval/{policy}/eos_rate`` (share of
+        summaries ending with EOS), ``eval/{policy}/title_copy_rate``,
+        ``eval/{policy}/diversity``, ``eval/{policy}/agreement``, ``eval/{policy}/repetition_rate``
+        (share of summaries with a :func:`rlhf_core.diagnostics.repetition_loop`),
+        ``eval/{policy}/win_rate_ties`` for base, sft, ppo and dpo; ``eval/reference/score``,
+        ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``; with
+        ``eval.judge_human_comparisons`` > 0, the judge on human labels:
+        ``eval/judge/human_agreement`` (``_ci_low``, ``_ci_high``), ``eval/judge/human_n``,
+        ``eval/judge/a_share`` and, with both orders judged, ``eval/judge/order_consistency``.
 
     Raises:
         KeyError: ``cfg.eval.split`` is not an SFT split; JudgeConfigError: no API key;
@@ -790,18 +561,13 @@ def run_evaluation(
     tracker.log_params(
         {f"eval.{k}": v for k, v in ecfg.model_dump().items()} | {"eval.precision": precision_name(ecfg.bf16, device)}
     )
-    model_dirs = {
-        "base": Path(base_model_dir),
-        "sft": Path(sft_dir) / "model",
-        "ppo": Path(ppo_dir) / "model",
-        "dpo": Path(dpo_dirs["dpo"]) / "model",
-    }
+    model_dirs = {"base": Path(base_model_dir)} | {key: Path(path) for key, path in policy_dirs.items()}
 
     # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
     summaries, diverse = sample_policies(model_dirs, tokenizer, prompts, ecfg, cfg.ppo.temperature, device)
     # 2. Reward-model scores of every summary and of the references, with PPO's EOS trick (Detail 23).
     scored = score_policies(
-        Path(reward_dirs["reward_norm"]) / "model", tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
+        Path(reward_model_dir), tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
     )
     # 3. Token ranks of SFT, PPO and DPO summaries under the base model (Table 8).
     shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
@@ -816,286 +582,11 @@ def run_evaluation(
     _free()
     # 5. Measurements per policy.
     metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, verdicts, ecfg)
-    # 6. Files: summaries, judgements, plots, report.
+    # 6. Files: summaries and judgements.
     rows = summary_rows(prompts, summaries, scored, verdicts)
     write_jsonl_atomic(out / "summaries.jsonl", rows)
     write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements + human_judgements))
     metrics |= judge_human_metrics(judge_human)
-    metrics |= _write_report(
-        cfg,
-        out,
-        prompts,
-        rows,
-        headline,
-        curves,
-        shift_blocks,
-        scored,
-        verdicts,
-        base_name,
-        Path(sft_dir),
-        reward_dirs,
-        Path(ppo_dir),
-        {k: Path(v) for k, v in dpo_dirs.items()},
-        judge_human=judge_human,
+    return Evaluation(
+        prompts, rows, headline, curves, shift_blocks, scored, verdicts, judge_human, base_name, metrics, t0
     )
-    metrics["eval/seconds"] = time.perf_counter() - t0
-    write_json_atomic(out / "metrics.json", metrics)
-    tracker.log_metrics(metrics)
-    tracker.log_table("evaluation_samples", rows[:32])
-    for name in REPORT_FILES:
-        if (out / name).is_file():
-            tracker.log_artifact(out / name)
-    log.info("evaluation: win rates %s", {key: round(metrics[f"eval/{key}/win_rate"], 3) for key, _ in POLICIES})
-    return metrics
-
-
-def _write_report(
-    cfg: PipelineConfig,
-    out: Path,
-    prompts: EvalPrompts,
-    rows: list[dict],
-    headline: list[dict],
-    curves: dict,
-    shift_blocks: list[str],
-    scored: dict[str, ResponseScores],
-    verdicts: JudgedPolicies,
-    base_name: str,
-    sft_dir: Path,
-    reward_dirs: dict[str, str | os.PathLike],
-    ppo_dir: Path,
-    dpo_dirs: dict[str, Path],
-    *,
-    judge_human: dict[str, Any] | None = None,
-) -> dict[str, float]:
-    """Plots, token-shift page, learning checks and ``report.html``/``report.md``; returns the
-    learning checks' metrics. ``judge_human``: :func:`judge_human_labels`' figures."""
-    ecfg, n, max_new = cfg.eval, len(prompts), prompts.max_new
-    plots = {
-        "Win rate against summary length": diag.plot_length_control(
-            curves, out / "length_control.png", bins=ecfg.length_bins
-        )
-    }
-    reward_eval = Path(reward_dirs["reward_eval"])
-    if (reward_eval / "calibration.png").is_file():
-        shutil.copyfile(reward_eval / "calibration.png", out / "calibration.png")
-        plots["Reward model calibration"] = out / "calibration.png"
-    token_plots, token_tables = per_token_sections(reward_eval, ppo_dir, out)
-    plots |= token_plots
-    metric_files = {
-        "SFT": sft_dir / "metrics.jsonl",
-        "reward model": Path(reward_dirs["reward"]) / "metrics.jsonl",
-        "PPO": ppo_dir / "metrics.jsonl",
-        "DPO": dpo_dirs["dpo"] / "metrics.jsonl",
-    }
-    if any(p.is_file() for p in metric_files.values()):
-        plots["Training curves"] = plot_training_curves(
-            {k: v for k, v in metric_files.items() if v.is_file()}, out / "training_curves.png"
-        )
-    shift_html = "\n".join(shift_blocks)
-    if shift_html:
-        with atomic_file(out / "token_shift.html") as fh:
-            fh.write(f"<!doctype html><meta charset='utf-8'>{shift_html}")
-    rm_metrics = _read_json(reward_eval / "metrics.json")
-    tables = {
-        "Reward model accuracy: the reward model (RM) and DPO's implicit one": reward_model_rows(
-            rm_metrics, _read_json(dpo_dirs["dpo_eval"] / "metrics.json")
-        )
-    }
-    sft_samples_file = sft_dir / "samples.jsonl"
-    sft_samples = [json.loads(line) for line in sft_samples_file.open()] if sft_samples_file.is_file() else []
-    checks, check_metrics = learning_checks(
-        _read_json(sft_dir / "metrics.json"),
-        sft_samples,
-        rm_metrics,
-        _last_record_with(metric_files["PPO"], "objective/kl"),
-        scored["ppo"],
-        scored["sft"],
-        texts={key: [r[key] for r in rows] for key in ("ppo", "sft")},
-    )
-    if metric_files["PPO"].is_file():
-        try:
-            plots = {
-                "PPO per update": plot_training_curves(
-                    {"PPO": metric_files["PPO"]}, out / "ppo_curves.png", keys={"PPO": PPO_CURVE_KEYS}, max_columns=4
-                )
-            } | plots
-        except ValueError:  # no stepped PPO record: nothing to plot
-            pass
-    by_id = verdicts.by_id
-    judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
-    notes = [judge_note(judge_name, ecfg, n, judge_human or {})]
-    if ecfg.judge == "offline":
-        notes.append(
-            f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
-            "probabilities of those letters: its win rates are not comparable with GPT-3.5 or Claude win rates."
-        )
-    total = win_counts(verdicts.judgements)
-    if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
-        notes.append(
-            f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
-            f"({total['invalid']} unreadable answers, {total['errors']} request errors)."
-        )
-    k = min(ecfg.diversity_prompts, n)
-    notes.append(
-        f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
-        f"at least {ecfg.title_copy_threshold:.0%} of the title. Diversity: mean pairwise normalised edit "
-        f"distance among {ecfg.diversity_samples} samples per prompt at temperature {cfg.ppo.temperature} "
-        f"({k} prompts). Repetition loops: share of summaries in which a run of words is immediately "
-        "repeated over at least 6 words (a policy caught in a loop). RM-judge agreement: share of judged pairs where "
-        "the reward model and the judge prefer the same summary, a tie counting half (Detail 17)."
-    )
-    if cfg.ppo.non_eos_penalty is None:
-        notes.append(
-            "RM score: the normalised reward model's output at the summary's last token, EOS or not "
-            "(ppo.non_eos_penalty: null, no EOS trick), the same as RM raw score. EOS rate: share of "
-            "summaries that end with EOS."
-        )
-    else:
-        notes.append(
-            f"RM score: the normalised reward model's score with PPO's EOS trick (Detail 23): a summary "
-            f"that does not end with EOS within {max_new} tokens scores {cfg.ppo.non_eos_penalty:g} "
-            f"(ppo.non_eos_penalty). RM raw score: the reward model's output at the summary's last token, "
-            f"EOS or not. EOS rate: share of summaries that end with EOS."
-        )
-    samples = [
-        {
-            "post": r["post"],
-            "reference": r["reference"],
-            "reference_score": r["reference_score"],
-            **{key: r[key] for key, _ in POLICIES},
-            **{f"{key}_score": r[f"{key}_score"] for key, _ in POLICIES},
-            **{f"{key}_raw_score": r[f"{key}_raw_score"] for key, _ in POLICIES},
-        }
-        for r in rows[: ecfg.report_samples]
-    ]
-    write_report(
-        out,
-        title=f"RLHF on TL;DR: {cfg.name}",
-        intro=f"Base model: {base_name}; evaluation on {n} {ecfg.split} prompts at temperature {ecfg.temperature}.",
-        summary=checks,
-        headline=headline,
-        tables=tables,
-        plots=plots,
-        figure_tables=token_tables,
-        samples=samples,
-        html_blocks={
-            "Token shift (Table 8): SFT, PPO and DPO summaries coloured by rank under the base model": shift_html
-        }
-        if shift_html
-        else None,
-        notes=notes,
-    )
-    return check_metrics
-
-
-def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float]) -> list[dict[str, str]]:
-    """The report's reward-model table (Detail 19, Figure 6): per evaluation split of
-    :data:`RM_SPLITS` (held out of train, validation, CNN/DM), the accuracy of the reward model
-    and of DPO's implicit reward model on the same pairs (``reward_eval`` and ``dpo_eval``
-    metrics), with 95% Wilson intervals, the pair count, and the split's distribution (in or
-    out of distribution); "-" where a stage did not evaluate the split."""
-
-    def cell(m: dict[str, float], prefix: str) -> str:
-        if f"{prefix}/accuracy" not in m:
-            return "-"
-        text = f"{m[f'{prefix}/accuracy']:.1%}"
-        if f"{prefix}/accuracy_ci_low" in m and f"{prefix}/accuracy_ci_high" in m:
-            text += f" [{m[f'{prefix}/accuracy_ci_low']:.1%}, {m[f'{prefix}/accuracy_ci_high']:.1%}]"
-        return text
-
-    rows = []
-    for prefix, (name, distribution) in RM_SPLITS.items():
-        if f"{prefix}/accuracy" in rm_metrics or f"{prefix}/accuracy" in dpo_metrics:
-            count = rm_metrics.get(f"{prefix}/count", dpo_metrics.get(f"{prefix}/count", float("nan")))
-            rows.append(
-                {
-                    "split": name,
-                    "pairs": f"{count:.0f}",
-                    "RM": cell(rm_metrics, prefix),
-                    "DPO": cell(dpo_metrics, prefix),
-                    "distribution": distribution,
-                }
-            )
-    return rows
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-#: Report headings of the per-token plots (Details 13 and 22).
-REWARD_LOGITS_HEADING = "Reward logits per token (Detail 13)"
-VALUE_VS_REWARD_HEADING = "Value model as a per-token reward model (Detail 22)"
-
-
-def _before_eos(row: dict[str, Any], key: str) -> list[float]:
-    return [v for t, v in enumerate(row[key]) if t != row["eos_index"]]
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def reward_logit_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's table under the reward-logit plot (Detail 13), one row per response of
-    ``reward_logits.json`` (:func:`rlhf_core.reward_eval.write_reward_logits`): its token count,
-    the score (the logit at the EOS), the mean of the other logits and the share of them that
-    are negative."""
-    rows = []
-    for r in table.get("responses", []):
-        others = _before_eos(r, "reward_logits")
-        rows.append(
-            {
-                "response": f"pair {r['pair']}, {r['response']}",
-                "tokens": len(r["tokens"]),
-                "ends with EOS": r["ends_with_eos"],
-                "score (logit at EOS)": r["score"],
-                "mean of the other logits": _mean(others),
-                "other logits < 0": f"{sum(v < 0 for v in others)}/{len(others)}",
-            }
-        )
-    return rows
-
-
-def value_reward_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's table under the value-against-reward plot (Detail 22), one row per summary of
-    ``value_vs_reward.json`` (:meth:`rlhf_core.ppo_trainer.PPOTrainer.value_vs_reward`): the
-    score (the reward logit at the EOS), the value there, and the means of the values and of the
-    reward logits over the other tokens."""
-    return [
-        {
-            "evaluation prompt": r["row"],
-            "tokens": len(r["tokens"]),
-            "ends with EOS": r["ends_with_eos"],
-            "score (reward logit at EOS)": r["score"],
-            "value at EOS": r["value_at_eos"],
-            "mean value, other tokens": _mean(_before_eos(r, "values")),
-            "mean reward logit, other tokens": _mean(_before_eos(r, "reward_logits")),
-        }
-        for r in table.get("responses", [])
-    ]
-
-
-def per_token_sections(
-    reward_eval_dir: Path, ppo_dir: Path, out: Path
-) -> tuple[dict[str, Path], dict[str, list[dict[str, Any]]]]:
-    """The report's per-token plots, those the stages wrote: ``reward_logits.png`` of the
-    reward model's evaluation (Detail 13) and ``value_vs_reward.png`` of PPO (Detail 22), each
-    copied to ``out`` with its table (:func:`reward_logit_rows`, :func:`value_reward_rows`,
-    from the JSON beside it).
-
-    Returns:
-        ``({heading: plot in out}, {heading: table rows})`` for ``write_report``'s ``plots``
-        and ``figure_tables``.
-    """
-    plots: dict[str, Path] = {}
-    tables: dict[str, list[dict[str, Any]]] = {}
-    for heading, src, name, rows in (
-        (REWARD_LOGITS_HEADING, Path(reward_eval_dir), "reward_logits", reward_logit_rows),
-        (VALUE_VS_REWARD_HEADING, Path(ppo_dir), "value_vs_reward", value_reward_rows),
-    ):
-        if (src / f"{name}.png").is_file():
-            shutil.copyfile(src / f"{name}.png", out / f"{name}.png")
-            plots[heading] = out / f"{name}.png"
-            tables[heading] = rows(_read_json(src / f"{name}.json"))
-    return plots, tables

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from .training import autocast
+
 log = logging.getLogger(__name__)
 
 
@@ -357,8 +359,6 @@ def summarize(
     Returns:
         :class:`Summaries` with ``(n, max_new_tokens)`` responses, all on the CPU.
     """
-    from .training import autocast  # training -> distributed -> ppo imports this module
-
     device = next(model.parameters()).device
     model.eval()
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id

@@ -8,7 +8,7 @@ comparisons (``openai/summarize_from_feedback``, config ``comparisons``). A subs
 the identity of every row (:func:`row_identity`) and the hub dataset, revision and split it
 comes from. With ``data.source: auto`` and no local folder, :func:`ensure_local_rows` loads those
 splits through ``datasets``, selects the rows and writes the same files into a cache folder
-(:func:`subset_dir`), read from then on exactly as a local folder.
+(:func:`rlhf_core.subset_files.subset_dir`), read from then on exactly as a local folder.
 
 Importing this module loads neither ``datasets`` nor ``huggingface_hub``: the cache folder's
 path is known without them (``rlhf config`` stays free of network and heavy imports).
@@ -21,17 +21,15 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from .errors import DataError, HubUnreachable
+from .subset_files import HubSubset, SubsetFile, load_subset, subset_dir
 
 log = logging.getLogger(__name__)
 
-#: Where ``data.hub_subset`` names are looked up: ``configs/data/NAME.json``.
-SUBSET_DIR = Path(__file__).resolve().parent.parent / "configs" / "data"
 #: The record a fetched folder holds beside its JSONL files: what was read, at which commits,
 #: which rows were missing and what replaced them. Written last: a folder without it is unfinished.
 FETCH_RECORD = "SOURCE.json"
@@ -139,104 +137,6 @@ def offline_row(kind: str, hub_row: dict, split: str) -> dict:
         if isinstance(row[field], str):
             row[field] = row[field].strip()
     return row
-
-
-# ------------------------------------------------------------------------ subset file
-
-
-@dataclass(frozen=True)
-class HubDataset:
-    """One hub dataset a subset reads: its id, config (``None`` for none) and revision."""
-
-    id: str
-    config: str | None
-    revision: str
-
-
-@dataclass(frozen=True)
-class SubsetFile:
-    """One file of the local folder: its rows' kind, the hub split they come from, where the
-    local file's rows came from (``source``, for messages) and their identities in order."""
-
-    name: str
-    kind: str
-    split: str
-    source: str
-    rows: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class HubSubset:
-    """A subset file (:func:`load_subset`): its path, the bytes' digest, the hub dataset of each
-    kind of row and the files."""
-
-    path: Path
-    digest: str
-    datasets: dict[str, HubDataset]
-    files: tuple[SubsetFile, ...]
-
-    @property
-    def name(self) -> str:
-        return self.path.stem
-
-
-def subset_path(name: str) -> Path:
-    """The file a ``data.hub_subset`` setting names: ``configs/data/NAME.json``, or a path.
-
-    Raises:
-        DataError: no such file.
-    """
-    path = Path(name).expanduser()
-    if path.suffix != ".json" or not path.is_file():
-        path = SUBSET_DIR / f"{name}.json"
-    if not path.is_file():
-        present = ", ".join(sorted(p.stem for p in SUBSET_DIR.glob("*.json"))) or "none"
-        raise DataError(f"data.hub_subset {name!r}: no file {name} nor {path} (in configs/data/: {present})")
-    return path
-
-
-def load_subset(name: str) -> HubSubset:
-    """Read and check the subset file ``name`` (:func:`subset_path`).
-
-    Raises:
-        DataError: the file is missing or is not a valid subset file, naming the file and the key.
-    """
-    path = subset_path(name)
-    raw = path.read_bytes()
-    try:
-        doc = json.loads(raw)
-        sets = {
-            kind: HubDataset(str(d["id"]), d.get("config"), str(d.get("revision") or "main"))
-            for kind, d in doc["datasets"].items()
-        }
-        files = tuple(
-            SubsetFile(fname, f["kind"], f["split"], f.get("source", ""), tuple(f["rows"]))
-            for fname, f in doc["files"].items()
-        )
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DataError(f"{path}: not a subset file ({type(exc).__name__}: {exc})") from None
-    for f in files:
-        if f.kind not in sets:
-            raise DataError(f"{path}: files.{f.name}.kind {f.kind!r} names no entry of datasets ({', '.join(sets)})")
-        if len(set(f.rows)) != len(f.rows):
-            raise DataError(f"{path}: files.{f.name}.rows names a row twice")
-    return HubSubset(path, hashlib.sha256(raw).hexdigest()[:12], sets, files)
-
-
-def subset_dir(name: str) -> Path:
-    """The cache folder of subset ``name``: ``rows/<name>@<revisions>-<digest>`` under
-    :func:`rlhf_core.sources.cache_root` (``$RLHF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rlhf``, else
-    ``~/.cache/rlhf``), named with the hub revisions it reads and the digest of the subset file,
-    so an edited subset or another revision is fetched into a folder of its own.
-
-    Raises:
-        DataError: the subset file is missing or invalid.
-    """
-    from .sources import cache_root
-
-    subset = load_subset(name)
-    revisions = "+".join(d.revision.replace("/", "_")[:12] for d in subset.datasets.values())
-    return cache_root() / "rows" / f"{subset.name}@{revisions}-{subset.digest}"
 
 
 # ----------------------------------------------------------------------------- fetch

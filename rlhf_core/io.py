@@ -1,5 +1,6 @@
 """Crash-safe writes (a file or directory appears complete under its final name, or not at
-all), content digests, and the exclusive lock that keeps two runs from writing one place."""
+all), content digests, the exclusive lock that keeps two runs from writing one place, and the
+names and places of the files every stage shares (its metrics, the cache folder)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,14 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints and fetched rows are cached: ``$RLHF_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/rlhf``, else ``~/.cache/rlhf``."""
+    if os.environ.get("RLHF_CACHE_DIR"):
+        return Path(os.environ["RLHF_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf"
 
 
 def json_digest(payload: Any, length: int = 16) -> str:
@@ -76,10 +85,17 @@ def content_digest(paths: Iterable[str | os.PathLike], root: str | os.PathLike |
     return json_digest(entries)
 
 
+#: A stage's metrics, in its output: the end-of-stage ones (``metrics.json``) and the tracker's
+#: log of every step (``metrics.jsonl``, :class:`rlhf_core.tracking.JsonlTracker`).
+METRICS_FILE = "metrics.json"
+METRICS_LOG = "metrics.jsonl"
+#: A trainer stage's evaluation summaries, one JSON object per row, in its output.
+SAMPLES_FILE = "samples.jsonl"
+
 #: Top-level files that record how a stage's work went (timings included): listed in its
 #: manifest with their SHA-256 and checked like every file, but not part of its digest, which
 #: names the product alone, so that identical work gives an identical digest.
-RECORD_FILES = ("metrics.json", "metrics.jsonl")
+RECORD_FILES = (METRICS_FILE, METRICS_LOG)
 
 #: How old (ns) a file must be, once read, for a manifest to record its modification time: a
 #: rewrite soon after, within the file system's timestamp granularity, could keep the same

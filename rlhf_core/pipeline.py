@@ -147,40 +147,16 @@ def _dpo_eval(cfg, inputs, out, tracker):
 
 def _evaluation(cfg, inputs, out, tracker):
     from .evaluation import run_evaluation
+    from .run_report import StageOutputs, finish_evaluation
 
     data, base, sft, reward, reward_norm, reward_eval, ppo, dpo, dpo_eval = inputs
     # Judgements are shared by every run of the stage beside this one: never paid for twice.
     cache = Path(os.environ.get("RLHF_JUDGE_CACHE") or out.parent / "judge_cache.jsonl")
-    return run_evaluation(
-        cfg,
-        data,
-        base,
-        sft,
-        {"reward": reward, "reward_norm": reward_norm, "reward_eval": reward_eval},
-        ppo,
-        out,
-        tracker,
-        cache,
-        dpo_dirs={"dpo": dpo, "dpo_eval": dpo_eval},
-    )
-
-
-#: The policies the evaluation stage compares: ``(stage or "base", label)``.
-POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
-
-#: The files of the evaluation stage's report, in its output, that are logged as artifacts
-#: (those present).
-REPORT_FILES = (
-    "report.html",
-    "report.md",
-    "length_control.png",
-    "training_curves.png",
-    "ppo_curves.png",
-    "calibration.png",
-    "reward_logits.png",
-    "value_vs_reward.png",
-    "token_shift.html",
-)
+    policies = {"sft": sft / "model", "ppo": ppo / "model", "dpo": dpo / "model"}
+    evaluation = run_evaluation(cfg, data, base, policies, reward_norm / "model", out, tracker, cache)
+    # the report, after the evaluation: the learning checks and every stage's own figures
+    stages = StageOutputs(sft, reward, reward_eval, ppo, dpo, dpo_eval)
+    return finish_evaluation(cfg, evaluation, stages, out, tracker)
 
 
 STAGES: dict[str, Stage] = {

@@ -380,7 +380,7 @@ def write_report(
             :func:`format_value` (a :func:`~rlhf_core.diagnostics.win_rate` result prints
             as ``"62.5% [48.1, 75.0] (n=40)"``).
         summary: rows of the first table, e.g. one per learning check
-            (:func:`rlhf_core.evaluation.learning_checks`); left out when empty.
+            (:func:`rlhf_core.learning_checks.learning_checks`); left out when empty.
         tables: ``{heading: rows}`` of further tables (e.g. reward-model accuracy).
         plots: ``{heading: image file}``; the HTML embeds each image as a base64 ``data:``
             URI; the markdown links it by file name, so the caller keeps the images next

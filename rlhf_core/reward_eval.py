@@ -21,13 +21,18 @@ from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import wilson_interval
 from .generation import ends_with_eos
-from .io import write_json_atomic
+from .io import METRICS_FILE, write_json_atomic
 from .plots import plot_calibration, plot_reward_logits
 from .reward import ScalarModel, response_reward_logits, score_pairs
 from .tracking import NullTracker, Tracker
 from .training import pick_device
 
 log = logging.getLogger(__name__)
+
+#: The calibration plot (Figure 5) and the file stem of the reward logits' JSON and plot
+#: (Detail 13) in the reward model's evaluation output.
+CALIBRATION_PLOT = "calibration.png"
+REWARD_LOGITS = "reward_logits"
 
 
 def accuracy_by_group(
@@ -196,10 +201,10 @@ def evaluate_pairs(
         tables[split] = calibration_table(chosen, rejected, cfg.calibration_bins)
     metrics["eval/seconds"] = time.perf_counter() - t0
     write_json_atomic(out_dir / "calibration.json", tables)
-    plot_calibration(tables, out_dir / "calibration.png")
-    write_json_atomic(out_dir / "metrics.json", metrics)
+    plot_calibration(tables, out_dir / CALIBRATION_PLOT)
+    write_json_atomic(out_dir / METRICS_FILE, metrics)
     tracker.log_metrics(metrics)
-    tracker.log_artifact(out_dir / "calibration.png")
+    tracker.log_artifact(out_dir / CALIBRATION_PLOT)
     log.info("%s accuracy: %s", what, {k: round(v, 4) for k, v in metrics.items() if k.endswith("/accuracy")})
     return metrics
 
@@ -308,7 +313,7 @@ def write_reward_logits(
     table = token_table(tokenizer, responses, scores, indices, eos, pad, {"reward_logits": logits})
     table = [{"pair": i // 2, "response": ("chosen", "rejected")[i % 2], **row} for i, row in enumerate(table)]
     out = {"split": split, "non_eos_negative_share": non_eos_negative_share(table), "responses": table}
-    write_json_atomic(out_dir / "reward_logits.json", out)
-    plot_reward_logits(table, out_dir / "reward_logits.png", [f"pair {r['pair']}, {r['response']}" for r in table])
-    tracker.log_artifact(out_dir / "reward_logits.png")
+    write_json_atomic(out_dir / f"{REWARD_LOGITS}.json", out)
+    plot_reward_logits(table, out_dir / f"{REWARD_LOGITS}.png", [f"pair {r['pair']}, {r['response']}" for r in table])
+    tracker.log_artifact(out_dir / f"{REWARD_LOGITS}.png")
     return out

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from .config import REWARD_SPEC, DataConfig
 from .errors import DataError, ModelSourceError
-from .io import content_digest, file_sha256
+from .io import cache_root, content_digest, file_sha256
 
 
 @dataclass(frozen=True)
@@ -99,14 +99,6 @@ def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str 
     if source.kind == "gguf":
         return {"content": content_digest([source.gguf_path]), "gguf_conversion": GGUF_CONVERSION}
     return {"content": content_digest([Path(source.location)])}
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints and fetched rows are cached: ``$RLHF_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/rlhf``, else ``~/.cache/rlhf``."""
-    if os.environ.get("RLHF_CACHE_DIR"):
-        return Path(os.environ["RLHF_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rlhf"
 
 
 #: Version of the way a GGUF file is converted (its tokenizer's special tokens set from the GGUF

@@ -348,3 +348,11 @@ def test_a_holdout_is_a_new_split_named_by_its_key():
     two = [f"{held}={{split: x, rows: 8}}", "data.preference_splits.validation.holdout={split: x, rows: 2}"]
     with pytest.raises(ConfigError, match=r"validation\.holdout\.split: 'x' is also held out of 'train'"):
         load_config("smoke", two)
+
+
+def test_the_config_checks_stage_settings_against_the_stage_table_s_names():
+    """``rlhf_core.stage_names`` (below the config) and the stage table name the same stages in the same order."""
+    from rlhf_core.pipeline import STAGES
+    from rlhf_core.stage_names import STAGE_NAMES
+
+    assert tuple(STAGES) == STAGE_NAMES

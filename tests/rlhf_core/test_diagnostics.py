@@ -10,6 +10,7 @@ from rlhf_core.diagnostics import (
     judge_label_agreement,
     length_control,
     length_log_ratio,
+    mean_ignoring_missing,
     normalized_edit_distance,
     plot_length_control,
     repetition_loop,
@@ -24,6 +25,12 @@ from rlhf_core.diagnostics import (
 )
 
 # ----------------------------------------------------------------------------- win rate
+
+
+def test_the_mean_skips_none_and_nan_and_is_nan_when_nothing_is_left():
+    assert mean_ignoring_missing([1.0, None, 3.0, float("nan"), 5]) == 3.0
+    assert mean_ignoring_missing([2.0, float("inf")]) == float("inf")  # an infinity is a value, kept
+    assert math.isnan(mean_ignoring_missing([None, float("nan")])) and math.isnan(mean_ignoring_missing([]))
 
 
 def test_wilson_interval_of_8_in_10():

@@ -10,23 +10,24 @@ import torch
 from rlhf_core.config import EvalConfig, load_config
 from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import paired_difference
-from rlhf_core.evaluation import (
-    REWARD_LOGITS_HEADING,
-    VALUE_VS_REWARD_HEADING,
-    judge_at_chance,
-    judge_human_metrics,
-    judge_note,
-    learning_checks,
-    per_token_sections,
-    response_token_ranks,
-    run_evaluation,
-)
+from rlhf_core.evaluation import judge_human_metrics, response_token_ranks
 from rlhf_core.generation import summarize, trim_left_padding, truncate_after_eos
+from rlhf_core.learning_checks import learning_checks
 from rlhf_core.models import load_causal_lm, save_pretrained_atomic
-from rlhf_core.pipeline import REPORT_FILES
+from rlhf_core.pipeline import STAGES
 from rlhf_core.plots import plot_reward_logits, plot_value_vs_reward
 from rlhf_core.report import write_report
 from rlhf_core.reward import ResponseScores, ScalarModel, get_reward, reward_model_from_causal_lm, score_responses
+from rlhf_core.run_report import (
+    REPORT_FILES,
+    REWARD_LOGITS_HEADING,
+    VALUE_VS_REWARD_HEADING,
+    judge_at_chance,
+    judge_note,
+    per_token_sections,
+    reward_model_rows,
+)
+from rlhf_core.tracking import NullTracker
 from tests.messages_api import MessagesAPI, error_reply, text_reply
 from tests.stages import link_stages
 
@@ -116,13 +117,12 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
             return error_reply(429, "rate_limit_error")
         return text_reply(f"Comparison: A reads better.\nPreferred: {'A' if reference_is_a else 'B'}")
 
-    def evaluate(out):
-        reward_dirs = {k: root / k for k in ("reward", "reward_norm", "reward_eval")}
-        args = (root / "data", root / "base", root / "sft", reward_dirs, root / "ppo", out)
-        dpo_dirs = {"dpo": root / "dpo", "dpo_eval": root / "dpo_eval"}
-        return run_evaluation(cfg, *args, judgement_cache=tmp_path / "cache.jsonl", dpo_dirs=dpo_dirs)
+    def evaluate(out):  # the pipeline's stage: the evaluation, then the report
+        names = ("data", "base", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval")
+        return STAGES["evaluation"].run(cfg, [root / name for name in names], out, NullTracker())
 
     with MessagesAPI(handler=judge, api_key="sk-test-secret") as api:
+        monkeypatch.setenv("RLHF_JUDGE_CACHE", str(tmp_path / "cache.jsonl"))
         monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test-secret")
         monkeypatch.setenv("ANTHROPIC_BASE_URL", api.url)
         metrics = evaluate(tmp_path / "out")
@@ -293,8 +293,6 @@ def test_the_reward_models_learning_check_is_its_in_distribution_accuracy_beside
 
 
 def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
-    from rlhf_core.evaluation import reward_model_rows
-
     rm = {"eval/accuracy": 0.535, "eval/count": 200.0, "eval/accuracy_ci_low": 0.466, "eval/accuracy_ci_high": 0.603}
     rm |= {f"eval/validation_in_dist/{k}": v for k, v in (("accuracy", 0.7), ("count", 200.0))}
     rm |= {"eval/validation_in_dist/accuracy_ci_low": 0.633, "eval/validation_in_dist/accuracy_ci_high": 0.759}
