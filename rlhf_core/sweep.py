@@ -205,7 +205,7 @@ COLUMNS: tuple[tuple[str, str, str, tuple[str, str] | None], ...] = (
     ("PPO KL", "ppo", "objective/kl", None),
     ("PPO response length", "ppo", "response/length_mean", None),
     # PPO's learning check, measured by the PPO stage itself against the SFT policy on the same
-    # evaluation prompts (rlhf_core.ppo_trainer.learning_check_metrics), so that `until: ppo` has it
+    # evaluation prompts (rlhf_core.ppo_eval.learning_check_metrics), so that `until: ppo` has it
     (
         "PPO score gain vs SFT",
         "ppo",
