@@ -136,7 +136,7 @@ class DataConfig(_Strict):
     """Where the TL;DR data comes from and how it is tokenised (Details 1-6).
 
     ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
-    (:func:`rlhf_core.data.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
+    (:func:`rlhf_core.data_hub.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
     (default: the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
     directory is known, else the rows of ``hub_subset`` when it is set, else ``hub``.
     ``hub_subset`` names a subset file (``configs/data/NAME.json`` or a path): the identities
