@@ -1,5 +1,7 @@
-"""Crash-safe writes (a file or directory appears complete under its final name, or not at
-all), content digests, and the exclusive lock that keeps two runs from writing one place."""
+"""Crash-safe file-system work: atomic writes, content digests and the exclusive run lock.
+
+A file or directory appears complete under its final name, or not at all; the lock keeps two
+runs from writing one place."""
 
 from __future__ import annotations
 
