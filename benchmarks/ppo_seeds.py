@@ -1,7 +1,7 @@
 """PPO's learning check per seed, from a sweep's ``cells.json`` or from ``rlhf stages`` run directories.
 
 The check is the one the PPO stage measures against the SFT policy on its evaluation prompts
-(:func:`rlhf_core.ppo_trainer.learning_check_metrics`): the reward-model score gain over SFT
+(:func:`rlhf_core.ppo_eval.learning_check_metrics`): the reward-model score gain over SFT
 with its 95% interval above 0, and an EOS rate of at least 90%; beside it the KL of the last
 update and both policies' repetition rates (share of greedy summaries caught in a loop, which
 must be no higher for PPO than for SFT). From a sweep, the KL must also be bounded: a cell the

@@ -31,9 +31,10 @@ from pathlib import Path
 
 import yaml
 
-from .config import ConfigError, PipelineConfig, available_presets, load_config
+from .config import ConfigError, PipelineConfig, load_config
 from .errors import DataError, ForeignFilesError, ModelSourceError, TrainingError
 from .pipeline import STAGES, stage_keys
+from .presets import available_presets
 from .sources import RewardSpecError
 
 log = logging.getLogger("rlhf")

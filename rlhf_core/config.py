@@ -1,22 +1,22 @@
-"""Typed pipeline configuration, YAML presets and ``key=value`` overrides.
+"""The pipeline's typed configuration: one validated section per stage, loaded by :func:`load_config`.
 
 A configuration is one :class:`PipelineConfig`: a section per stage (``data``, ``model``,
 ``sft``, ``reward``, ``ppo``, ``eval``, ``tracking``). Defaults are the paper's
 hyperparameters (Huang et al. 2024, Tables 3, 4 and 7); a preset in ``configs/NAME.yaml``
 changes what differs, and command-line overrides such as ``ppo.kl_coef=0.1`` change the
-rest. Unknown keys and wrong types raise :class:`ConfigError` naming the dotted key.
+rest (read as plain mappings by :mod:`rlhf_core.presets`). Unknown keys and wrong types raise
+:class:`ConfigError` naming the dotted key; a value that looks like a credential is refused
+(:mod:`rlhf_core.credentials`).
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -29,9 +29,10 @@ from pydantic import (
     model_validator,
 )
 
+from .credentials import check_no_credentials, format_validation_error
+from .errors import ConfigError
+from .presets import PRESET_DIR, flatten, settings_tree
 from .stage_names import STAGE_NAMES
-
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
@@ -42,10 +43,6 @@ CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
 IN_DISTRIBUTION_SPLIT = "validation_in_dist"
 #: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
 REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be loaded: unknown key, wrong type, missing preset."""
 
 
 class _Strict(BaseModel):
@@ -140,7 +137,7 @@ class DataConfig(_Strict):
     """Where the TL;DR data comes from and how it is tokenised (Details 1-6).
 
     ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
-    (:func:`rlhf_core.data.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
+    (:func:`rlhf_core.data_hub.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
     (default: the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
     directory is known, else the rows of ``hub_subset`` when it is set, else ``hub``.
     ``hub_subset`` names a subset file (``configs/data/NAME.json`` or a path): the identities
@@ -663,195 +660,6 @@ def check_world_size(cfg: PipelineConfig, world_size: int) -> None:
 # ------------------------------------------------------------------------ loading
 
 
-def available_presets(preset_dir: Path = PRESET_DIR) -> list[str]:
-    """Names of the YAML presets in ``preset_dir`` (file names without ``.yaml``)."""
-    return sorted(p.stem for p in preset_dir.glob("*.yaml"))
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split ``"a.b.c=value"`` into ``(["a", "b", "c"], value)``; the value is parsed as YAML.
-
-    Raises:
-        ConfigError: when there is no ``=``, the key is empty or the value is not YAML (a value
-            that may be a credential is not shown).
-    """
-    key, sep, raw = text.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        shown = "(not shown: it looks like a credential)" if _holds_key(text) else repr(text)
-        raise ConfigError(f"override {shown} is not of the form key=value (e.g. ppo.kl_coef=0.1)")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        if _holds_key(raw) or _credential_name(key.rsplit(".", 1)[-1]):  # the error quotes the value
-            raise ConfigError(f"override {key}: the value (not shown) is not valid YAML") from None
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {exc}") from exc
-    return key.split("."), value
-
-
-def _set_path(tree: dict, path: list[str], value: Any) -> None:
-    node = tree
-    for i, part in enumerate(path[:-1]):
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[: i + 1])} is not a section")
-        node = child
-    node[path[-1]] = value
-
-
-def _deep_merge(base: dict, update: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-# Settings are stored as Prefect flow-run parameters and MLflow params, so a credential given as
-# a setting is refused (and never shown). Two rules:
-#
-# * a value holding a known key shape is refused whatever the setting is called (_KEY_SHAPE), as
-#   is a URL with a password (``scheme://user:password@host``);
-# * a setting named like a credential (_credential_name) also refuses a long random string: a run
-#   of 20 or more key characters (letters, digits, ``+/=``) holding a letter and a digit. A model
-#   or data source there (``org/name``, ``org/name@revision``, a path starting with ``/``, ``~``
-#   or ``.``, ``pkg:PACKAGE/PATH``, a URL) is a setting unless a run of 20 or more letters and
-#   digits between its separators holds a letter and a digit (a 40-hex git revision excepted). A
-#   relative path of several parts in such a field is judged as a string: write it ``./a/b``.
-#
-# Hub ids, paths and URLs in the other fields (model.base, model.tokenizer, eval.judge_model, ...)
-# are only checked for key shapes.
-
-#: API keys by their prefix: Anthropic, OpenAI, Stripe, AWS access key ids, Hugging Face, GitHub, Slack.
-_KEY_SHAPE = re.compile(
-    r"(?<![A-Za-z0-9])(?:"
-    r"sk-ant-[A-Za-z0-9_\-]{20,}"
-    r"|sk-(?:proj-|svcacct-|admin-)?(?P<openai>[A-Za-z0-9_\-]{20,})"
-    r"|sk_(?:live|test)_[A-Za-z0-9]{20,}"
-    r"|(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Za-z0-9])"
-    r"|hf_(?P<hf>[A-Za-z0-9]{30,})"
-    r"|gh[pousr]_[A-Za-z0-9]{36,}"
-    r"|github_pat_[A-Za-z0-9_]{22,}"
-    r"|xox[abprs]-[A-Za-z0-9\-]{10,}"
-    r")"
-)
-_URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@\s:]*:[^/?#@\s]+@")
-_SOURCE_SHAPE = re.compile(
-    r"[A-Za-z][A-Za-z0-9+.\-]*://\S*"  # URL: s3://, https://, file://
-    r"|pkg:\S+"  # a file shipped in a Python package
-    r"|[/~.]\S*"  # absolute, home or relative path
-    r"|[A-Za-z0-9][\w.\-]*/[\w.\-]+(?:@[\w.\-/]+)?"  # hub id, optionally @revision
-)
-_KEY_RUN = re.compile(r"[A-Za-z0-9+/=]{20,}")
-_ALNUM_RUN = re.compile(r"[A-Za-z0-9]{20,}")
-_GIT_REVISION = re.compile(r"[0-9a-f]{40}")
-_LETTER_AND_DIGIT = re.compile(r"(?=.*[A-Za-z])(?=.*\d)")
-#: Whole words of a setting's name that make it credential-like anywhere in the name.
-_CREDENTIAL_WORDS = frozenset(
-    {"secret", "secrets", "password", "passwd", "passphrase", "credential", "credentials", "apikey"}
-)
-#: ``key`` and ``token`` make a name credential-like after one of these words (``api_key_id``) ...
-_CREDENTIAL_QUALIFIERS = frozenset({"api", "access", "auth", "private", "bearer", "refresh", "session"})
-#: ... or as the name's last word (``key``, ``hf_token``, ``secret_access_key``), unless the word
-#: before says the key or token is no secret: a tokenizer's special token (``pad_token``) or a
-#: lookup key (``cache_key``). ``max_tokens``, ``token_budget`` and ``cache_key_prefix`` are not
-#: credential-like.
-_PLAIN_QUALIFIERS = frozenset(
-    {"pad", "eos", "bos", "unk", "sep", "cls", "mask", "special", "stop", "cache", "sort", "group", "column"}
-    | {"field", "label", "metric", "partition", "shard", "lookup", "hash", "dict", "join", "primary", "row"}
-)
-
-
-def _credential_name(name: str) -> bool:
-    """Whether a setting's name (its last dotted part) is credential-like; snake, kebab or camel case."""
-    words = [w for w in re.split(r"[^a-z0-9]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()) if w]
-    if _CREDENTIAL_WORDS.intersection(words):
-        return True
-    for i, word in enumerate(words):
-        if word in ("key", "token"):
-            before = words[i - 1] if i else ""
-            if before in _CREDENTIAL_QUALIFIERS or (i == len(words) - 1 and before not in _PLAIN_QUALIFIERS):
-                return True
-    return False
-
-
-def _holds_key(value: str) -> bool:
-    """Whether ``value`` holds a known API key shape, or is a URL with a password."""
-    if _URL_PASSWORD.match(value):
-        return True
-    for match in _KEY_SHAPE.finditer(value):
-        body = match["openai"] or match["hf"]
-        if body is None:
-            return True
-        if match["openai"] and any(_LETTER_AND_DIGIT.match(r) for r in _ALNUM_RUN.findall(body)):
-            return True  # sk-<random>: not a name such as sk-learn-models-2024
-        if match["hf"] and body != body.lower() and body != body.upper():
-            return True  # hf_<mixed case letters>
-    return False
-
-
-def _looks_random(value: str) -> bool:
-    """Whether ``value`` holds a long random string (rules above)."""
-    if _SOURCE_SHAPE.fullmatch(value):
-        runs = [r for r in _ALNUM_RUN.findall(value) if not _GIT_REVISION.fullmatch(r)]
-    else:
-        runs = _KEY_RUN.findall(value)
-    return any(_LETTER_AND_DIGIT.match(r) for r in runs)
-
-
-def _holds_credential(value: Any, name: str) -> bool:
-    """Whether a setting named ``name`` (its last dotted part) holds a credential in ``value``
-    (a string, or lists and mappings of them)."""
-    if isinstance(value, dict):
-        return any(_holds_credential(v, str(k)) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(_holds_credential(v, name) for v in value)
-    if not isinstance(value, str):
-        return False
-    return _holds_key(value) or (_credential_name(name) and _looks_random(value))
-
-
-def _check_no_credentials(tree: dict, origin: str) -> None:
-    """Refuse a setting whose value looks like a credential (rules above): settings are stored as
-    Prefect flow-run parameters and MLflow params. The value is never shown.
-
-    Raises:
-        ConfigError: naming the dotted key of the first such setting.
-    """
-    for key, value in flatten(tree).items():
-        if _holds_credential(value, key.rsplit(".", 1)[-1]):
-            raise ConfigError(
-                f"{key} ({origin}): the value looks like a credential, and settings are stored in the "
-                "Prefect database and MLflow; give a key through the environment (ANTHROPIC_API_KEY for "
-                "the judge) or a Prefect Secret block named by eval.api_key_secret, never as a setting"
-            )
-
-
-def _format_validation_error(exc: ValidationError, origin: str) -> str:
-    lines = []
-    for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        name = next((str(p) for p in reversed(err["loc"]) if not isinstance(p, int)), "")
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
-        elif err["type"] == "missing":  # its input is the mapping that lacks the key
-            lines.append(f"  {key}: required")
-        elif not err["loc"] or isinstance(err.get("input"), dict):  # a rule across keys: it names them
-            lines.append(f"  {msg}")
-        elif _holds_credential(err.get("input"), name) or _credential_name(name):
-            if isinstance(err.get("input"), str) and err["input"]:
-                msg = msg.replace(err["input"], "<not shown>")
-            lines.append(f"  {key}: {msg}")  # the value may be a credential: never echoed
-        else:
-            lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
-    return f"invalid configuration ({origin}):\n" + "\n".join(lines)
-
-
 def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
     """Validate a nested dict as a :class:`PipelineConfig`.
 
@@ -859,40 +667,11 @@ def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
         ConfigError: naming each bad dotted key (unknown key, wrong type, bad value), or the key
             of a value that looks like a credential (never shown).
     """
-    _check_no_credentials(tree, origin)
+    check_no_credentials(flatten(tree), origin)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, origin)) from None
-
-
-def read_yaml_mapping(name: str | os.PathLike, directory: Path, what: str) -> tuple[Path, dict]:
-    """The YAML mapping of ``directory/NAME.yaml``, else of the file at the path ``name``: how a
-    preset (``what="preset"``) or a sweep spec (``"sweep"``) is read.
-
-    Returns:
-        ``(path, mapping)``; an empty file is an empty mapping.
-
-    Raises:
-        ConfigError: neither file exists (listing the names in ``directory``), the file is not
-            valid YAML, or its top level is not a mapping; each naming the file.
-    """
-    path = directory / f"{name}.yaml"
-    if not path.is_file() and Path(name).is_file():
-        path = Path(name)
-    if not path.is_file():
-        available = ", ".join(sorted(p.stem for p in directory.glob("*.yaml")))
-        raise ConfigError(
-            f"unknown {what} {str(name)!r}: neither a {what} name (a file NAME.yaml in {directory}) "
-            f"nor an existing YAML file; available: {available}"
-        )
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from exc
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{what} {path}: the top level must be a mapping")
-    return path, tree
+        raise ConfigError(format_validation_error(exc, origin)) from None
 
 
 def load_config(
@@ -914,28 +693,5 @@ def load_config(
         ConfigError: unknown preset, unreadable YAML, unknown key or wrong type (the
             message names the dotted key).
     """
-    tree: dict = {}
-    origin = "defaults"
-    if preset is not None:
-        path, loaded = read_yaml_mapping(preset, preset_dir, "preset")
-        tree = _deep_merge(tree, loaded)
-        origin = f"preset {path.name}"
-    for text in overrides:
-        keys, value = parse_override(text)
-        _set_path(tree, keys, value)
-    if overrides:
-        origin += " with overrides " + " ".join(o.partition("=")[0] + "=..." for o in overrides)
+    tree, origin = settings_tree(preset, overrides, preset_dir)
     return config_from_dict(tree, origin)
-
-
-def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
-    """Flatten a config into ``{"ppo.kl_coef": 0.05, ...}`` (lists and None kept as values)."""
-    tree = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, dotted + "."))
-        else:
-            out[dotted] = value
-    return out

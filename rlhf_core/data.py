@@ -7,9 +7,10 @@ Two sets are built, each as a ``datasets.DatasetDict`` saved with ``save_to_disk
 - ``preference``: human comparisons (``chosen``/``rejected`` with their policies,
   ``batch``, ``confidence`` and ``split``) for the reward model.
 
-Rows come from the Hugging Face hub (``datasets.load_dataset``) or from a local
-directory of JSONL files in the same flat format (``RLHF_TLDR_DIR``); both go through
-the same validation, formatting, truncation, tokenisation and padding.
+Rows come from the Hugging Face hub (:mod:`rlhf_core.data_hub`) or from a local directory of
+JSONL files in the same flat format (``RLHF_TLDR_DIR``); both go through the same validation
+(:mod:`rlhf_core.data_rows`), and then here the same formatting, truncation, tokenisation and
+padding.
 
 Token conventions (Details 2, 3, 5): a query is the formatted text tokenised with the
 tokenizer's special tokens (e.g. Llama's BOS), at most ``max_query_length`` tokens,
@@ -20,15 +21,13 @@ followed by the response tokens, right-padded with PAD. PAD is never EOS.
 
 from __future__ import annotations
 
-import codecs
 import json
 import logging
 import os
 import statistics
-import string
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,351 +36,14 @@ import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .config import DataConfig, PipelineConfig, QueryFormat, SplitSpec
-from .errors import DataError, HubUnreachable
+from .config import DataConfig, PipelineConfig, QueryFormat
+from .data_rows import BadRow, load_split, template_fields
+from .errors import DataError
 from .hub_subset import ensure_local_rows
 from .io import atomic_directory, content_digest, write_json_atomic
-from .sources import data_fingerprint, local_split_files
+from .sources import data_fingerprint
 
 log = logging.getLogger(__name__)
-
-#: Fields a SFT row needs besides those its query template uses.
-SFT_RESPONSE_FIELDS = ("summary",)
-#: Fields a comparison needs besides those its query template uses.
-PREFERENCE_FIELDS = ("chosen", "rejected", "chosen_policy", "rejected_policy", "batch", "split")
-#: Text fields that must not be empty (after stripping whitespace).
-NON_EMPTY_FIELDS = ("post", "summary", "chosen", "rejected")
-
-
-class BadRow(Exception):
-    """One row that fails validation. ``reason`` is a short key such as ``empty_field:post``."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}{': ' + detail if detail else ''}")
-        self.reason = reason
-        self.detail = detail
-
-
-# ---------------------------------------------------------------- raw rows in
-
-
-def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[str, dict | BadRow]]:
-    """Yield ``(where, record)`` for each non-blank line of a JSONL file.
-
-    ``where`` is ``"FILE:LINE"``; ``record`` is the parsed object, or a :class:`BadRow`
-    when the line is not UTF-8 (each line is decoded on its own, so one bad byte costs one
-    row and is named by its line) or not a JSON object. A UTF-8 byte-order mark at the start
-    of the file is removed and counted in ``repaired["utf8_bom_stripped"]``.
-    """
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
-                log.warning("%s: a UTF-8 byte-order mark at the start of the file was removed", path)
-                if repaired is not None:
-                    repaired["utf8_bom_stripped"] += 1
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield where, BadRow("not_utf8", f"byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line")
-                continue
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield where, BadRow("invalid_json", f"{exc.msg} at column {exc.colno}; is the file JSONL?")
-                continue
-            if not isinstance(obj, dict):
-                yield where, BadRow("not_an_object", f"a JSON {type(obj).__name__}, not an object")
-                continue
-            yield where, obj
-
-
-def iter_hub_split(
-    dataset: str, config: str | None, split: str, revision: str | None = None
-) -> Iterator[tuple[str, dict]]:
-    """Yield ``(where, row)`` for the rows of one split of a hub dataset (:func:`load_hub_split`).
-
-    ``dataset`` may be a hub id or a local dataset directory in the hub layout.
-    """
-    ds, _ = load_hub_split(dataset, config, split, revision)
-    for i, row in enumerate(ds):
-        yield f"{dataset}[{split}] row {i}", row
-
-
-#: The ``datasets`` builder that reads each kind of data file a hub split may be stored as.
-HUB_DATA_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-#: The branch of the hub's Parquet export of a dataset (its dataset viewer's conversion, made for
-#: datasets built by a loading script too).
-PARQUET_EXPORT = "refs/convert/parquet"
-
-
-def load_hub_split(
-    dataset: str, config: str | None, split: str, revision: str | None = None
-) -> tuple[datasets.Dataset, str]:
-    """One split of a dataset, and the commit it was read at (``"local"`` for a directory).
-
-    A local directory in the hub layout is read by ``datasets.load_dataset(dir, config,
-    split=split)``. For a hub id, the split's data files (under the folder named ``config``, if
-    any; named ``{split}-*``, ``{split}.*`` or inside a folder ``{split}/``) are fetched at
-    ``revision`` (default ``main``) into the hub cache with ``huggingface_hub.snapshot_download``,
-    which offline (``HF_HUB_OFFLINE``) or without a network reads that cache alone, then read by
-    the ``datasets`` builder of their file type. A dataset whose revision holds a loading script
-    and no data files (``datasets`` no longer runs scripts) is read from the hub's Parquet export
-    (:data:`PARQUET_EXPORT`).
-
-    Raises:
-        HubUnreachable: the hub cannot be reached and its cache lacks the files.
-        DataError: the dataset or revision does not exist, access is refused, or the revision holds
-            no data file for the split; naming the dataset, revision and split.
-    """
-    path = Path(dataset).expanduser()
-    if path.is_dir():
-        return datasets.load_dataset(str(path), config, split=split), "local"
-    revision = revision or "main"
-    files, commit, script = _hub_split_files(dataset, config, split, revision)
-    if not files and script:
-        log.info(
-            "%s at %s is made by a loading script (%s), which datasets no longer runs: reading its Parquet export %s",
-            dataset,
-            revision,
-            script,
-            PARQUET_EXPORT,
-        )
-        revision = PARQUET_EXPORT
-        files, commit, _ = _hub_split_files(dataset, config, split, revision)
-    if not files:
-        raise DataError(
-            f"{dataset}@{revision} (commit {commit}) has no data file for split {split!r}"
-            + (f" of config {config!r}" if config else "")
-        )
-    builders = {HUB_DATA_BUILDERS[f.suffix] for f in files}
-    if len(builders) != 1:
-        raise DataError(f"{dataset}@{revision}: split {split!r} mixes file types ({', '.join(f.name for f in files)})")
-    ds = datasets.load_dataset(builders.pop(), data_files={split: [str(f) for f in files]}, split=split)
-    return ds, commit
-
-
-def _hub_split_files(dataset: str, config: str | None, split: str, revision: str) -> tuple[list[Path], str, str | None]:
-    """The data files of one split of a hub dataset at ``revision`` (fetched into the hub cache,
-    or found there), the commit, and the name of a loading script at its top, if any."""
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    prefix = f"{config}/" if config else ""
-    patterns = [f"{prefix}*{split}-*", f"{prefix}*{split}.*", f"{prefix}*{split}/*", "*.py", "README.md"]
-    where = f"{dataset}@{revision}"
-    try:
-        root = Path(snapshot_download(dataset, repo_type="dataset", revision=revision, allow_patterns=patterns))
-    except LocalEntryNotFoundError as exc:
-        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else str(exc).splitlines()[0].removeprefix("Got: ")
-        raise HubUnreachable(f"{where} is not in the local hub cache and the hub cannot be reached: {why}") from None
-    except GatedRepoError:
-        raise DataError(f"{where}: the hub refused access (a gated dataset: log in with `hf auth login`)") from None
-    except RevisionNotFoundError:
-        raise DataError(f"{where}: no such revision of the dataset on the hub") from None
-    except RepositoryNotFoundError:
-        raise DataError(f"{dataset}: no such dataset on the hub (or it is private)") from None
-    base = root / config if config and (root / config).is_dir() else root
-    files = sorted(
-        f
-        for f in base.rglob("*")
-        if f.is_file()
-        and f.suffix in HUB_DATA_BUILDERS
-        and (f.stem == split or f.stem.startswith(f"{split}-") or f.parent.name == split)
-    )
-    script = next((f.name for f in sorted(root.glob("*.py"))), None)
-    return files, root.name, script
-
-
-def flatten_comparison(row: dict) -> dict:
-    """Map a hub ``openai/summarize_from_feedback`` comparison to the flat local format.
-
-    Hub rows hold ``info`` (post or CNN/DM article), two ``summaries`` and the labeler's
-    ``choice``; flat rows hold ``chosen``/``rejected`` texts and policies directly.
-    Flat rows are returned unchanged.
-
-    Raises:
-        BadRow: ``choice`` or ``summaries`` are malformed.
-    """
-    if "info" not in row and "summaries" not in row:
-        return row
-    info = row.get("info") or {}
-    summaries = row.get("summaries")
-    choice = row.get("choice")
-    if not isinstance(summaries, list) or len(summaries) != 2 or not all(isinstance(s, dict) for s in summaries):
-        raise BadRow("bad_summaries", "expected two summaries")
-    if isinstance(choice, bool) or choice not in (0, 1):
-        raise BadRow("bad_choice", f"choice={choice!r}")
-    post = info.get("post") if info.get("post") is not None else info.get("article")
-    extra = row.get("extra") or {}
-    return {
-        "id": info.get("id"),
-        "subreddit": info.get("subreddit"),
-        "title": info.get("title"),
-        "post": post,
-        "chosen": summaries[choice].get("text"),
-        "rejected": summaries[1 - choice].get("text"),
-        "chosen_policy": summaries[choice].get("policy"),
-        "rejected_policy": summaries[1 - choice].get("policy"),
-        "batch": row.get("batch"),
-        "confidence": extra.get("confidence"),
-        "split": row.get("split"),
-        "worker": row.get("worker"),
-        "choice": choice,
-    }
-
-
-def template_fields(template: str) -> list[str]:
-    """Field names used by a ``str.format`` template, in order."""
-    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
-
-
-def _text(rec: dict, name: str, required: bool) -> str:
-    if name not in rec:
-        if required:
-            raise BadRow(f"missing_field:{name}")
-        return ""
-    value = rec[name]
-    if value is None:
-        if required:
-            raise BadRow(f"null_field:{name}")
-        return ""
-    if not isinstance(value, str):
-        raise BadRow(f"non_string_field:{name}", f"got {type(value).__name__}")
-    if name in NON_EMPTY_FIELDS and required and not value.strip():
-        raise BadRow(f"empty_field:{name}")
-    return value
-
-
-def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
-    """Validate one raw row and return it in the flat normalised form.
-
-    ``kind`` is ``sft`` or ``preference``. Fields used by ``fmt.template`` and the
-    response fields are required strings (``post``, ``summary``, ``chosen``,
-    ``rejected`` also non-empty); ``id`` is a string or null; ``confidence`` an integer or
-    null. Responses are stripped; the post is kept as is.
-
-    Raises:
-        BadRow: with a reason such as ``missing_field:summary``, ``null_field:post``,
-            ``non_string_field:title``, ``empty_field:post`` or ``invalid_unicode:post``
-            (a lone surrogate, which no tokenizer or file can hold).
-    """
-    if kind == "preference":
-        rec = flatten_comparison(rec)
-    query_fields = set(template_fields(fmt.template)) | {fmt.truncate_field}
-    out: dict[str, Any] = {}
-    rid = rec.get("id")
-    if rid is not None and not isinstance(rid, str):
-        raise BadRow("non_string_field:id", f"got {type(rid).__name__}")
-    out["id"] = rid or ""
-    for name in ("subreddit", "title", "post"):
-        out[name] = _text(rec, name, required=name in query_fields)
-    response_fields = SFT_RESPONSE_FIELDS if kind == "sft" else PREFERENCE_FIELDS
-    for name in response_fields:
-        out[name] = _text(rec, name, required=True)
-    for name in ("summary", "chosen", "rejected"):
-        if name in out:
-            out[name] = out[name].strip()
-    if kind == "preference":
-        # Flat local files keep OpenAI's split name (valid1/valid2) in ``orig_split``.
-        if isinstance(rec.get("orig_split"), str) and rec["orig_split"]:
-            out["split"] = rec["orig_split"]
-        confidence = rec.get("confidence")
-        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, int)):
-            raise BadRow("non_integer_field:confidence", f"got {confidence!r}")
-        out["confidence"] = confidence
-    for name, value in out.items():
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:  # "\ud800" in JSON: a lone surrogate, no character
-                raise BadRow(
-                    f"invalid_unicode:{name}", f"lone surrogate U+{ord(value[exc.start]):04X} at character {exc.start}"
-                ) from None
-    return out
-
-
-@dataclass
-class SplitLoad:
-    """Rows of one output split after validation, with what was dropped and why."""
-
-    rows: list[dict] = field(default_factory=list)
-    dropped: Counter = field(default_factory=Counter)
-    dropped_where: list[tuple[str, str]] = field(default_factory=list)
-    repaired: Counter = field(default_factory=Counter)
-
-
-def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryFormat) -> SplitLoad:
-    """Load, filter and validate the rows of one output split (hub or local, one code path).
-
-    Batch filters (``spec.batches``/``spec.exclude_batches``) apply before validation, so
-    bad rows of batches that are not used do not count. A second SFT row with an id seen
-    before (``duplicate_id``) or a second identical comparison (``duplicate_row``) is a bad
-    row, naming the first copy. ``spec.max_rows`` keeps the first N valid rows.
-
-    Raises:
-        DataError: a bad row when ``data_cfg.on_bad_row == "error"`` (naming the file or
-            dataset and the row), a missing file, or a split left with no rows.
-    """
-    result = SplitLoad()
-    source = data_cfg.resolved_source()
-    if source == "local":
-        local_dir = data_cfg.resolved_local_dir()
-        if not local_dir:
-            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
-        raw: Iterable[tuple[str, dict | BadRow]] = (
-            item
-            for path in local_split_files(local_dir, kind, spec.source)
-            for item in iter_jsonl(path, result.repaired)
-        )
-    else:
-        name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
-        config = None if kind == "sft" else data_cfg.preference_config
-        raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
-
-    seen: dict[str, str] = {}  # duplicate key -> where its first copy is
-    for where, rec in raw:
-        try:
-            if isinstance(rec, BadRow):
-                raise rec
-            if kind == "preference" and (spec.batches is not None or spec.exclude_batches):
-                batch = rec.get("batch")
-                if not isinstance(batch, str):
-                    raise BadRow("missing_field:batch" if batch is None else "non_string_field:batch")
-                if (spec.batches is not None and batch not in spec.batches) or batch in spec.exclude_batches:
-                    continue
-            row = normalise_row(rec, kind, fmt)
-            # an SFT post is its id (when it has one); a comparison is its whole row, since one
-            # post is compared many times and one pair labelled by several workers
-            dup = row["id"] if kind == "sft" else json.dumps(rec, sort_keys=True, default=str)
-            if dup and dup in seen:
-                reason = "duplicate_id" if kind == "sft" else "duplicate_row"
-                raise BadRow(reason, f"the same {'id' if kind == 'sft' else 'row'} as {seen[dup]}")
-            if dup:
-                seen[dup] = where
-        except BadRow as bad:
-            if data_cfg.on_bad_row == "error":
-                raise DataError(
-                    f"{where}: bad {kind} row ({bad}); fix the row or set data.on_bad_row=skip to skip and count it"
-                ) from None
-            result.dropped[bad.reason] += 1
-            result.dropped_where.append((where, bad.reason))
-            continue
-        row["source_row"] = where
-        result.rows.append(row)
-        if spec.max_rows is not None and len(result.rows) >= spec.max_rows:
-            break
-    if not result.rows:
-        raise DataError(f"{kind} split from source {spec.source!r} ({source}) has no valid rows after filtering")
-    return result
 
 
 # ------------------------------------------------------------- tokenisation

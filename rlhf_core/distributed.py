@@ -1,5 +1,4 @@
-"""Data parallelism with ``torch.distributed``: which rank this process is, its share of a global
-batch, and sums across ranks.
+"""Data parallelism with ``torch.distributed``: this process's rank, its share of a batch, sums over ranks.
 
 A stage launched by ``torchrun --nproc_per_node=N`` (which sets ``RANK``, ``WORLD_SIZE`` and the
 rendezvous variables) calls :func:`init_from_env`; every rank then computes gradients on its

@@ -1,5 +1,6 @@
-"""Direct preference optimisation, the paper's RL-free baseline: its loss, its implicit reward,
-and the sequence log-probabilities both are computed from.
+"""The DPO stage: direct preference optimisation, the paper's RL-free baseline (Appendix A, Detail 19).
+
+Its loss, its implicit reward, and the sequence log-probabilities both are computed from.
 
 DPO (Rafailov et al. 2023, arXiv 2305.18290, eq. 7) trains the policy on the preference pairs
 directly; Huang et al. 2024 (arXiv 2403.17031, Appendix A eq. 4) use the SFT policy as the

@@ -2,10 +2,15 @@
 
 Defined here, away from the modules that raise them, so that ``rlhf --help`` and the argument
 checks load without torch, transformers or datasets; each is re-exported by its module
-(``rlhf_core.data.DataError`` is this ``DataError``).
+(``rlhf_core.data.DataError`` is this ``DataError``, ``rlhf_core.config.ConfigError`` this
+``ConfigError``).
 """
 
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be loaded: unknown key, wrong type, missing preset."""
 
 
 class DataError(ValueError):

@@ -100,21 +100,21 @@ def offline_row(kind: str, hub_row: dict, split: str) -> dict:
 
     An SFT row keeps ``id, subreddit, title, post, summary``. A comparison of
     ``openai/summarize_from_feedback`` (``info``, two ``summaries``, ``choice``; flattened by
-    :func:`rlhf_core.data.flatten_comparison`) gets ``chosen``/``rejected`` with their
+    :func:`rlhf_core.data_rows.flatten_comparison`) gets ``chosen``/``rejected`` with their
     policies and notes, ``split`` the hub split it was read from and ``orig_split`` OpenAI's own
     name (``valid1``/``valid2``); a news article (CNN/DM) is its ``post``, with ``site``. Summaries
     are stripped of surrounding whitespace and a leading ``r/`` is dropped from a subreddit, as
     in the local folder. A row already flat is put in the same form.
 
     Raises:
-        rlhf_core.data.BadRow: a comparison whose ``choice`` or ``summaries`` are malformed.
+        rlhf_core.data_rows.BadRow: a comparison whose ``choice`` or ``summaries`` are malformed.
     """
     if kind == "sft":
         row = {field: hub_row.get(field) for field in SFT_FIELDS}
         row["subreddit"] = _subreddit(row["subreddit"])
         row["summary"] = row["summary"].strip() if isinstance(row["summary"], str) else row["summary"]
         return row
-    from .data import flatten_comparison
+    from .data_rows import flatten_comparison
 
     info = hub_row.get("info")
     flat = flatten_comparison(hub_row)
@@ -186,7 +186,7 @@ def _hub_unreachable(subset: HubSubset, reason: str) -> DataError:
 
 
 def fetch_subset(name: str, dest: str | os.PathLike | None = None) -> Path:
-    """Load the hub splits subset ``name`` reads (:func:`rlhf_core.data.load_hub_split`), select its
+    """Load the hub splits subset ``name`` reads (:func:`rlhf_core.data_hub.load_hub_split`), select its
     rows (:func:`_select`) and write its files, one flat JSON row per line, into ``dest``
     (default :func:`subset_dir`), atomically, with :data:`FETCH_RECORD` naming the commits read,
     the rows missing from the hub and what replaced them (each also logged as a warning, naming
@@ -199,7 +199,7 @@ def fetch_subset(name: str, dest: str | os.PathLike | None = None) -> Path:
         DataError: the hub cannot be reached and does not hold the splits in its local cache, or
             a dataset, revision or split does not exist.
     """
-    from .data import load_hub_split
+    from .data_hub import load_hub_split
     from .io import atomic_directory, write_json_atomic
 
     subset = load_subset(name)

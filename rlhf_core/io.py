@@ -1,6 +1,8 @@
-"""Crash-safe writes (a file or directory appears complete under its final name, or not at
-all), content digests, the exclusive lock that keeps two runs from writing one place, and the
-names and places of the files every stage shares (its metrics, the cache folder)."""
+"""Crash-safe file-system work: atomic writes, content digests, the exclusive run lock, and the
+names and places of the files every stage shares (its metrics, the cache folder).
+
+A file or directory appears complete under its final name, or not at all; the lock keeps two
+runs from writing one place."""
 
 from __future__ import annotations
 

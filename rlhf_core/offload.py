@@ -1,6 +1,7 @@
-"""Frozen models kept in CPU memory between their forward passes (Huang et al. 2024, arXiv
-2403.17031, Detail 8: "for 6.9B PPO training we also offload the reference policy and reward
-model to CPU", there with DeepSpeed's parameter offload).
+"""Frozen models kept in CPU memory between their forward passes (Huang et al. 2024, Detail 8).
+
+Detail 8 (arXiv 2403.17031): "for 6.9B PPO training we also offload the reference policy and
+reward model to CPU", there with DeepSpeed's parameter offload.
 
 A frozen model's weights are needed on the accelerator only while it runs a forward pass: PPO's
 reference policy for the rollout's reference log-probabilities, its reward model for the

@@ -1,5 +1,7 @@
-"""The pipeline's stages in order: what each reads, which config sections it depends on, and
-the ``rlhf_core`` function that runs it. The command line (``rlhf run``) and the Prefect
+"""The pipeline's stage table: the stages in order, what each reads, its config sections and function.
+
+Each stage's entry names what it reads, which config sections it depends on, and the
+``rlhf_core`` function that runs it. The command line (``rlhf run``) and the Prefect
 tasks (``tasks/stages.py``) both run stages from this one table. What a stage key reads of the
 data and of the model sources comes from :mod:`rlhf_core.sources`, which loads neither torch,
 transformers nor datasets: a command whose stages are all finished finds so at once.

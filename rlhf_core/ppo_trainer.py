@@ -5,34 +5,35 @@ models: the policy and a frozen reference (both from SFT), the frozen reward mod
 value model initialised from the reward model (Detail 22). Each update is four steps, each
 one call in :func:`run_ppo`'s loop:
 
-1. generate the trajectory (:meth:`PPOTrainer.generate_trajectory`, a :class:`Trajectory`):
-   ``batch_size`` prompts from the shuffled SFT train split, reshuffled whenever it is used up
-   (Detail 21); exactly ``response_length`` tokens sampled at ``temperature``, never PAD, with
-   the log-probabilities of policy and reference from the same distribution (logits divided by
-   the temperature, PAD excluded: :func:`rlhf_core.ppo.sampling_logits`) and the values (Detail
-   23); each response truncated after its first EOS, PAD after it, and scored at the EOS, a
-   response without EOS getting ``non_eos_penalty`` (the EOS trick, :meth:`PPOTrainer.score`:
-   the reward model, or with ``ppo.reward: python:MODULE:FUNCTION`` a rule reward
-   (:mod:`rlhf_core.rule_rewards`), and then no reward model is loaded);
+1. generate the trajectory (:meth:`PPOTrainer.generate_trajectory`, a
+   :class:`rlhf_core.ppo_rollout.Trajectory`): ``batch_size`` prompts from the shuffled SFT
+   train split, reshuffled whenever it is used up (Detail 21); exactly ``response_length``
+   tokens sampled at ``temperature``, never PAD, with the log-probabilities of policy and
+   reference from the same distribution (logits divided by the temperature, PAD excluded:
+   :func:`rlhf_core.ppo.sampling_logits`) and the values (Detail 23); each response truncated
+   after its first EOS, PAD after it, and scored at the EOS, a response without EOS getting
+   ``non_eos_penalty`` (the EOS trick, :meth:`PPOTrainer.score`: the reward model, or with
+   ``ppo.reward: python:MODULE:FUNCTION`` a rule reward (:mod:`rlhf_core.rule_rewards`), and
+   then no reward model is loaded);
 2. per-token rewards, the KL penalty plus the score, optionally whitened (Detail 24;
-   :func:`kl_penalised_rewards`, a :class:`Rewards`);
+   :func:`kl_penalised_rewards`, a :class:`rlhf_core.ppo_rollout.Rewards`);
 3. GAE advantages and returns, the advantages whitened (Detail 25; :func:`whitened_advantages`);
 4. ``ppo_epochs`` passes of clipped policy and value updates over minibatches
    (:meth:`PPOTrainer.optimise`, a :class:`PPOStats`).
 
 Under ``torchrun`` (:mod:`rlhf_core.launch`) each rank samples, scores and trains on its own
 contiguous share of every update's prompts. What defines the algorithm is global: reward and
-advantage whitening use the statistics of the whole batch
-(:func:`masked_mean_var`), each PPO minibatch's gradient is the mean
-over all ranks' shares, and the logged rollout statistics are computed on the gathered batch.
-Training statistics (losses, clip fractions, entropy) are means of the ranks' equal-sized
-shares; timings and memory are rank 0's. Evaluation prompts are split over the ranks and
-the results gathered; rank 0 alone logs, checkpoints and saves. ``ppo.strategy`` picks how the
-models are held (:class:`rlhf_core.distributed.DataParallel`): ``ddp`` keeps all four whole on
-every rank; ``zero2`` shards the policy's and value model's gradients and optimiser state;
-``fsdp`` shards their parameters too, and the reference and reward models'. Under either
-sharded strategy the policy is gathered whole for sampling (each rank samples its own
-responses) and for evaluation, which every rank then runs without communicating.
+advantage whitening use the statistics of the whole batch (:func:`masked_mean_var`), each PPO
+minibatch's gradient is the mean over all ranks' shares, and the logged rollout statistics are
+computed on the gathered batch. Training statistics (losses, clip fractions, entropy) are means
+of the ranks' equal-sized shares; timings and memory are rank 0's. Evaluation prompts
+(:mod:`rlhf_core.ppo_eval`) are split over the ranks and the results gathered; rank 0 alone
+logs, checkpoints and saves. ``ppo.strategy`` picks how the models are held
+(:class:`rlhf_core.distributed.DataParallel`): ``ddp`` keeps all four whole on every rank;
+``zero2`` shards the policy's and value model's gradients and optimiser state; ``fsdp`` shards
+their parameters too, and the reference and reward models'. Under either sharded strategy the
+policy is gathered whole for sampling (each rank samples its own responses) and for evaluation,
+which every rank then runs without communicating.
 """
 
 from __future__ import annotations
@@ -41,10 +42,8 @@ import json
 import logging
 import math
 import os
-import resource
 import time
 from collections import defaultdict
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,24 +51,20 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, get_scheduler
 
-from . import diagnostics as diag
 from . import lora
 from .config import PPOConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import (
     DataParallel,
-    all_gather_cat,
     all_gather_object,
     all_reduce_sum,
     gather_to_main,
     shard,
-    split_range,
     world,
 )
-from .generation import generate, last_token_indices, summarize, trim_left_padding, truncate_after_eos
+from .generation import generate, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic
 from .models import causal_forward, load_causal_lm, save_pretrained_atomic
-from .plots import plot_value_vs_reward
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,
@@ -79,20 +74,20 @@ from .ppo import (
     masked_var,
     per_token_rewards,
     policy_loss,
-    response_mask,
     sampling_logits,
     value_loss,
     whiten,
 )
+from .ppo_eval import evaluate_policy, value_vs_reward, write_value_vs_reward
+from .ppo_rollout import Rewards, Trajectory, make_trajectory, rollout_statistics, throughput_statistics
 from .reward import (
     ResponseScores,
     ScalarModel,
-    response_reward_logits,
     response_scores,
     reward_model_from_causal_lm,
     score_responses,
 )
-from .reward_eval import TOKEN_TABLE_RESPONSES, token_table
+from .reward_eval import TOKEN_TABLE_RESPONSES
 from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
 from .training import (
@@ -191,103 +186,6 @@ def response_values(
     return values[:, context_length - 1 : -1]
 
 
-@dataclass
-class Trajectory:
-    """One update's samples on this rank: step 1 of the update (Details 21, 23).
-
-    ``B`` prompts, ``C`` query tokens (``context_length``, left padding trimmed), ``R``
-    response tokens (``response_length``). A response ends at its last real token once
-    truncated after its first EOS: the EOS, or position ``R - 1`` when there is none.
-
-    Attributes:
-        query_responses: ``(B, C + R)`` long, query then the response as sampled.
-        responses: ``(B, R)`` long, exactly ``R`` sampled tokens (not truncated; never PAD).
-        logprobs, ref_logprobs: ``(B, R)`` float32 log-probabilities of the sampled tokens under
-            the policy and the reference at the sampling temperature
-            (:func:`rlhf_core.ppo.logprobs_from_logits`), ``INVALID_LOGPROB`` after the last token.
-        values: ``(B, R)`` float32, the value model's estimate before each token.
-        raw_scores, scores: ``(B,)`` float32, the score of the truncated response without and with
-            the EOS trick (:meth:`PPOTrainer.score`).
-        has_eos: ``(B,)`` bool, the truncated response ends with EOS.
-        last_token_indices: ``(B,)`` long, the index of each response's last token.
-        token_mask: ``(B, R)`` bool, positions ``0 .. last_token_indices``.
-        context_length: ``C``.
-        time_generate, time_score: seconds spent sampling, and computing log-probs, values and scores.
-    """
-
-    query_responses: torch.Tensor
-    responses: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor
-    raw_scores: torch.Tensor
-    scores: torch.Tensor
-    has_eos: torch.Tensor
-    last_token_indices: torch.Tensor
-    token_mask: torch.Tensor
-    context_length: int
-    time_generate: float = 0.0
-    time_score: float = 0.0
-
-
-def make_trajectory(
-    query_responses: torch.Tensor,
-    responses: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    values: torch.Tensor,
-    scored: ResponseScores,
-    context_length: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    **times: float,
-) -> Trajectory:
-    """A :class:`Trajectory` from sampled responses: each ends at its first EOS (Detail 23), and
-    the log-probabilities after it are ``INVALID_LOGPROB``.
-
-    Args:
-        responses: ``(B, R)`` sampled token ids, not truncated.
-        logprobs, ref_logprobs, values: ``(B, R)`` float32, over every sampled position.
-        scored: the scores of ``truncate_after_eos(responses)``, ``(B,)`` each.
-    """
-    truncated = truncate_after_eos(responses, eos_token_id, pad_token_id)
-    last = torch.clamp(last_token_indices(truncated, pad_token_id), min=0)  # 0 for a response that starts with PAD
-    token_mask = response_mask(last, responses.size(1))
-    return Trajectory(
-        query_responses=query_responses,
-        responses=responses,
-        logprobs=torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB),
-        ref_logprobs=torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB),
-        values=values,
-        raw_scores=scored.raw_scores,
-        scores=scored.scores,
-        has_eos=scored.has_eos,
-        last_token_indices=last,
-        token_mask=token_mask,
-        context_length=context_length,
-        **times,
-    )
-
-
-@dataclass
-class Rewards:
-    """Per-token rewards of a :class:`Trajectory`: step 2 of the update (Details 23, 24).
-
-    Attributes:
-        rewards: ``(B, R)`` float32, ``non_score_reward`` plus the score at the scored position,
-            rescaled by the global batch's standard deviation when ``ppo.whiten_rewards``; 0
-            outside ``value_mask``.
-        non_score_reward: ``(B, R)`` float32, the KL penalty ``-kl_coef * (logprobs - ref_logprobs)``
-            on the response tokens, 0 elsewhere.
-        value_mask: ``(B, R)`` bool, the positions that carry rewards and values: up to the last
-            token (``score_position: eos``) or one further (``after_eos``).
-    """
-
-    rewards: torch.Tensor
-    non_score_reward: torch.Tensor
-    value_mask: torch.Tensor
-
-
 def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
     """Step 2: the KL penalty on every response token plus the score at the last one
     (:func:`rlhf_core.ppo.per_token_rewards`; Huang et al. 2024, arXiv 2403.17031, eq. 3, per token as in Figure 11),
@@ -341,18 +239,6 @@ class PPOStats:
             "val/ratio": self.ratio_mean,
             "val/ratio_var": self.ratio_var,
         }
-
-
-def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
-    denom = math.sqrt(float((x * x).sum() * (y * y).sum()))
-    return float((x * y).sum()) / denom if denom > 0 else 0.0
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class PPOTrainer:
@@ -657,171 +543,22 @@ class PPOTrainer:
 
     # --------------------------------------------------------------- evaluation
 
-    @torch.no_grad()
     def evaluate(self, split: str = "validation", against_sft: bool = False) -> tuple[dict[str, float], list[dict]]:
-        """Near-greedy policy summaries on held-out prompts, scored as in training (:meth:`score`:
-        the reward model, or the rule reward of ``ppo.reward``) against the references.
-
-        ``eval/score_policy`` is the mean score with the EOS trick (``non_eos_penalty`` for a
-        summary without EOS, Detail 23), the score PPO optimises; ``eval/raw_score_policy``
-        the mean score without the trick (the reward model's own output) and ``eval/eos_rate_policy`` the share of
-        summaries that end with EOS. The references always end with EOS. The prompts are split
-        over the ranks and the results gathered, in order, on every rank.
-
-        With ``against_sft`` (the last evaluation), the SFT policy (the frozen reference) also
-        summarises the same prompts with the same seeds, and the stage's learning check is
-        measured here, so that a run stopped after PPO has it: ``eval/score_gain_vs_sft`` (the
-        mean paired difference of the scores, with ``_ci_low``/``_ci_high``, a 95% normal
-        interval), ``eval/eos_rate_policy_ci_low``/``_ci_high`` (95% Wilson), ``eval/score_sft``,
-        ``eval/eos_rate_sft``, and ``eval/repetition_rate_policy``/``_sft`` (share of summaries
-        with a :func:`rlhf_core.diagnostics.repetition_loop`).
-        """
-        cfg = self.cfg
-        ds = self.sft[split]
-        ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
-        mine = ds.select(split_range(len(ds), self.world))
-        rows: list[tuple[float, float, bool, float, str, float, bool, str | None]] = []
-        self.policy.eval()
-
-        def sample(parallel):  # the same samples every time, training's RNG untouched
-            # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
-            # gathered whole first; a rank without prompts joins the gathering and computes nothing.
-            rng = torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else [])
-            with parallel.gathered(), rng:
-                if len(mine):
-                    return parallel.inference(
-                        summarize,
-                        self.tokenizer,
-                        queries,
-                        self.response_length,
-                        cfg.eval_temperature,
-                        cfg.micro_batch_size,
-                        cfg.seed + self.world.rank,
-                        cfg.bf16,
-                    )
-            return None
-
-        queries = torch.tensor(mine["query_token"]) if len(mine) else None
-        summaries = sample(self.policy_parallel)
-        # the SFT policy (the frozen reference) on the same prompts, with the same seeds
-        sft_summaries = sample(self.ref_parallel) if against_sft else None
-        with self.reward_parallel.gathered() if self.reward_parallel is not None else nullcontext():
-            if len(mine):
-                policy = self.score(queries, summaries.responses)
-                reference = self.score(queries, torch.tensor(mine["reference_response_token"]))
-                sft = self.score(queries, sft_summaries.responses) if against_sft else None
-        if len(mine):
-            self.eval_responses = (queries, summaries.responses)  # for value_vs_reward (Detail 22)
-            rows = list(
-                zip(
-                    policy.scores.tolist(),
-                    policy.raw_scores.tolist(),
-                    policy.has_eos.tolist(),
-                    reference.scores.tolist(),
-                    summaries.texts,
-                    sft.scores.tolist() if sft is not None else [math.nan] * len(mine),
-                    sft.has_eos.tolist() if sft is not None else [False] * len(mine),
-                    sft_summaries.texts if against_sft else [None] * len(mine),
-                )
-            )
-        rows = [row for rank_rows in all_gather_object(rows) for row in rank_rows]
-        sp, raw, has_eos, sr = (torch.tensor([row[i] for row in rows], dtype=torch.float64) for i in range(4))
-        metrics = {
-            "eval/score_policy": sp.mean().item(),
-            "eval/raw_score_policy": raw.mean().item(),
-            "eval/eos_rate_policy": has_eos.mean().item(),
-            "eval/score_reference": sr.mean().item(),
-            "eval/rm_win_rate_vs_reference": (sp > sr).double().mean().item(),
-        }
-        if against_sft:
-            metrics |= learning_check_metrics(rows)
-        samples = [
-            {
-                "post": p,
-                "reference": r.strip(),
-                "policy": row[4],
-                "score_policy": row[0],
-                "raw_score_policy": row[1],
-                "score_reference": row[3],
-                **({"sft": row[7], "score_sft": row[5]} if against_sft else {}),
-            }
-            for p, r, row in zip(ds["post"], ds["reference_response"], rows)
-        ]
+        """Evaluate the policy on held-out prompts (:func:`rlhf_core.ppo_eval.evaluate_policy`),
+        keeping this rank's summaries for :meth:`value_vs_reward`."""
+        metrics, samples, responses = evaluate_policy(self, split, against_sft)
+        if responses is not None:
+            self.eval_responses = responses
         return metrics, samples
 
-    @torch.no_grad()
     def value_vs_reward(self, n: int = TOKEN_TABLE_RESPONSES) -> list[dict] | None:
-        """The value model read as a per-token reward model (Huang et al. 2024, Detail 22): its
-        output at every token of this rank's first ``n`` summaries of the last :meth:`evaluate`,
-        beside the reward model's logits there (Detail 13), one forward pass of each
-        (:func:`rlhf_core.reward.response_reward_logits`). Collective: every rank calls it.
-
-        ``values`` are read at the same positions as ``reward_logits``, the state after each
-        token: PPO's value of response token ``t`` (:func:`response_values`, the state before
-        it) is ``values[t - 1]``. The value model starts as the reward model (Detail 22), so the
-        two are equal before training.
-
-        Returns:
-            :func:`rlhf_core.reward_eval.token_table` rows with ``row`` (the evaluation prompt's
-            index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
-            None on ranks other than 0, with a rule reward (no reward model) or before any
-            evaluation.
-        """
-        if self.reward_parallel is None:
-            return None
-        examples = self.eval_responses
-        pad, eos, bf16 = self.pad_id, self.eos_id, self.cfg.bf16
-        # gathered whole (collective) so that rank 0 alone may run its forward passes
-        with self.value_parallel.gathered(), self.reward_parallel.gathered():
-            if not self.world.is_main or examples is None:
-                return None
-            queries, responses = examples[0][:n], examples[1][:n]
-            logits, scores, indices = self.reward_parallel.inference(
-                response_reward_logits, queries, responses, pad, bf16
-            )
-            values, _, _ = self.value_parallel.inference(response_reward_logits, queries, responses, pad, bf16)
-        rows = token_table(
-            self.tokenizer, responses, scores, indices, eos, pad, {"reward_logits": logits, "values": values}
-        )
-        return [
-            {"row": i, **row, "value_at_eos": row["values"][row["eos_index"]] if row["eos_index"] >= 0 else None}
-            for i, row in enumerate(rows)
-        ]
-
-
-def write_value_vs_reward(rows: list[dict], out_dir: str | os.PathLike) -> Path:
-    """Write :meth:`PPOTrainer.value_vs_reward`'s rows as ``value_vs_reward.json``
-    (``{"responses": rows}``) and ``value_vs_reward.png``
-    (:func:`rlhf_core.plots.plot_value_vs_reward`) to ``out_dir``; returns the PNG's path."""
-    out_dir = Path(out_dir)
-    write_json_atomic(out_dir / "value_vs_reward.json", {"responses": rows})
-    return plot_value_vs_reward(rows, out_dir / "value_vs_reward.png", [f"evaluation prompt {r['row']}" for r in rows])
+        """The value-vs-reward diagnostic of the last :meth:`evaluate`'s first ``n`` summaries
+        (:func:`rlhf_core.ppo_eval.value_vs_reward`; Detail 22). Collective: every rank calls it."""
+        return value_vs_reward(self, self.eval_responses, n)
 
 
 class _NonFinite(RuntimeError):
     pass
-
-
-def learning_check_metrics(rows: list[tuple]) -> dict[str, float]:
-    """PPO's learning check on the evaluation prompts, from :meth:`PPOTrainer.evaluate`'s rows
-    ``(score_policy, raw_score_policy, has_eos_policy, score_reference, text_policy, score_sft,
-    has_eos_sft, text_sft)``: the paired score gain over SFT with its 95% interval, PPO's EOS rate
-    with its Wilson interval, SFT's, and both policies' repetition rates."""
-    policy, sft = [row[0] for row in rows], [row[5] for row in rows]
-    gain = diag.paired_difference(policy, sft)
-    eos = sum(bool(row[2]) for row in rows)
-    low, high = diag.wilson_interval(eos, len(rows))
-    return {
-        "eval/score_sft": sum(sft) / len(sft),
-        "eval/eos_rate_sft": sum(bool(row[6]) for row in rows) / len(rows),
-        "eval/score_gain_vs_sft": gain["mean"],
-        "eval/score_gain_vs_sft_ci_low": gain["ci_low"],
-        "eval/score_gain_vs_sft_ci_high": gain["ci_high"],
-        "eval/eos_rate_policy_ci_low": low,
-        "eval/eos_rate_policy_ci_high": high,
-        "eval/repetition_rate_policy": diag.repetition_rate([row[4] for row in rows])["rate"],
-        "eval/repetition_rate_sft": diag.repetition_rate([row[7] for row in rows])["rate"],
-    }
 
 
 def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> PPOStats:
@@ -835,58 +572,11 @@ def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> P
     return PPOStats(**means, ratio_mean=ratio_mean, ratio_var=ratio_sq / (count - 1) if count > 1 else 0.0)
 
 
-def rollout_statistics(
-    traj: Trajectory, rewards: Rewards, advantages: torch.Tensor, returns: torch.Tensor
-) -> dict[str, float]:
-    """Statistics of the global batch (every rank's share gathered; the identity on one rank):
-    score, KL to the reference (nats per response and per token), rewards, advantages,
-    returns, response length and EOS rate, under TRL's names."""
-    gather = all_gather_cat
-    token_mask, value_mask = gather(traj.token_mask), gather(rewards.value_mask)
-    logprobs, ref_logprobs, scores = gather(traj.logprobs), gather(traj.ref_logprobs), gather(traj.scores)
-    returns, advantages, has_eos = gather(returns), gather(advantages), gather(traj.has_eos)
-    kl = ((logprobs - ref_logprobs) * token_mask).sum(1)  # the "k1" estimator, http://joschu.net/blog/kl-approx.html
-    non_score = gather(rewards.non_score_reward).sum(1)
-    lengths = (gather(traj.last_token_indices) + 1).float()
-    return {
-        "objective/scores": scores.mean().item(),
-        "objective/kl": kl.mean().item(),  # nats per response
-        "objective/kl_per_token": (kl.sum() / token_mask.sum().clamp(min=1)).item(),
-        "objective/entropy": (-logprobs * token_mask).sum(1).mean().item(),
-        "objective/non_score_reward": non_score.mean().item(),
-        "objective/rlhf_reward": (scores + non_score).mean().item(),
-        "returns/mean": masked_mean(returns, value_mask).item(),
-        "returns/var": masked_var(returns, value_mask).item(),
-        "advantages/mean": masked_mean(advantages, token_mask).item(),
-        "advantages/var": masked_var(advantages, token_mask).item(),
-        "advantages/min": advantages[token_mask].min().item(),
-        "advantages/max": advantages[token_mask].max().item(),
-        "response/length_mean": lengths.mean().item(),
-        "response/length_score_corr": _pearson(lengths, scores),
-        "response/no_eos_fraction": 1.0 - has_eos.float().mean().item(),
-        "response/eos_rate": has_eos.float().mean().item(),
-    }
-
-
 def _raise_if_non_finite(**tensors: torch.Tensor) -> None:
     """Raise :class:`_NonFinite` on every rank when any rank has a non-finite value in ``tensors``."""
     bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
     if all_reduce_sum([len(bad)])[0]:
         raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite value on another rank")
-
-
-def _throughput(traj: Trajectory, t_train: float, ppo_epochs: int, device: torch.device) -> dict[str, float]:
-    """Seconds per phase (rank 0's), tokens per second (all ranks') and peak memory of an update."""
-    generated = traj.responses.numel() * world().size
-    trained = ppo_epochs * all_reduce_sum([traj.token_mask.sum().item()])[0]
-    return {
-        "time/generate": traj.time_generate,
-        "time/score": traj.time_score,
-        "time/train": t_train,
-        "time/generate_tokens_per_s": generated / max(traj.time_generate, 1e-9),
-        "time/train_tokens_per_s": trained / max(t_train, 1e-9),
-        "memory/peak_mb": _peak_memory_mb(device),
-    }
 
 
 def _progress_summary(metrics: dict[str, float]) -> dict[str, str]:
@@ -915,7 +605,7 @@ def run_ppo(
     ``out_dir/samples.jsonl`` (the last evaluation), ``out_dir/metrics.json`` and, with a reward
     model, ``out_dir/value_vs_reward.json`` and ``.png``: the trained value model's and the
     reward model's outputs at every token of the first few evaluation summaries (Detail 22;
-    :meth:`PPOTrainer.value_vs_reward`, :func:`write_value_vs_reward`).
+    :meth:`PPOTrainer.value_vs_reward`, :func:`rlhf_core.ppo_eval.write_value_vs_reward`).
 
     ``reward_model_dir`` is the reward model (``ppo.reward: model``) and the value model's
     initialisation (Detail 22); with a rule reward (``ppo.reward: python:...``) it may be
@@ -1001,7 +691,7 @@ def run_ppo(
         metrics = (
             rollout_statistics(traj, rewards, advantages, returns)
             | stats.metrics()
-            | _throughput(traj, t_train, cfg.ppo_epochs, trainer.device)
+            | throughput_statistics(traj, t_train, cfg.ppo_epochs, trainer.device)
             | {"lr": lr, "episodes": float((update + 1) * cfg.batch_size)}
         )
         if (update + 1) % cfg.eval_every == 0 or update + 1 == trainer.num_updates:

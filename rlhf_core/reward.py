@@ -1,5 +1,7 @@
-"""The reward model: the model, its loss, scoring, training and normalisation (Huang et al. 2024,
-Details 10-15; its evaluation, Details 16-18, is :mod:`rlhf_core.reward_eval`).
+"""The reward-model stage: the scalar model, its loss, scoring, training and normalisation.
+
+Huang et al. 2024, Details 10-15; the reward model's evaluation (Details 16-18) is
+:mod:`rlhf_core.reward_eval`.
 
 A :class:`ScalarModel` is a transformer backbone (no language-model head) with a linear
 head giving one scalar per position. The reward of a sequence is the head's output at its

@@ -1,5 +1,6 @@
-"""Evaluation of a reward model on preference pairs (Huang et al. 2024, Details 16-18): accuracy
-per batch, confidence and split with Wilson intervals, reward statistics (Table 5), and
+"""Evaluation of a reward model on preference pairs (Huang et al. 2024, Details 16-18).
+
+Accuracy per batch, confidence and split with Wilson intervals, reward statistics (Table 5), and
 calibration (Figure 5).
 """
 

@@ -23,15 +23,9 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import (
-    IN_DISTRIBUTION_SPLIT,
-    PRESET_DIR,
-    ConfigError,
-    PipelineConfig,
-    _format_validation_error,
-    load_config,
-    read_yaml_mapping,
-)
+from .config import IN_DISTRIBUTION_SPLIT, ConfigError, PipelineConfig, load_config
+from .credentials import format_validation_error
+from .presets import PRESET_DIR, read_yaml_mapping
 
 SWEEP_DIR = PRESET_DIR / "sweeps"
 
@@ -133,7 +127,7 @@ def load_sweep(spec: str | os.PathLike, sweep_dir: Path = SWEEP_DIR) -> SweepSpe
     try:
         return SweepSpec.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(exc, f"sweep {path.name}")) from None
+        raise ConfigError(format_validation_error(exc, f"sweep {path.name}")) from None
 
 
 def expand(spec: SweepSpec) -> list[Cell]:
@@ -205,7 +199,7 @@ COLUMNS: tuple[tuple[str, str, str, tuple[str, str] | None], ...] = (
     ("PPO KL", "ppo", "objective/kl", None),
     ("PPO response length", "ppo", "response/length_mean", None),
     # PPO's learning check, measured by the PPO stage itself against the SFT policy on the same
-    # evaluation prompts (rlhf_core.ppo_trainer.learning_check_metrics), so that `until: ppo` has it
+    # evaluation prompts (rlhf_core.ppo_eval.learning_check_metrics), so that `until: ppo` has it
     (
         "PPO score gain vs SFT",
         "ppo",

@@ -1,5 +1,4 @@
-"""The training loop shared by the SFT and reward-model stages: batching, optimiser,
-schedule, progress, and resumable mid-stage checkpoints.
+"""The trainers' shared training loop: batching, optimiser, schedule, progress, resumable checkpoints.
 
 A stage supplies ``step_fn(indices, parallel) -> metrics`` that runs forward and backward
 passes over one global batch (in micro-batches through ``parallel``, a

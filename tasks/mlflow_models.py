@@ -160,7 +160,8 @@ class RewardModelScorer(mlflow.pyfunc.PythonModel):
         """
         import torch
 
-        from rlhf_core.data import BadRow, left_pad, right_pad, tokenize_response, truncate_query
+        from rlhf_core.data import left_pad, right_pad, tokenize_response, truncate_query
+        from rlhf_core.data_rows import BadRow
         from rlhf_core.reward import score_responses
 
         tok, rows = self.tokenizer, model_input.to_dict("records")

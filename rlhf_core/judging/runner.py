@@ -121,10 +121,50 @@ def judge_comparisons(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if orders not in ("one", "both"):
         raise ValueError(f"orders must be 'one' or 'both', got {orders!r}")
-    results: dict[tuple[int, int], Judgement] = {}  # (comparison index, 0 seeded order / 1 swapped)
-    pending: list[tuple[tuple[int, int], _Job]] = []
+    results, pending = _cached_or_pending(judge, comparisons, cache, seed, orders)
+    hits = len(results)
+    pending, skipped = _spending_cap(judge, pending, results, max_comparisons)
+    log.info("judge %s: %d answers cached, %d prompts to send", judge.name, hits, len(pending))
+    results.update(_ask(judge, pending, cache, concurrency, progress))
+    judgements = [
+        replace(results[index, 0], swapped=results.get((index, 1))) if orders == "both" else results[index, 0]
+        for index in sorted({index for index, _ in results})
+    ]
+    counts = win_counts(judgements)
+    log.info(
+        "judge %s: %d judged (%d wins, %d losses, %d ties, %d invalid, %d errors)%s",
+        judge.name,
+        len(judgements),
+        counts["wins"],
+        counts["losses"],
+        counts["ties"],
+        counts["invalid"],
+        counts["errors"],
+        f"; {skipped} left out by the spending cap" if skipped else "",
+    )
+    return judgements
+
+
+#: A judgement's place: (the comparison's index in the input, 0 the seeded order / 1 swapped).
+_Key = tuple[int, int]
+
+
+def _cached_or_pending(
+    judge: Judge,
+    comparisons: Iterable[Comparison],
+    cache: JudgementCache | None,
+    seed: int,
+    orders: Literal["one", "both"],
+) -> tuple[dict[_Key, Judgement], list[tuple[_Key, _Job]]]:
+    """Each comparison's job per order (:func:`response_is_a`): the judgements of the cached
+    answers, and the jobs still to send, in input order.
+
+    Raises:
+        ValueError: two comparisons share an id.
+    """
+    results: dict[_Key, Judgement] = {}
+    pending: list[tuple[_Key, _Job]] = []
     seen: set[str] = set()
-    hits = 0
     for index, comparison in enumerate(comparisons):
         if comparison.id in seen:
             raise ValueError(f"duplicate comparison id {comparison.id!r}")
@@ -135,26 +175,40 @@ def judge_comparisons(
             hit = cache.get(judge.name, job.prompt) if cache is not None else None
             if hit is not None:
                 results[index, order] = _judgement(job, judge.name, hit.answer, 0, cached=True)
-                hits += 1
             else:
                 pending.append(((index, order), job))
-    skipped = 0
-    sent = sorted({index for (index, _), _ in pending})
-    if max_comparisons is not None and len(sent) > max_comparisons:
-        skipped = len(sent) - max_comparisons
-        keep = set(sent[:max_comparisons])
-        pending = [(key, job) for key, job in pending if key[0] in keep]
-        for index in sent[max_comparisons:]:
-            results.pop((index, 0), None)
-            results.pop((index, 1), None)
-        log.warning(
-            "judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
-            judge.name,
-            max_comparisons,
-            skipped,
-        )
-    log.info("judge %s: %d answers cached, %d prompts to send", judge.name, hits, len(pending))
+    return results, pending
 
+
+def _spending_cap(
+    judge: Judge, pending: list[tuple[_Key, _Job]], results: dict[_Key, Judgement], max_comparisons: int | None
+) -> tuple[list[tuple[_Key, _Job]], int]:
+    """Keep the jobs of the first ``max_comparisons`` comparisons with an uncached order; the
+    others' cached judgements are dropped from ``results`` too (in place). Returns the jobs kept
+    and how many comparisons were left out."""
+    sent = sorted({index for (index, _), _ in pending})
+    if max_comparisons is None or len(sent) <= max_comparisons:
+        return pending, 0
+    skipped = len(sent) - max_comparisons
+    keep = set(sent[:max_comparisons])
+    for index in sent[max_comparisons:]:
+        results.pop((index, 0), None)
+        results.pop((index, 1), None)
+    log.warning(
+        "judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
+        judge.name,
+        max_comparisons,
+        skipped,
+    )
+    return [(key, job) for key, job in pending if key[0] in keep], skipped
+
+
+def _ask(
+    judge: Judge, pending: list[tuple[_Key, _Job]], cache: JudgementCache | None, concurrency: int, progress: bool
+) -> dict[_Key, Judgement]:
+    """Send the pending jobs (:func:`_finish`): at most ``concurrency`` at once to a thread-safe
+    judge, else in order, through ``answer_batch`` (prompts by length) when the judge has one."""
+    results: dict[_Key, Judgement] = {}
     bar = tqdm(
         total=len(pending), desc=f"judging ({judge.name})", disable=not progress or not pending, dynamic_ncols=True
     )
@@ -185,20 +239,4 @@ def judge_comparisons(
                 bar.update(1)
     finally:
         bar.close()
-    judgements = [
-        replace(results[index, 0], swapped=results.get((index, 1))) if orders == "both" else results[index, 0]
-        for index in sorted({index for index, _ in results})
-    ]
-    counts = win_counts(judgements)
-    log.info(
-        "judge %s: %d judged (%d wins, %d losses, %d ties, %d invalid, %d errors)%s",
-        judge.name,
-        len(judgements),
-        counts["wins"],
-        counts["losses"],
-        counts["ties"],
-        counts["invalid"],
-        counts["errors"],
-        f"; {skipped} left out by the spending cap" if skipped else "",
-    )
-    return judgements
+    return results

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf_core import training
-from rlhf_core.config import ConfigError, EpochTrainerConfig, available_presets, load_config
+from rlhf_core.config import ConfigError, EpochTrainerConfig, load_config
+from rlhf_core.presets import available_presets
 from rlhf_core.training import CheckpointManager, StepProgress, micro_batches, train_loop
 
 TRAINERS = ("sft", "reward", "dpo", "ppo")

@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from rlhf_core.cli import main
-from rlhf_core.config import ConfigError, available_presets, config_from_dict, flatten, load_config, parse_override
+from rlhf_core.config import ConfigError, config_from_dict, flatten, load_config
+from rlhf_core.presets import available_presets, parse_override
 
 PRESETS = [
     "smoke",

@@ -8,7 +8,6 @@ import pytest
 
 from rlhf_core.config import QueryFormat, load_config
 from rlhf_core.data import (
-    BadRow,
     format_query,
     left_pad,
     load_prepared,
@@ -17,6 +16,7 @@ from rlhf_core.data import (
     tokenize_response,
     truncate_query,
 )
+from rlhf_core.data_rows import BadRow
 from tests.conftest import read_jsonl
 
 FMT = QueryFormat()

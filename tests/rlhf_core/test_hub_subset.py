@@ -10,7 +10,8 @@ import pytest
 
 from rlhf_core.cli import main
 from rlhf_core.config import load_config
-from rlhf_core.data import DataError, load_hub_split
+from rlhf_core.data import DataError
+from rlhf_core.data_hub import load_hub_split
 from rlhf_core.hub_subset import FETCH_RECORD, ensure_local_rows, row_identity
 from rlhf_core.sources import data_fingerprint
 from rlhf_core.subset_files import load_subset, subset_dir

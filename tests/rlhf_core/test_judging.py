@@ -556,6 +556,14 @@ def test_spending_cap_counts_comparisons_in_both_orders(api, comparisons, tmp_pa
         make_judge(api), comparisons[:6], cache=None, seed=1, orders="both", max_comparisons=2, progress=False
     )
     assert len(out) == 2 and len(api.requests) == 4
+    # a comparison left out by the cap is left out whole, even with its seeded order cached
+    cache = JudgementCache(tmp_path / "cache.jsonl")
+    judge_comparisons(make_judge(api), comparisons[:3], cache=cache, seed=1, progress=False)
+    out = judge_comparisons(
+        make_judge(api), comparisons[:3], cache=cache, seed=1, orders="both", max_comparisons=1, progress=False
+    )
+    assert [j.id for j in out] == [comparisons[0].id] and out[0].swapped is not None
+    assert len(api.requests) == 4 + 3 + 1
     with pytest.raises(ValueError, match="orders"):
         judge_comparisons(make_judge(api), comparisons[:1], cache=None, seed=1, orders="two", progress=False)
 

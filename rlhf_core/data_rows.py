@@ -1,0 +1,261 @@
+"""Raw rows in: a split's rows read from local JSONL files or the hub, validated and normalised.
+
+Local files (``data.source: local``, :func:`iter_jsonl`) and hub splits
+(:func:`rlhf_core.data_hub.iter_hub_split`) go through the same filters and checks
+(:func:`load_split`): a hub comparison is flattened to the local format
+(:func:`flatten_comparison`), and every row is checked and normalised (:func:`normalise_row`;
+Huang et al. 2024, Details 1 and 5). A row that fails is a :class:`BadRow`, an error or, with
+``data.on_bad_row: skip``, dropped and counted. :mod:`rlhf_core.data` tokenises what comes out.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+import string
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import DataConfig, QueryFormat, SplitSpec
+from .data_hub import iter_hub_split
+from .errors import DataError
+from .sources import local_split_files
+
+log = logging.getLogger(__name__)
+
+#: Fields a SFT row needs besides those its query template uses.
+SFT_RESPONSE_FIELDS = ("summary",)
+#: Fields a comparison needs besides those its query template uses.
+PREFERENCE_FIELDS = ("chosen", "rejected", "chosen_policy", "rejected_policy", "batch", "split")
+#: Text fields that must not be empty (after stripping whitespace).
+NON_EMPTY_FIELDS = ("post", "summary", "chosen", "rejected")
+
+
+class BadRow(Exception):
+    """One row that fails validation. ``reason`` is a short key such as ``empty_field:post``."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+        self.detail = detail
+
+
+def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[str, dict | BadRow]]:
+    """Yield ``(where, record)`` for each non-blank line of a JSONL file.
+
+    ``where`` is ``"FILE:LINE"``; ``record`` is the parsed object, or a :class:`BadRow`
+    when the line is not UTF-8 (each line is decoded on its own, so one bad byte costs one
+    row and is named by its line) or not a JSON object. A UTF-8 byte-order mark at the start
+    of the file is removed and counted in ``repaired["utf8_bom_stripped"]``.
+    """
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+                log.warning("%s: a UTF-8 byte-order mark at the start of the file was removed", path)
+                if repaired is not None:
+                    repaired["utf8_bom_stripped"] += 1
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield where, BadRow("not_utf8", f"byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line")
+                continue
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield where, BadRow("invalid_json", f"{exc.msg} at column {exc.colno}; is the file JSONL?")
+                continue
+            if not isinstance(obj, dict):
+                yield where, BadRow("not_an_object", f"a JSON {type(obj).__name__}, not an object")
+                continue
+            yield where, obj
+
+
+def flatten_comparison(row: dict) -> dict:
+    """Map a hub ``openai/summarize_from_feedback`` comparison to the flat local format.
+
+    Hub rows hold ``info`` (post or CNN/DM article), two ``summaries`` and the labeler's
+    ``choice``; flat rows hold ``chosen``/``rejected`` texts and policies directly.
+    Flat rows are returned unchanged.
+
+    Raises:
+        BadRow: ``choice`` or ``summaries`` are malformed.
+    """
+    if "info" not in row and "summaries" not in row:
+        return row
+    info = row.get("info") or {}
+    summaries = row.get("summaries")
+    choice = row.get("choice")
+    if not isinstance(summaries, list) or len(summaries) != 2 or not all(isinstance(s, dict) for s in summaries):
+        raise BadRow("bad_summaries", "expected two summaries")
+    if isinstance(choice, bool) or choice not in (0, 1):
+        raise BadRow("bad_choice", f"choice={choice!r}")
+    post = info.get("post") if info.get("post") is not None else info.get("article")
+    extra = row.get("extra") or {}
+    return {
+        "id": info.get("id"),
+        "subreddit": info.get("subreddit"),
+        "title": info.get("title"),
+        "post": post,
+        "chosen": summaries[choice].get("text"),
+        "rejected": summaries[1 - choice].get("text"),
+        "chosen_policy": summaries[choice].get("policy"),
+        "rejected_policy": summaries[1 - choice].get("policy"),
+        "batch": row.get("batch"),
+        "confidence": extra.get("confidence"),
+        "split": row.get("split"),
+        "worker": row.get("worker"),
+        "choice": choice,
+    }
+
+
+def template_fields(template: str) -> list[str]:
+    """Field names used by a ``str.format`` template, in order."""
+    return [name for _, name, _, _ in string.Formatter().parse(template) if name]
+
+
+def _text(rec: dict, name: str, required: bool) -> str:
+    if name not in rec:
+        if required:
+            raise BadRow(f"missing_field:{name}")
+        return ""
+    value = rec[name]
+    if value is None:
+        if required:
+            raise BadRow(f"null_field:{name}")
+        return ""
+    if not isinstance(value, str):
+        raise BadRow(f"non_string_field:{name}", f"got {type(value).__name__}")
+    if name in NON_EMPTY_FIELDS and required and not value.strip():
+        raise BadRow(f"empty_field:{name}")
+    return value
+
+
+def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
+    """Validate one raw row and return it in the flat normalised form.
+
+    ``kind`` is ``sft`` or ``preference``. Fields used by ``fmt.template`` and the
+    response fields are required strings (``post``, ``summary``, ``chosen``,
+    ``rejected`` also non-empty); ``id`` is a string or null; ``confidence`` an integer or
+    null. Responses are stripped; the post is kept as is.
+
+    Raises:
+        BadRow: with a reason such as ``missing_field:summary``, ``null_field:post``,
+            ``non_string_field:title``, ``empty_field:post`` or ``invalid_unicode:post``
+            (a lone surrogate, which no tokenizer or file can hold).
+    """
+    if kind == "preference":
+        rec = flatten_comparison(rec)
+    query_fields = set(template_fields(fmt.template)) | {fmt.truncate_field}
+    out: dict[str, Any] = {}
+    rid = rec.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise BadRow("non_string_field:id", f"got {type(rid).__name__}")
+    out["id"] = rid or ""
+    for name in ("subreddit", "title", "post"):
+        out[name] = _text(rec, name, required=name in query_fields)
+    response_fields = SFT_RESPONSE_FIELDS if kind == "sft" else PREFERENCE_FIELDS
+    for name in response_fields:
+        out[name] = _text(rec, name, required=True)
+    for name in ("summary", "chosen", "rejected"):
+        if name in out:
+            out[name] = out[name].strip()
+    if kind == "preference":
+        # Flat local files keep OpenAI's split name (valid1/valid2) in ``orig_split``.
+        if isinstance(rec.get("orig_split"), str) and rec["orig_split"]:
+            out["split"] = rec["orig_split"]
+        confidence = rec.get("confidence")
+        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, int)):
+            raise BadRow("non_integer_field:confidence", f"got {confidence!r}")
+        out["confidence"] = confidence
+    for name, value in out.items():
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # "\ud800" in JSON: a lone surrogate, no character
+                raise BadRow(
+                    f"invalid_unicode:{name}", f"lone surrogate U+{ord(value[exc.start]):04X} at character {exc.start}"
+                ) from None
+    return out
+
+
+@dataclass
+class SplitLoad:
+    """Rows of one output split after validation, with what was dropped and why."""
+
+    rows: list[dict] = field(default_factory=list)
+    dropped: Counter = field(default_factory=Counter)
+    dropped_where: list[tuple[str, str]] = field(default_factory=list)
+    repaired: Counter = field(default_factory=Counter)
+
+
+def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryFormat) -> SplitLoad:
+    """Load, filter and validate the rows of one output split (hub or local, one code path).
+
+    Batch filters (``spec.batches``/``spec.exclude_batches``) apply before validation, so
+    bad rows of batches that are not used do not count. A second SFT row with an id seen
+    before (``duplicate_id``) or a second identical comparison (``duplicate_row``) is a bad
+    row, naming the first copy. ``spec.max_rows`` keeps the first N valid rows.
+
+    Raises:
+        DataError: a bad row when ``data_cfg.on_bad_row == "error"`` (naming the file or
+            dataset and the row), a missing file, or a split left with no rows.
+    """
+    result = SplitLoad()
+    source = data_cfg.resolved_source()
+    if source == "local":
+        local_dir = data_cfg.resolved_local_dir()
+        if not local_dir:
+            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
+        raw: Iterable[tuple[str, dict | BadRow]] = (
+            item
+            for path in local_split_files(local_dir, kind, spec.source)
+            for item in iter_jsonl(path, result.repaired)
+        )
+    else:
+        name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
+        config = None if kind == "sft" else data_cfg.preference_config
+        raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
+
+    seen: dict[str, str] = {}  # duplicate key -> where its first copy is
+    for where, rec in raw:
+        try:
+            if isinstance(rec, BadRow):
+                raise rec
+            if kind == "preference" and (spec.batches is not None or spec.exclude_batches):
+                batch = rec.get("batch")
+                if not isinstance(batch, str):
+                    raise BadRow("missing_field:batch" if batch is None else "non_string_field:batch")
+                if (spec.batches is not None and batch not in spec.batches) or batch in spec.exclude_batches:
+                    continue
+            row = normalise_row(rec, kind, fmt)
+            # an SFT post is its id (when it has one); a comparison is its whole row, since one
+            # post is compared many times and one pair labelled by several workers
+            dup = row["id"] if kind == "sft" else json.dumps(rec, sort_keys=True, default=str)
+            if dup and dup in seen:
+                reason = "duplicate_id" if kind == "sft" else "duplicate_row"
+                raise BadRow(reason, f"the same {'id' if kind == 'sft' else 'row'} as {seen[dup]}")
+            if dup:
+                seen[dup] = where
+        except BadRow as bad:
+            if data_cfg.on_bad_row == "error":
+                raise DataError(
+                    f"{where}: bad {kind} row ({bad}); fix the row or set data.on_bad_row=skip to skip and count it"
+                ) from None
+            result.dropped[bad.reason] += 1
+            result.dropped_where.append((where, bad.reason))
+            continue
+        row["source_row"] = where
+        result.rows.append(row)
+        if spec.max_rows is not None and len(result.rows) >= spec.max_rows:
+            break
+    if not result.rows:
+        raise DataError(f"{kind} split from source {spec.source!r} ({source}) has no valid rows after filtering")
+    return result

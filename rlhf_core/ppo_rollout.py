@@ -1,0 +1,176 @@
+"""One PPO update's rollout as data, and the statistics logged of it (Huang et al. 2024, Details 21-25).
+
+A :class:`Trajectory` is step 1 of an update (the sampled responses, their log-probabilities,
+values and scores; :func:`make_trajectory`), :class:`Rewards` step 2 (the per-token rewards).
+:func:`rollout_statistics` and :func:`throughput_statistics` are what each update logs of them
+(TRL's names); the trainer that produces them is :mod:`rlhf_core.ppo_trainer`.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from .distributed import all_gather_cat, all_reduce_sum, world
+from .generation import last_token_indices, truncate_after_eos
+from .ppo import INVALID_LOGPROB, masked_mean, masked_var, response_mask
+from .reward import ResponseScores
+
+
+@dataclass
+class Trajectory:
+    """One update's samples on this rank: step 1 of the update (Details 21, 23).
+
+    ``B`` prompts, ``C`` query tokens (``context_length``, left padding trimmed), ``R``
+    response tokens (``response_length``). A response ends at its last real token once
+    truncated after its first EOS: the EOS, or position ``R - 1`` when there is none.
+
+    Attributes:
+        query_responses: ``(B, C + R)`` long, query then the response as sampled.
+        responses: ``(B, R)`` long, exactly ``R`` sampled tokens (not truncated; never PAD).
+        logprobs, ref_logprobs: ``(B, R)`` float32 log-probabilities of the sampled tokens under
+            the policy and the reference at the sampling temperature
+            (:func:`rlhf_core.ppo.logprobs_from_logits`), ``INVALID_LOGPROB`` after the last token.
+        values: ``(B, R)`` float32, the value model's estimate before each token.
+        raw_scores, scores: ``(B,)`` float32, the score of the truncated response without and with
+            the EOS trick (:meth:`rlhf_core.ppo_trainer.PPOTrainer.score`).
+        has_eos: ``(B,)`` bool, the truncated response ends with EOS.
+        last_token_indices: ``(B,)`` long, the index of each response's last token.
+        token_mask: ``(B, R)`` bool, positions ``0 .. last_token_indices``.
+        context_length: ``C``.
+        time_generate, time_score: seconds spent sampling, and computing log-probs, values and scores.
+    """
+
+    query_responses: torch.Tensor
+    responses: torch.Tensor
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    raw_scores: torch.Tensor
+    scores: torch.Tensor
+    has_eos: torch.Tensor
+    last_token_indices: torch.Tensor
+    token_mask: torch.Tensor
+    context_length: int
+    time_generate: float = 0.0
+    time_score: float = 0.0
+
+
+def make_trajectory(
+    query_responses: torch.Tensor,
+    responses: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    values: torch.Tensor,
+    scored: ResponseScores,
+    context_length: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    **times: float,
+) -> Trajectory:
+    """A :class:`Trajectory` from sampled responses: each ends at its first EOS (Detail 23), and
+    the log-probabilities after it are ``INVALID_LOGPROB``.
+
+    Args:
+        responses: ``(B, R)`` sampled token ids, not truncated.
+        logprobs, ref_logprobs, values: ``(B, R)`` float32, over every sampled position.
+        scored: the scores of ``truncate_after_eos(responses)``, ``(B,)`` each.
+    """
+    truncated = truncate_after_eos(responses, eos_token_id, pad_token_id)
+    last = torch.clamp(last_token_indices(truncated, pad_token_id), min=0)  # 0 for a response that starts with PAD
+    token_mask = response_mask(last, responses.size(1))
+    return Trajectory(
+        query_responses=query_responses,
+        responses=responses,
+        logprobs=torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB),
+        ref_logprobs=torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB),
+        values=values,
+        raw_scores=scored.raw_scores,
+        scores=scored.scores,
+        has_eos=scored.has_eos,
+        last_token_indices=last,
+        token_mask=token_mask,
+        context_length=context_length,
+        **times,
+    )
+
+
+@dataclass
+class Rewards:
+    """Per-token rewards of a :class:`Trajectory`: step 2 of the update (Details 23, 24).
+
+    Attributes:
+        rewards: ``(B, R)`` float32, ``non_score_reward`` plus the score at the scored position,
+            rescaled by the global batch's standard deviation when ``ppo.whiten_rewards``; 0
+            outside ``value_mask``.
+        non_score_reward: ``(B, R)`` float32, the KL penalty ``-kl_coef * (logprobs - ref_logprobs)``
+            on the response tokens, 0 elsewhere.
+        value_mask: ``(B, R)`` bool, the positions that carry rewards and values: up to the last
+            token (``score_position: eos``) or one further (``after_eos``).
+    """
+
+    rewards: torch.Tensor
+    non_score_reward: torch.Tensor
+    value_mask: torch.Tensor
+
+
+def rollout_statistics(
+    traj: Trajectory, rewards: Rewards, advantages: torch.Tensor, returns: torch.Tensor
+) -> dict[str, float]:
+    """Statistics of the global batch (every rank's share gathered; the identity on one rank):
+    score, KL to the reference (nats per response and per token), rewards, advantages,
+    returns, response length and EOS rate, under TRL's names."""
+    gather = all_gather_cat
+    token_mask, value_mask = gather(traj.token_mask), gather(rewards.value_mask)
+    logprobs, ref_logprobs, scores = gather(traj.logprobs), gather(traj.ref_logprobs), gather(traj.scores)
+    returns, advantages, has_eos = gather(returns), gather(advantages), gather(traj.has_eos)
+    kl = ((logprobs - ref_logprobs) * token_mask).sum(1)  # the "k1" estimator, http://joschu.net/blog/kl-approx.html
+    non_score = gather(rewards.non_score_reward).sum(1)
+    lengths = (gather(traj.last_token_indices) + 1).float()
+    return {
+        "objective/scores": scores.mean().item(),
+        "objective/kl": kl.mean().item(),  # nats per response
+        "objective/kl_per_token": (kl.sum() / token_mask.sum().clamp(min=1)).item(),
+        "objective/entropy": (-logprobs * token_mask).sum(1).mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": (scores + non_score).mean().item(),
+        "returns/mean": masked_mean(returns, value_mask).item(),
+        "returns/var": masked_var(returns, value_mask).item(),
+        "advantages/mean": masked_mean(advantages, token_mask).item(),
+        "advantages/var": masked_var(advantages, token_mask).item(),
+        "advantages/min": advantages[token_mask].min().item(),
+        "advantages/max": advantages[token_mask].max().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_score_corr": _pearson(lengths, scores),
+        "response/no_eos_fraction": 1.0 - has_eos.float().mean().item(),
+        "response/eos_rate": has_eos.float().mean().item(),
+    }
+
+
+def _pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    denom = math.sqrt(float((x * x).sum() * (y * y).sum()))
+    return float((x * y).sum()) / denom if denom > 0 else 0.0
+
+
+def throughput_statistics(traj: Trajectory, t_train: float, ppo_epochs: int, device: torch.device) -> dict[str, float]:
+    """Seconds per phase (rank 0's), tokens per second (all ranks') and peak memory of an update."""
+    generated = traj.responses.numel() * world().size
+    trained = ppo_epochs * all_reduce_sum([traj.token_mask.sum().item()])[0]
+    return {
+        "time/generate": traj.time_generate,
+        "time/score": traj.time_score,
+        "time/train": t_train,
+        "time/generate_tokens_per_s": generated / max(traj.time_generate, 1e-9),
+        "time/train_tokens_per_s": trained / max(t_train, 1e-9),
+        "memory/peak_mb": _peak_memory_mb(device),
+    }
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
