@@ -13,7 +13,7 @@ from pathlib import Path
 
 import datasets
 
-from .errors import DataError, HubUnreachable
+from .errors import BadRow, DataError, HubUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +118,41 @@ def _hub_split_files(dataset: str, config: str | None, split: str, revision: str
     )
     script = next((f.name for f in sorted(root.glob("*.py"))), None)
     return files, root.name, script
+
+
+def flatten_comparison(row: dict) -> dict:
+    """Map a hub ``openai/summarize_from_feedback`` comparison to the flat local format.
+
+    Hub rows hold ``info`` (post or CNN/DM article), two ``summaries`` and the labeler's
+    ``choice``; flat rows hold ``chosen``/``rejected`` texts and policies directly.
+    Flat rows are returned unchanged.
+
+    Raises:
+        BadRow: ``choice`` or ``summaries`` are malformed.
+    """
+    if "info" not in row and "summaries" not in row:
+        return row
+    info = row.get("info") or {}
+    summaries = row.get("summaries")
+    choice = row.get("choice")
+    if not isinstance(summaries, list) or len(summaries) != 2 or not all(isinstance(s, dict) for s in summaries):
+        raise BadRow("bad_summaries", "expected two summaries")
+    if isinstance(choice, bool) or choice not in (0, 1):
+        raise BadRow("bad_choice", f"choice={choice!r}")
+    post = info.get("post") if info.get("post") is not None else info.get("article")
+    extra = row.get("extra") or {}
+    return {
+        "id": info.get("id"),
+        "subreddit": info.get("subreddit"),
+        "title": info.get("title"),
+        "post": post,
+        "chosen": summaries[choice].get("text"),
+        "rejected": summaries[1 - choice].get("text"),
+        "chosen_policy": summaries[choice].get("policy"),
+        "rejected_policy": summaries[1 - choice].get("policy"),
+        "batch": row.get("batch"),
+        "confidence": extra.get("confidence"),
+        "split": row.get("split"),
+        "worker": row.get("worker"),
+        "choice": choice,
+    }

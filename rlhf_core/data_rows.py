@@ -3,8 +3,8 @@
 Local files (``data.source: local``, :func:`iter_jsonl`) and hub splits
 (:func:`rlhf_core.data_hub.iter_hub_split`) go through the same filters and checks
 (:func:`load_split`): a hub comparison is flattened to the local format
-(:func:`flatten_comparison`), and every row is checked and normalised (:func:`normalise_row`;
-Huang et al. 2024, Details 1 and 5). A row that fails is a :class:`BadRow`, an error or, with
+(:func:`rlhf_core.data_hub.flatten_comparison`), and every row is checked and normalised
+(:func:`normalise_row`; Huang et al. 2024, Details 1 and 5). A row that fails is a :class:`BadRow`, an error or, with
 ``data.on_bad_row: skip``, dropped and counted. :mod:`rlhf_core.data` tokenises what comes out.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import DataConfig, QueryFormat, SplitSpec
-from .data_hub import iter_hub_split
-from .errors import DataError
+from .data_hub import flatten_comparison, iter_hub_split
+from .errors import BadRow, DataError
 from .sources import local_split_files
 
 log = logging.getLogger(__name__)
@@ -33,15 +33,6 @@ SFT_RESPONSE_FIELDS = ("summary",)
 PREFERENCE_FIELDS = ("chosen", "rejected", "chosen_policy", "rejected_policy", "batch", "split")
 #: Text fields that must not be empty (after stripping whitespace).
 NON_EMPTY_FIELDS = ("post", "summary", "chosen", "rejected")
-
-
-class BadRow(Exception):
-    """One row that fails validation. ``reason`` is a short key such as ``empty_field:post``."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}{': ' + detail if detail else ''}")
-        self.reason = reason
-        self.detail = detail
 
 
 def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[str, dict | BadRow]]:
@@ -76,44 +67,6 @@ def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[st
                 yield where, BadRow("not_an_object", f"a JSON {type(obj).__name__}, not an object")
                 continue
             yield where, obj
-
-
-def flatten_comparison(row: dict) -> dict:
-    """Map a hub ``openai/summarize_from_feedback`` comparison to the flat local format.
-
-    Hub rows hold ``info`` (post or CNN/DM article), two ``summaries`` and the labeler's
-    ``choice``; flat rows hold ``chosen``/``rejected`` texts and policies directly.
-    Flat rows are returned unchanged.
-
-    Raises:
-        BadRow: ``choice`` or ``summaries`` are malformed.
-    """
-    if "info" not in row and "summaries" not in row:
-        return row
-    info = row.get("info") or {}
-    summaries = row.get("summaries")
-    choice = row.get("choice")
-    if not isinstance(summaries, list) or len(summaries) != 2 or not all(isinstance(s, dict) for s in summaries):
-        raise BadRow("bad_summaries", "expected two summaries")
-    if isinstance(choice, bool) or choice not in (0, 1):
-        raise BadRow("bad_choice", f"choice={choice!r}")
-    post = info.get("post") if info.get("post") is not None else info.get("article")
-    extra = row.get("extra") or {}
-    return {
-        "id": info.get("id"),
-        "subreddit": info.get("subreddit"),
-        "title": info.get("title"),
-        "post": post,
-        "chosen": summaries[choice].get("text"),
-        "rejected": summaries[1 - choice].get("text"),
-        "chosen_policy": summaries[choice].get("policy"),
-        "rejected_policy": summaries[1 - choice].get("policy"),
-        "batch": row.get("batch"),
-        "confidence": extra.get("confidence"),
-        "split": row.get("split"),
-        "worker": row.get("worker"),
-        "choice": choice,
-    }
 
 
 def template_fields(template: str) -> list[str]:

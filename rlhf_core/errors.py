@@ -3,7 +3,8 @@
 Defined here, away from the modules that raise them, so that ``rlhf --help`` and the argument
 checks load without torch, transformers or datasets; each is re-exported by its module
 (``rlhf_core.data.DataError`` is this ``DataError``, ``rlhf_core.config.ConfigError`` this
-``ConfigError``).
+``ConfigError``). :class:`BadRow`, one data row that fails validation, lives here too, so that
+the hub reader and the row checks share it without importing each other.
 """
 
 from __future__ import annotations
@@ -34,3 +35,12 @@ class ForeignFilesError(FileExistsError):
     """An output directory holds what the command did not write: replacing it, or writing into
     it, could lose the user's files, so the command stops before changing anything. The message
     names the directory, the entries that are not the command's own, and what to do."""
+
+
+class BadRow(Exception):
+    """One row that fails validation. ``reason`` is a short key such as ``empty_field:post``."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}{': ' + detail if detail else ''}")
+        self.reason = reason
+        self.detail = detail

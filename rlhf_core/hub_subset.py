@@ -100,7 +100,7 @@ def offline_row(kind: str, hub_row: dict, split: str) -> dict:
 
     An SFT row keeps ``id, subreddit, title, post, summary``. A comparison of
     ``openai/summarize_from_feedback`` (``info``, two ``summaries``, ``choice``; flattened by
-    :func:`rlhf_core.data_rows.flatten_comparison`) gets ``chosen``/``rejected`` with their
+    :func:`rlhf_core.data_hub.flatten_comparison`) gets ``chosen``/``rejected`` with their
     policies and notes, ``split`` the hub split it was read from and ``orig_split`` OpenAI's own
     name (``valid1``/``valid2``); a news article (CNN/DM) is its ``post``, with ``site``. Summaries
     are stripped of surrounding whitespace and a leading ``r/`` is dropped from a subreddit, as
@@ -114,7 +114,7 @@ def offline_row(kind: str, hub_row: dict, split: str) -> dict:
         row["subreddit"] = _subreddit(row["subreddit"])
         row["summary"] = row["summary"].strip() if isinstance(row["summary"], str) else row["summary"]
         return row
-    from .data_rows import flatten_comparison
+    from .data_hub import flatten_comparison
 
     info = hub_row.get("info")
     flat = flatten_comparison(hub_row)
