@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 
 from rlhf_core import training
 from rlhf_core.config import ConfigError, EpochTrainerConfig, available_presets, load_config
-from rlhf_core.training import CheckpointManager, StepProgress, micro_batches, train_loop
+from rlhf_core.trainer import train_loop
+from rlhf_core.training import CheckpointManager, StepProgress, micro_batches
 
 TRAINERS = ("sft", "reward", "dpo", "ppo")
 
