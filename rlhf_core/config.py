@@ -369,7 +369,7 @@ class TrainerConfig(_Strict):
 
 
 class EpochTrainerConfig(TrainerConfig):
-    """A trainer that passes over a dataset in shuffled batches (:func:`rlhf_core.training.train_loop`):
+    """A trainer that passes over a dataset in shuffled batches (:func:`rlhf_core.trainer.train_loop`):
     SFT and the reward model."""
 
     num_epochs: int = Field(1, gt=0)

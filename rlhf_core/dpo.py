@@ -15,8 +15,6 @@ Detail 3; the query and PAD excluded), in nats, float32.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,23 +22,15 @@ from transformers import PreTrainedModel
 
 from . import lora
 from .config import DPOConfig, RewardConfig
-from .data import load_data_tokenizer, load_prepared
-from .distributed import DataParallel, all_reduce_sum, is_sharded, world
-from .io import write_json_atomic
-from .models import causal_forward, load_causal_lm, pair_forward, pair_layout, save_pretrained_atomic
+from .data import load_data_tokenizer
+from .distributed import DataParallel, all_reduce_sum, is_sharded
+from .models import causal_forward, load_causal_lm, pair_forward, pair_layout
 from .offload import CPUOffload
 from .reward_eval import evaluate_pairs
 from .sft import head_chunking, make_loss_mask
-from .tracking import NullTracker, Tracker
-from .training import (
-    accumulation_steps,
-    autocast,
-    enable_activation_checkpointing,
-    micro_batches,
-    pick_device,
-    row_order,
-    train_loop,
-)
+from .tracking import Tracker
+from .trainer import global_means, start_stage
+from .training import autocast, pick_device
 
 
 def implicit_reward(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
@@ -297,23 +287,16 @@ def run_dpo(
     Returns:
         Those metrics of the last step, plus ``dpo/steps`` and ``dpo/seconds``.
     """
-    tracker = tracker or NullTracker()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _, pref, stats = load_prepared(data_dir)
-    tokenizer = load_data_tokenizer(data_dir)
-    pad_id = tokenizer.pad_token_id
-    accumulation_steps(cfg.batch_size, cfg.micro_batch_size, world().size)
-    device = pick_device()
+    stage = start_stage("dpo", cfg, data_dir, out_dir, tracker, metric_prefix="dpo/")
+    device, pad_id = stage.device, stage.pad_id
     policy = load_causal_lm(sft_model_dir).to(device)
-    adapted = lora.add_lora(policy, cfg.lora, cfg.seed)  # None unless dpo.lora.r > 0
+    adapted = stage.adapt(policy)  # adapters: None unless dpo.lora.r > 0
     # the frozen reference: with adapters, the policy with them off; else a second copy, which
     # dpo.offload_reference keeps in CPU memory between micro-batches
     reference = (
         None if adapted is not None else load_reference(sft_model_dir, "cpu" if cfg.offload_reference else device)
     )
     offloaded = CPUOffload(reference, device) if reference is not None and cfg.offload_reference else None
-    enable_activation_checkpointing(policy, cfg.gradient_checkpointing)
 
     def reference_logprobs(parallel: DataParallel, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if adapted is not None:
@@ -322,7 +305,7 @@ def run_dpo(
             return offloaded.inference(pair_logprobs, *args)
         return pair_logprobs(reference, *args)
 
-    train = pref["train"].with_format(
+    train = stage.pref["train"].with_format(
         "torch", columns=["query_chosen_token", "query_rejected_token", "query_token_len"]
     )
 
@@ -330,14 +313,14 @@ def run_dpo(
         rows = train[indices]
         chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
         n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
-        sums: dict[str, float] = defaultdict(float)
+        sums = dict.fromkeys(["loss", "accuracy", "rewards/chosen", "rewards/rejected"], 0.0)
         lengths = torch.maximum((chosen_all != pad_id).sum(1), (rejected_all != pad_id).sum(1))
-        for mb in parallel.accumulate(micro_batches(row_order(lengths, device), cfg.micro_batch_size)):
+        for mb in stage.micro_batches(parallel, lengths):
             chosen, rejected = chosen_all[mb].to(device), rejected_all[mb].to(device)
             query_lengths = rows["query_token_len"][mb].to(device)
-            with torch.no_grad(), autocast(device, cfg.bf16):
+            with torch.no_grad(), stage.autocast():
                 ref_chosen, ref_rejected = reference_logprobs(parallel, chosen, rejected, query_lengths, pad_id)
-            with autocast(device, cfg.bf16):
+            with stage.autocast():
                 chosen_logps, rejected_logps = parallel(pair_logprobs, chosen, rejected, query_lengths, pad_id)
             losses, chosen_rewards, rejected_rewards = dpo_loss(
                 chosen_logps, rejected_logps, ref_chosen, ref_rejected, cfg.beta
@@ -347,35 +330,14 @@ def run_dpo(
             sums["accuracy"] += (chosen_rewards > rejected_rewards).float().sum().item()
             sums["rewards/chosen"] += chosen_rewards.sum().item()
             sums["rewards/rejected"] += rejected_rewards.sum().item()
-        names = ["loss", "accuracy", "rewards/chosen", "rewards/rejected"]
-        tokens = (chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item()
-        totals = all_reduce_sum([sums[k] for k in names] + [tokens])
-        out = {k: v / n for k, v in zip(names, totals)}
+        out = global_means(sums, n, (chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item())
         out["rewards/margin"] = out["rewards/chosen"] - out["rewards/rejected"]
-        out["tokens"] = totals[-1]
         return out
 
-    policy, last = train_loop(
-        desc="dpo",
-        model=policy,
-        n_rows=len(train),
-        optim=cfg,
-        step_fn=step_fn,
-        device=device,
-        out_dir=out_dir,
-        inputs=[stats, str(Path(sft_model_dir).resolve())],
-        rebuild=lambda: load_causal_lm(sft_model_dir).to(device),
-        tracker=tracker,
-        metric_prefix="dpo/",
+    policy, last = stage.train(
+        policy, len(train), step_fn, sft_model_dir, lambda: load_causal_lm(sft_model_dir).to(device)
     )
-    if not world().is_main:
-        return {}  # rank 0 saves
-    policy = lora.finish(adapted, policy, out_dir / "adapter")  # with adapters: them, and the merged model
-    save_pretrained_atomic(policy, out_dir / "model", tokenizer)
-    metrics = {k: v for k, v in last.items() if k.startswith("dpo/")}
-    metrics.update({"dpo/steps": float(last["steps"]), "dpo/seconds": last["seconds"]})
-    write_json_atomic(out_dir / "metrics.json", metrics)
-    return metrics
+    return stage.finish(policy, adapted, last)  # rank 0 saves
 
 
 @torch.no_grad()

@@ -38,7 +38,6 @@ which every rank then runs without communicating.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -63,8 +62,8 @@ from .distributed import (
     world,
 )
 from .generation import generate, trim_left_padding, truncate_after_eos
-from .io import write_json_atomic
-from .models import causal_forward, load_causal_lm, save_pretrained_atomic
+from .io import write_json_atomic, write_jsonl_atomic
+from .models import causal_forward, load_causal_lm
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,
@@ -90,6 +89,7 @@ from .reward import (
 from .reward_eval import TOKEN_TABLE_RESPONSES
 from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
+from .trainer import save_trained
 from .training import (
     StepProgress,
     adamw,
@@ -625,44 +625,12 @@ def run_ppo(
         TrainingError: non-finite scores, rewards or losses (naming the update, after a
             checkpoint of the last good state), or a checkpoint of another configuration.
     """
-    tracker = tracker or NullTracker()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     trainer = PPOTrainer(cfg, data_dir, sft_model_dir, reward_model_dir)
     w = trainer.world
-    if not w.is_main:
-        tracker = NullTracker()
-    inputs = [
-        trainer.stats,
-        str(Path(sft_model_dir).resolve()),
-        str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None,
-    ]
-    extra_params = {
-        "ppo.response_length_used": trainer.response_length,
-        "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
-    }
-    checkpoints = trainer_checkpoints("ppo", cfg, trainer.device, out_dir, inputs, tracker, extra_params)
-    resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
-    start = resumed["step"] if resumed else 0
-    rank_rng = (resumed or {}).get("extra", {}).get("rank_rng") or []
-    if len(rank_rng) == w.size:
-        torch.set_rng_state(rank_rng[w.rank])  # each rank continues its own sampling stream
-
-    def save_checkpoint(step: int) -> None:  # collective: every rank calls it, rank 0 writes
-        states = all_gather_object(torch.get_rng_state())
-        checkpoints.save(step, trainer.models, trainer.optimizer, trainer.scheduler, extra={"rank_rng": states})
-
-    progress = StepProgress(
-        "ppo",
-        trainer.num_updates,
-        start,
-        tracker,
-        save=save_checkpoint,
-        checkpoint_every=cfg.checkpoint_every,
-        checkpoint_root=checkpoints.root,
-        unit="update",
-        checkpoint_every_minutes=cfg.checkpoint_every_minutes,
-    )
+    tracker = (tracker or NullTracker()) if w.is_main else NullTracker()
+    progress, start = _ppo_progress(trainer, sft_model_dir, reward_model_dir, out_dir, tracker)
     last: dict[str, float] = {}
     samples: list[dict] = []
     begin = time.perf_counter()
@@ -704,20 +672,82 @@ def run_ppo(
     if not samples:  # resumed after the last update: evaluate once more
         eval_metrics, samples = trainer.evaluate(against_sft=True)
         last |= eval_metrics
+    return _finish_ppo(trainer, sft_model_dir, out_dir, tracker, samples, last, begin)
+
+
+def _ppo_progress(
+    trainer: PPOTrainer,
+    sft_model_dir: str | os.PathLike,
+    reward_model_dir: str | os.PathLike | None,
+    out_dir: Path,
+    tracker: Tracker,
+) -> tuple[StepProgress, int]:
+    """The settings of a PPO run logged, its newest checkpoint of the same settings and inputs
+    restored (each rank's sampling stream with it), and the :class:`rlhf_core.training.StepProgress`
+    that reports its updates and saves the next checkpoints (collective: every rank saves its
+    random state, rank 0 writes).
+
+    Returns:
+        ``(progress, start)``: ``start`` updates are done (0 for a fresh run).
+    """
+    cfg, w = trainer.cfg, trainer.world
+    inputs = [
+        trainer.stats,
+        str(Path(sft_model_dir).resolve()),
+        str(Path(reward_model_dir).resolve()) if reward_model_dir is not None else None,
+    ]
+    extra_params = {
+        "ppo.response_length_used": trainer.response_length,
+        "ppo.reward_resolved": describe_reward(cfg.reward, reward_model_dir),
+    }
+    checkpoints = trainer_checkpoints("ppo", cfg, trainer.device, out_dir, inputs, tracker, extra_params)
+    resumed = checkpoints.load_latest(trainer.models, trainer.optimizer, trainer.scheduler)
+    start = resumed["step"] if resumed else 0
+    rank_rng = (resumed or {}).get("extra", {}).get("rank_rng") or []
+    if len(rank_rng) == w.size:
+        torch.set_rng_state(rank_rng[w.rank])  # each rank continues its own sampling stream
+
+    def save_checkpoint(step: int) -> None:  # collective: every rank calls it, rank 0 writes
+        states = all_gather_object(torch.get_rng_state())
+        checkpoints.save(step, trainer.models, trainer.optimizer, trainer.scheduler, extra={"rank_rng": states})
+
+    progress = StepProgress(
+        "ppo",
+        trainer.num_updates,
+        start,
+        tracker,
+        save=save_checkpoint,
+        checkpoint_every=cfg.checkpoint_every,
+        checkpoint_root=checkpoints.root,
+        unit="update",
+        checkpoint_every_minutes=cfg.checkpoint_every_minutes,
+    )
+    return progress, start
+
+
+def _finish_ppo(
+    trainer: PPOTrainer,
+    sft_model_dir: str | os.PathLike,
+    out_dir: Path,
+    tracker: Tracker,
+    samples: list[dict],
+    last: dict[str, float],
+    begin: float,
+) -> dict[str, float]:
+    """PPO's finish, after the last update: the value-vs-reward diagnostic and the policy and the
+    value model gathered whole to rank 0 (collective), which saves both (adapters saved and
+    merged: :func:`rlhf_core.trainer.save_trained`), ``samples.jsonl``, the diagnostic and
+    ``metrics.json``: ``last`` with ``ppo/updates`` and ``ppo/seconds`` since ``begin`` (``time.perf_counter()``).
+    Other ranks save nothing and return ``{}``."""
     value_rows = trainer.value_vs_reward()  # after training: a diagnostic, no effect on it (Detail 22)
     # sharded models are gathered whole to rank 0 (collective), which saves
     policy = gather_to_main(trainer.policy, lambda: load_causal_lm(sft_model_dir))
     value_model = gather_to_main(trainer.value_model, trainer.initial_value_model)
-    if not w.is_main:
+    if not trainer.world.is_main:
         return {}
-    # with adapters: they are saved, and merged into the models saved beside them
-    policy = lora.finish(trainer.policy_adapted, policy, out_dir / "adapter")
-    value_model = lora.finish(trainer.value_adapted, value_model, out_dir / "value_adapter")
-    policy.eval()
-    save_pretrained_atomic(policy, out_dir / "model", trainer.tokenizer)
-    save_pretrained_atomic(value_model, out_dir / "value_model")
-    with open(out_dir / "samples.jsonl", "w") as fh:
-        fh.writelines(json.dumps(s) + "\n" for s in samples)
+    save_trained(policy, trainer.policy_adapted, out_dir, tokenizer=trainer.tokenizer)
+    save_trained(value_model, trainer.value_adapted, out_dir, name="value_model", adapter="value_adapter")
+    write_jsonl_atomic(out_dir / "samples.jsonl", samples)
     if value_rows:
         tracker.log_artifact(write_value_vs_reward(value_rows, out_dir))
     last = dict(last, **{"ppo/updates": float(trainer.num_updates), "ppo/seconds": time.perf_counter() - begin})

@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,24 +46,16 @@ from transformers import (
     PreTrainedModel,
 )
 
-from . import lora
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
-from .distributed import DataParallel, all_reduce_sum, is_sharded, world
+from .distributed import DataParallel, all_reduce_sum, is_sharded
 from .generation import ends_with_eos, last_token_indices, trim_left_padding
 from .io import write_json_atomic
 from .models import DTYPES, causal_forward, disable_dropout, pair_forward, pair_layout, save_pretrained_atomic
 from .ppo import apply_eos_trick
 from .tracking import NullTracker, Tracker
-from .training import (
-    accumulation_steps,
-    autocast,
-    enable_activation_checkpointing,
-    micro_batches,
-    pick_device,
-    row_order,
-    train_loop,
-)
+from .trainer import global_means, start_stage
+from .training import autocast, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -349,28 +340,20 @@ def run_reward_training(
         Flat metrics of the last step: ``train/loss``, ``train/accuracy``,
         ``train/chosen_reward``, ``train/rejected_reward``, ``train/steps``, ``train/seconds``.
     """
-    tracker = tracker or NullTracker()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _, pref, stats = load_prepared(data_dir)
-    tokenizer = load_data_tokenizer(data_dir)
-    pad_id = tokenizer.pad_token_id
-    w = world()
-    accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
-    device = pick_device()
+    stage = start_stage("reward", cfg, data_dir, out_dir, tracker)
+    device, pad_id = stage.device, stage.pad_id
     model = reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device)
-    adapted = lora.add_lora(model, cfg.lora, cfg.seed, trained_in_full=["head"])  # None unless reward.lora.r > 0
-    enable_activation_checkpointing(model, cfg.gradient_checkpointing)
-    train = pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
+    adapted = stage.adapt(model, trained_in_full=["head"])  # adapters: None unless reward.lora.r > 0
+    train = stage.pref["train"].with_format("torch", columns=["query_chosen_token", "query_rejected_token"])
 
     def step_fn(indices: list[int], parallel: DataParallel) -> dict[str, float]:
         rows = train[indices]
         chosen_all, rejected_all = rows["query_chosen_token"], rows["query_rejected_token"]
         n = int(all_reduce_sum([len(indices)])[0])  # pairs in the global batch, over every rank
-        sums = defaultdict(float)
+        sums = dict.fromkeys(["loss", "accuracy", "chosen_reward", "rejected_reward"], 0.0)
         lengths = torch.maximum((chosen_all != pad_id).sum(1), (rejected_all != pad_id).sum(1))
-        for mb in parallel.accumulate(micro_batches(row_order(lengths, device), cfg.micro_batch_size)):
-            with autocast(device, cfg.bf16):
+        for mb in stage.micro_batches(parallel, lengths):
+            with stage.autocast():
                 chosen, rejected = parallel(pair_scores, chosen_all[mb].to(device), rejected_all[mb].to(device), pad_id)
             loss = preference_loss(chosen, rejected).sum()
             (loss / n).backward()
@@ -378,34 +361,16 @@ def run_reward_training(
             sums["accuracy"] += (chosen > rejected).float().sum().item()
             sums["chosen_reward"] += chosen.detach().sum().item()
             sums["rejected_reward"] += rejected.detach().sum().item()
-        names = ["loss", "accuracy", "chosen_reward", "rejected_reward"]
-        totals = all_reduce_sum(
-            [sums[k] for k in names] + [(chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item()]
-        )
-        out = {k: v / n for k, v in zip(names, totals)}
-        out["tokens"] = totals[-1]
-        return out
+        return global_means(sums, n, (chosen_all != pad_id).sum().item() + (rejected_all != pad_id).sum().item())
 
-    model, last = train_loop(
-        desc="reward",
-        model=model,
-        n_rows=len(train),
-        optim=cfg,
-        step_fn=step_fn,
-        device=device,
-        out_dir=out_dir,
-        inputs=[stats, str(Path(sft_model_dir).resolve())],
-        rebuild=lambda: reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device),
-        tracker=tracker,
+    model, last = stage.train(
+        model,
+        len(train),
+        step_fn,
+        sft_model_dir,
+        lambda: reward_model_from_causal_lm(sft_model_dir, seed=cfg.seed).to(device),
     )
-    if not w.is_main:
-        return {}  # rank 0 saves
-    model = lora.finish(adapted, model, out_dir / "adapter")  # with adapters: them, and the merged model
-    save_pretrained_atomic(model, out_dir / "model", tokenizer)
-    metrics = {k: v for k, v in last.items() if k.startswith("train/")}
-    metrics.update({"train/steps": float(last["steps"]), "train/seconds": last["seconds"]})
-    write_json_atomic(out_dir / "metrics.json", metrics)
-    return metrics
+    return stage.finish(model, adapted, last)  # rank 0 saves
 
 
 @dataclass

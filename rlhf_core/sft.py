@@ -9,36 +9,24 @@ one large batch.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from . import lora
 from .config import SFTConfig
-from .data import load_data_tokenizer, load_prepared
 from .diagnostics import rouge_l
-from .distributed import DataParallel, all_reduce_sum, world
+from .distributed import DataParallel, all_reduce_sum
 from .generation import summarize
-from .io import write_json_atomic
-from .models import CausalLayout, causal_forward, causal_layout, load_causal_lm, save_pretrained_atomic
-from .tracking import NullTracker, Tracker
-from .training import (
-    accumulation_steps,
-    autocast,
-    device_tuning,
-    enable_activation_checkpointing,
-    micro_batches,
-    pick_device,
-    row_order,
-    train_loop,
-)
+from .io import write_jsonl_atomic
+from .models import CausalLayout, causal_forward, causal_layout, load_causal_lm
+from .tracking import Tracker
+from .trainer import start_stage
+from .training import device_tuning
 
 log = logging.getLogger(__name__)
 
@@ -308,21 +296,12 @@ def run_sft(
         ValueError: ``micro_batch_size`` does not divide ``batch_size``; TrainingError:
         non-finite loss or a checkpoint from another configuration.
     """
-    tracker = tracker or NullTracker()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    sft_data, _, stats = load_prepared(data_dir)
-    tokenizer = load_data_tokenizer(data_dir)
-    pad_id = tokenizer.pad_token_id
-    w = world()
-    accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
-    device = pick_device()
+    stage = start_stage("sft", cfg, data_dir, out_dir, tracker)
+    device, pad_id = stage.device, stage.pad_id
     torch.manual_seed(cfg.seed)
     model = load_causal_lm(base_model_dir).to(device)
-    adapted = lora.add_lora(model, cfg.lora, cfg.seed)  # None unless sft.lora.r > 0
-    enable_activation_checkpointing(model, cfg.gradient_checkpointing)
-
-    train = sft_data["train"].with_format("torch", columns=["query_reference_response_token", "query_token_len"])
+    adapted = stage.adapt(model)  # adapters: None unless sft.lora.r > 0
+    train = stage.sft["train"].with_format("torch", columns=["query_reference_response_token", "query_token_len"])
 
     def step_fn(indices: list[int], parallel: DataParallel) -> dict[str, float]:
         rows = train[indices]
@@ -333,53 +312,36 @@ def run_sft(
         n_targets = int(all_reduce_sum([loss_mask[:, 1:].sum().item()])[0])
         # float64 on the device, summed in Python's order: read once, after the last micro-batch
         total = torch.zeros((), dtype=torch.float64, device=device)
-        order = row_order((input_ids != pad_id).sum(1), device)  # by length on CUDA
-        for mb in parallel.accumulate(micro_batches(order, cfg.micro_batch_size)):
+        for mb in stage.micro_batches(parallel, (input_ids != pad_id).sum(1)):
             batch = sft_batch(input_ids[mb], loss_mask[mb], pad_id, device)  # worked out on the host
-            with autocast(device, cfg.bf16):
+            with stage.autocast():
                 loss_sum = parallel(sft_batch_loss_sum, batch)
             (loss_sum / n_targets).backward()
             total += loss_sum.detach().double()
         total, tokens = all_reduce_sum([total.item(), (input_ids != pad_id).sum().item()])
         return {"loss": total / n_targets, "tokens": tokens}
 
-    model, train_metrics = train_loop(
-        desc="sft",
-        model=model,
-        n_rows=len(train),
-        optim=cfg,
-        step_fn=step_fn,
-        device=device,
-        out_dir=out_dir,
-        inputs=[stats, str(Path(base_model_dir).resolve())],
-        rebuild=lambda: load_causal_lm(base_model_dir).to(device),
-        tracker=tracker,
+    def evaluate(model: PreTrainedModel) -> dict[str, float]:
+        eval_ds = stage.sft[cfg.eval_split]
+        metrics, samples = evaluate_sft(model, base_model_dir, eval_ds, stage.stats, stage.tokenizer, cfg, device)
+        write_jsonl_atomic(stage.out_dir / "samples.jsonl", samples)
+        stage.tracker.log_metrics(metrics, step=last["steps"])
+        stage.tracker.log_table("sft_samples", samples[:32])
+        log.info(
+            "sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts",
+            metrics["eval/rougeL"],
+            metrics["eval/rougeL_base"],
+            metrics["eval/eos_rate"],
+            metrics["eval/eos_rate_base"],
+            int(metrics["eval/samples"]),
+            cfg.eval_split,
+        )
+        return metrics
+
+    model, last = stage.train(
+        model, len(train), step_fn, base_model_dir, lambda: load_causal_lm(base_model_dir).to(device)
     )
-    if not w.is_main:
-        return {}  # rank 0 saves and evaluates
-    model = lora.finish(adapted, model, out_dir / "adapter")  # with adapters: them, and the merged model
-    save_pretrained_atomic(model, out_dir / "model", tokenizer)
-    eval_metrics, samples = evaluate_sft(model, base_model_dir, sft_data[cfg.eval_split], stats, tokenizer, cfg, device)
-    with open(out_dir / "samples.jsonl", "w") as fh:
-        fh.writelines(json.dumps(s) + "\n" for s in samples)
-    metrics = {
-        "train/loss": train_metrics.get("train/loss", float("nan")),
-        "train/steps": float(train_metrics["steps"]),
-        "train/seconds": train_metrics["seconds"],
-    } | eval_metrics
-    tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("eval/")}, step=train_metrics["steps"])
-    tracker.log_table("sft_samples", samples[:32])
-    write_json_atomic(out_dir / "metrics.json", metrics)
-    log.info(
-        "sft: ROUGE-L %.4f (base %.4f), EOS rate %.2f (base %.2f) on %d %s prompts",
-        metrics["eval/rougeL"],
-        metrics["eval/rougeL_base"],
-        metrics["eval/eos_rate"],
-        metrics["eval/eos_rate_base"],
-        int(metrics["eval/samples"]),
-        cfg.eval_split,
-    )
-    return metrics
+    return stage.finish(model, adapted, last, evaluate)  # rank 0 saves and evaluates
 
 
 def evaluate_sft(

@@ -1,10 +1,10 @@
-"""The trainers' shared training loop: batching, optimiser, schedule, progress, resumable checkpoints.
+"""The parts every trainer is built from: device and precision, the AdamW optimiser, activation
+checkpointing, batch order, resumable mid-stage checkpoints, and step progress.
 
-A stage supplies ``step_fn(indices, parallel) -> metrics`` that runs forward and backward
-passes over one global batch (in micro-batches through ``parallel``, a
-:class:`rlhf_core.distributed.DataParallel`, gradients accumulated and normalised over the
-whole global batch); :func:`train_loop` does the rest. Data order is a pure function of the
-seed and the epoch, so a checkpoint needs only the step number to resume mid-epoch.
+:func:`rlhf_core.trainer.train_loop` composes them into the SFT, reward-model and DPO loop, and
+PPO (:func:`rlhf_core.ppo_trainer.run_ppo`) into its own. Data order is a pure function of the
+seed and the epoch (:func:`batch_order`), so a checkpoint needs only the step number to resume
+mid-epoch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import os
 import random
 import shutil
@@ -25,18 +24,14 @@ from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
-from .config import EpochTrainerConfig, TrainerConfig, flatten
+from .config import TrainerConfig, flatten
 from .distributed import (
-    DataParallel,
     all_reduce_sum,
-    gather_to_main,
     load_model_state,
     load_optimizer_state,
     model_state,
     optimizer_state,
-    shard,
     world,
 )
 from .errors import TrainingError  # noqa: F401  (re-exported: TrainingError of this module)
@@ -629,99 +624,3 @@ class StepProgress:
 
     def close(self) -> None:
         self.bar.close()
-
-
-def train_loop(
-    *,
-    desc: str,
-    model: torch.nn.Module,
-    n_rows: int,
-    optim: EpochTrainerConfig,
-    step_fn: Callable[[list[int], DataParallel], dict[str, float]],
-    device: torch.device,
-    out_dir: str | os.PathLike,
-    inputs: list,
-    rebuild: Callable[[], torch.nn.Module],
-    tracker: Tracker | None = None,
-    metric_prefix: str = "train/",
-) -> tuple[torch.nn.Module | None, dict[str, float]]:
-    """Run (or resume) the optimiser steps of the stage ``desc`` (``"sft"``, ``"reward"``).
-
-    ``step_fn(indices, parallel)`` must run forward and backward over the rows ``indices`` of
-    one global batch, each forward pass as ``parallel(fn, *args)`` and the micro-batches
-    through ``parallel.accumulate`` (:class:`rlhf_core.distributed.DataParallel`), and return
-    scalar metrics, including ``loss`` and ``tokens`` (non-pad tokens processed). Under
-    ``torchrun`` each rank gets its share of the global batch
-    (:func:`rlhf_core.distributed.shard`), ``step_fn`` normalises by counts summed over the
-    ranks and returns global metrics, and ``parallel`` sums the gradients over the ranks in the
-    last micro-batch's backward pass (strategy ``optim.strategy``); rank 0 alone reports and
-    checkpoints. This loop zeroes gradients, steps AdamW (:func:`adamw`, ``eps`` from the config)
-    and the schedule, reports ``{metric_prefix}{name}``, ``lr``, ``tokens`` (non-pad tokens of
-    the step), ``tokens_per_s`` (over the step's device time, :func:`device_clock`) and
-    ``step`` to ``tracker``, shows a progress bar in a terminal (log lines otherwise), and
-    checkpoints every ``optim.checkpoint_every`` steps or, when that is unset, every
-    ``optim.checkpoint_every_minutes`` minutes (:meth:`StepProgress.checkpoint_due`), keeping
-    the newest ``optim.keep_checkpoints``.
-
-    The settings are logged and the checkpoints kept under ``out_dir/checkpoints``, keyed by
-    the settings and ``inputs`` (:func:`trainer_checkpoints`). After the last step a sharded
-    model is gathered to rank 0 into ``rebuild()`` (:func:`rlhf_core.distributed.gather_to_main`).
-
-    Returns:
-        ``(model, metrics)``: the trained model in eval mode (``None`` on ranks other than 0
-        when it was sharded; those ranks save nothing) and the metrics of the last step, plus
-        ``steps`` and ``seconds``.
-
-    Raises:
-        TrainingError: a non-finite loss (after a checkpoint of the last good state was
-            written) or an incompatible checkpoint.
-    """
-    w = world()
-    tracker = tracker or NullTracker()
-    checkpoints = trainer_checkpoints(desc, optim, device, out_dir, inputs, tracker)
-    order = batch_order(n_rows, optim.batch_size, optim.num_epochs, optim.seed)
-    parallel = DataParallel(model, optim.strategy)  # before the optimiser: FSDP2 shards the parameters in place
-    total = len(order) if optim.max_steps is None else min(len(order), optim.max_steps)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = adamw(params, lr=optim.learning_rate, eps=optim.adam_eps)
-    scheduler = get_scheduler(optim.scheduler, optimizer, num_warmup_steps=0, num_training_steps=total)
-    resumed = checkpoints.load_latest(model, optimizer, scheduler)
-    start = resumed["step"] if resumed else 0
-    model.train()
-    progress = StepProgress(
-        desc,
-        total,
-        start,
-        tracker,
-        save=lambda done: checkpoints.save(done, model, optimizer, scheduler),
-        checkpoint_every=optim.checkpoint_every,
-        checkpoint_root=checkpoints.root,
-        checkpoint_every_minutes=optim.checkpoint_every_minutes,
-    )
-    begin = time.perf_counter()
-    last: dict[str, float] = {}
-    for step in range(start, total):
-        t0 = device_clock(device)
-        optimizer.zero_grad(set_to_none=True)
-        metrics = step_fn(shard(order[step], w), parallel)  # gradients summed over the ranks
-        if not math.isfinite(metrics["loss"]):
-            # every rank has the same global loss, so all save together; parameters are the last good ones
-            raise progress.stop(f"non-finite loss {metrics['loss']}", step)
-        optimizer.step()
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        seconds = device_clock(device) - t0
-        last = {f"{metric_prefix}{k}": v for k, v in metrics.items() if k != "tokens"}
-        tokens = metrics.get("tokens", 0.0)
-        last.update({"lr": lr, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9), "step": step + 1})
-        progress.report(
-            step + 1,
-            last,
-            {"loss": f"{metrics['loss']:.4f}", "lr": f"{lr:.3g}", "tok/s": f"{last['tokens_per_s']:.0f}"},
-        )
-    progress.close()
-    last.update({"steps": total, "seconds": time.perf_counter() - begin})
-    model = gather_to_main(model, rebuild)  # the full weights, sharded or not
-    if model is not None:
-        model.eval()
-    return model, last
