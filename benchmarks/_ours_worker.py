@@ -55,7 +55,7 @@ def prep(spec: dict) -> dict:
     from rlhf_core.cli import run_stages
     from rlhf_core.data import load_prepared
     from rlhf_core.models import save_pretrained_atomic
-    from rlhf_core.ppo_trainer import prompt_indices
+    from rlhf_core.ppo_rollout import prompt_indices
     from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
     from rlhf_core.training import batch_order
 

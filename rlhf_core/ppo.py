@@ -58,7 +58,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def whiten(values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """``(values - mean) / sqrt(var + 1e-8)`` with given statistics (e.g. over all ranks'
-    batches, :func:`rlhf_core.ppo_trainer.masked_mean_var`); ``shift_mean=False`` adds the
+    batches, :func:`rlhf_core.ppo_rollout.masked_mean_var`); ``shift_mean=False`` adds the
     mean back. Any shape; ``mean`` and ``var`` are 0-d tensors."""
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:

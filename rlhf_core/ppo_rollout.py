@@ -1,9 +1,13 @@
-"""One PPO update's rollout as data, and the statistics logged of it (Huang et al. 2024, Details 21-25).
+"""One PPO update's rollout as data, steps 2 and 3 on it, and the statistics logged of it.
 
-A :class:`Trajectory` is step 1 of an update (the sampled responses, their log-probabilities,
-values and scores; :func:`make_trajectory`), :class:`Rewards` step 2 (the per-token rewards).
-:func:`rollout_statistics` and :func:`throughput_statistics` are what each update logs of them
-(TRL's names); the trainer that produces them is :mod:`rlhf_core.ppo_trainer`.
+Huang et al. 2024 (arXiv 2403.17031), Details 21-25. Step 1 of an update is its prompts
+(:func:`prompt_indices`, Detail 21) and a :class:`Trajectory` (the sampled responses, their
+log-probabilities, values and scores; :func:`make_trajectory`); step 2 the per-token rewards
+(:func:`kl_penalised_rewards`, a :class:`Rewards`); step 3 the advantages and returns
+(:func:`whitened_advantages`). Both whiten with the global batch's statistics
+(:func:`masked_mean_var`). :func:`rollout_statistics` and :func:`throughput_statistics` are
+what each update logs of them (TRL's names); the trainer that produces them is
+:mod:`rlhf_core.ppo_trainer`.
 """
 
 from __future__ import annotations
@@ -14,10 +18,37 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import PPOConfig
 from .distributed import all_gather_cat, all_reduce_sum, world
 from .generation import last_token_indices, truncate_after_eos
-from .ppo import INVALID_LOGPROB, masked_mean, masked_var, response_mask
+from .ppo import (
+    INVALID_LOGPROB,
+    compute_advantages,
+    masked_mean,
+    masked_var,
+    per_token_rewards,
+    response_mask,
+    whiten,
+)
 from .reward import ResponseScores
+
+
+def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list[int]:
+    """Rows of the prompts of update ``update`` (0-based) (Detail 21).
+
+    Prompts are drawn without replacement from a permutation of the split; when it is used
+    up, a new permutation (seeded ``seed + pass``) continues. A pure function of its
+    arguments, so a resumed run needs only the update number.
+    """
+    start = update * batch_size
+    out: list[int] = []
+    perms: dict[int, list[int]] = {}
+    for position in range(start, start + batch_size):
+        epoch, offset = divmod(position, n_rows)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        out.append(perms[epoch][offset])
+    return out
 
 
 @dataclass
@@ -174,3 +205,60 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and unbiased variance of ``values`` over the positions where ``mask`` is True, on
+    every rank together: the statistics of the global batch (Huang et al. 2024, Details 24-25
+    whiten over the whole batch, not over one rank's share).
+
+    Args:
+        values: ``(rows, length)`` float on this rank; mask: the same shape, bool.
+
+    Returns:
+        ``(mean, var)``, 0-d tensors of ``values``' dtype and device, equal on every rank. On
+        one rank exactly :func:`rlhf_core.ppo.masked_mean` and :func:`~rlhf_core.ppo.masked_var`.
+
+    Raises:
+        ValueError: fewer than two valid positions over all ranks.
+    """
+    if world().size == 1:
+        return masked_mean(values, mask), masked_var(values, mask)
+    m = mask.to(torch.float64)
+    v = values.detach().to(torch.float64)
+    total, count = all_reduce_sum([(v * m).sum().item(), m.sum().item()])
+    if count < 2:
+        raise ValueError("masked_mean_var: an unbiased variance needs at least two valid positions over all ranks")
+    mean = total / count
+    (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
+    var = sq / (count - 1)
+    return (
+        torch.tensor(mean, dtype=values.dtype, device=values.device),
+        torch.tensor(var, dtype=values.dtype, device=values.device),
+    )
+
+
+def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
+    """Step 2: the KL penalty on every response token plus the score at the last one
+    (:func:`rlhf_core.ppo.per_token_rewards`; Huang et al. 2024, arXiv 2403.17031, eq. 3, per token as in Figure 11),
+    optionally whitened without shifting the mean over the global batch (Detail 24)."""
+    rewards, non_score_reward, value_mask = per_token_rewards(
+        traj.logprobs, traj.ref_logprobs, traj.scores, traj.last_token_indices, cfg.kl_coef, cfg.score_position
+    )
+    if cfg.whiten_rewards:  # Detail 24
+        rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
+    return Rewards(rewards, non_score_reward, value_mask)
+
+
+def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3: GAE advantages and returns (:func:`rlhf_core.ppo.compute_advantages`; Schulman et
+    al. 2015, arXiv 1506.02438), the advantages whitened over the response tokens of the global
+    batch (Detail 25).
+
+    Returns:
+        ``(advantages, returns)``, each ``(B, R)`` float32; advantages 0 outside
+        ``traj.token_mask``, returns 0 outside ``rewards.value_mask``.
+    """
+    advantages, returns = compute_advantages(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
+    advantages = whiten(advantages, *masked_mean_var(advantages, traj.token_mask)) * traj.token_mask  # Detail 25
+    return advantages, returns

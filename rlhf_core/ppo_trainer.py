@@ -16,14 +16,15 @@ one call in :func:`run_ppo`'s loop:
    ``ppo.reward: python:MODULE:FUNCTION`` a rule reward (:mod:`rlhf_core.rule_rewards`), and
    then no reward model is loaded);
 2. per-token rewards, the KL penalty plus the score, optionally whitened (Detail 24;
-   :func:`kl_penalised_rewards`, a :class:`rlhf_core.ppo_rollout.Rewards`);
-3. GAE advantages and returns, the advantages whitened (Detail 25; :func:`whitened_advantages`);
+   :func:`rlhf_core.ppo_rollout.kl_penalised_rewards`);
+3. GAE advantages and returns, the advantages whitened (Detail 25;
+   :func:`rlhf_core.ppo_rollout.whitened_advantages`);
 4. ``ppo_epochs`` passes of clipped policy and value updates over minibatches
    (:meth:`PPOTrainer.optimise`, a :class:`PPOStats`).
 
 Under ``torchrun`` (:mod:`rlhf_core.launch`) each rank samples, scores and trains on its own
 contiguous share of every update's prompts. What defines the algorithm is global: reward and
-advantage whitening use the statistics of the whole batch (:func:`masked_mean_var`), each PPO
+advantage whitening use the statistics of the whole batch (:func:`rlhf_core.ppo_rollout.masked_mean_var`), each PPO
 minibatch's gradient is the mean over all ranks' shares, and the logged rollout statistics are
 computed on the gathered batch. Training statistics (losses, clip fractions, entropy) are means
 of the ranks' equal-sized shares; timings and memory are rank 0's. Evaluation prompts
@@ -66,19 +67,23 @@ from .io import write_json_atomic, write_jsonl_atomic
 from .models import causal_forward, load_causal_lm
 from .ppo import (
     INVALID_LOGPROB,
-    compute_advantages,
     entropy_from_logits,
     logprobs_from_logits,
     masked_mean,
-    masked_var,
-    per_token_rewards,
     policy_loss,
     sampling_logits,
     value_loss,
-    whiten,
 )
 from .ppo_eval import evaluate_policy, value_vs_reward, write_value_vs_reward
-from .ppo_rollout import Rewards, Trajectory, make_trajectory, rollout_statistics, throughput_statistics
+from .ppo_rollout import (
+    Trajectory,
+    kl_penalised_rewards,
+    make_trajectory,
+    prompt_indices,
+    rollout_statistics,
+    throughput_statistics,
+    whitened_advantages,
+)
 from .reward import (
     ResponseScores,
     ScalarModel,
@@ -102,55 +107,6 @@ from .training import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of ``values`` over the positions where ``mask`` is True, on
-    every rank together: the statistics of the global batch (Huang et al. 2024, Details 24-25
-    whiten over the whole batch, not over one rank's share).
-
-    Args:
-        values: ``(rows, length)`` float on this rank; mask: the same shape, bool.
-
-    Returns:
-        ``(mean, var)``, 0-d tensors of ``values``' dtype and device, equal on every rank. On
-        one rank exactly :func:`rlhf_core.ppo.masked_mean` and :func:`~rlhf_core.ppo.masked_var`.
-
-    Raises:
-        ValueError: fewer than two valid positions over all ranks.
-    """
-    if world().size == 1:
-        return masked_mean(values, mask), masked_var(values, mask)
-    m = mask.to(torch.float64)
-    v = values.detach().to(torch.float64)
-    total, count = all_reduce_sum([(v * m).sum().item(), m.sum().item()])
-    if count < 2:
-        raise ValueError("masked_mean_var: an unbiased variance needs at least two valid positions over all ranks")
-    mean = total / count
-    (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
-    var = sq / (count - 1)
-    return (
-        torch.tensor(mean, dtype=values.dtype, device=values.device),
-        torch.tensor(var, dtype=values.dtype, device=values.device),
-    )
-
-
-def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list[int]:
-    """Rows of the prompts of update ``update`` (0-based) (Detail 21).
-
-    Prompts are drawn without replacement from a permutation of the split; when it is used
-    up, a new permutation (seeded ``seed + pass``) continues. A pure function of its
-    arguments, so a resumed run needs only the update number.
-    """
-    start = update * batch_size
-    out: list[int] = []
-    perms: dict[int, list[int]] = {}
-    for position in range(start, start + batch_size):
-        epoch, offset = divmod(position, n_rows)
-        if epoch not in perms:
-            perms[epoch] = torch.randperm(n_rows, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        out.append(perms[epoch][offset])
-    return out
 
 
 def response_logits(
@@ -184,32 +140,6 @@ def response_values(
         pad_token_id,
     )
     return values[:, context_length - 1 : -1]
-
-
-def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
-    """Step 2: the KL penalty on every response token plus the score at the last one
-    (:func:`rlhf_core.ppo.per_token_rewards`; Huang et al. 2024, arXiv 2403.17031, eq. 3, per token as in Figure 11),
-    optionally whitened without shifting the mean over the global batch (Detail 24)."""
-    rewards, non_score_reward, value_mask = per_token_rewards(
-        traj.logprobs, traj.ref_logprobs, traj.scores, traj.last_token_indices, cfg.kl_coef, cfg.score_position
-    )
-    if cfg.whiten_rewards:  # Detail 24
-        rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
-    return Rewards(rewards, non_score_reward, value_mask)
-
-
-def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3: GAE advantages and returns (:func:`rlhf_core.ppo.compute_advantages`; Schulman et
-    al. 2015, arXiv 1506.02438), the advantages whitened over the response tokens of the global
-    batch (Detail 25).
-
-    Returns:
-        ``(advantages, returns)``, each ``(B, R)`` float32; advantages 0 outside
-        ``traj.token_mask``, returns 0 outside ``rewards.value_mask``.
-    """
-    advantages, returns = compute_advantages(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
-    advantages = whiten(advantages, *masked_mean_var(advantages, traj.token_mask)) * traj.token_mask  # Detail 25
-    return advantages, returns
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from rlhf_core.distributed import DataParallel, World, all_gather_cat, all_reduce_sum, shard, split_range
 from rlhf_core.models import save_pretrained_atomic
 from rlhf_core.ppo import masked_mean, masked_var, masked_whiten, whiten
-from rlhf_core.ppo_trainer import masked_mean_var
+from rlhf_core.ppo_rollout import masked_mean_var
 from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.sft import sft_loss_sum
 from rlhf_core.tracking import read_metrics

@@ -20,7 +20,7 @@ from rlhf_core.ppo import (
     sampling_logits,
     value_loss,
 )
-from rlhf_core.ppo_trainer import prompt_indices
+from rlhf_core.ppo_rollout import prompt_indices
 
 T, F_ = True, False
 

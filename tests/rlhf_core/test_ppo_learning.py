@@ -9,7 +9,8 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.ppo import whiten
-from rlhf_core.ppo_trainer import PPOTrainer, kl_penalised_rewards, masked_mean_var, run_ppo, whitened_advantages
+from rlhf_core.ppo_rollout import kl_penalised_rewards, masked_mean_var, whitened_advantages
+from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
 from rlhf_core.reward import ScalarModel
 from rlhf_core.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
 from rlhf_core.tracking import JsonlTracker, read_metrics

@@ -12,16 +12,8 @@ from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import repetition_loop, wilson_interval
 from rlhf_core.generation import trim_left_padding, truncate_after_eos
 from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits, whiten
-from rlhf_core.ppo_rollout import make_trajectory
-from rlhf_core.ppo_trainer import (
-    PPOTrainer,
-    kl_penalised_rewards,
-    masked_mean_var,
-    response_logits,
-    response_values,
-    run_ppo,
-    whitened_advantages,
-)
+from rlhf_core.ppo_rollout import kl_penalised_rewards, make_trajectory, masked_mean_var, whitened_advantages
+from rlhf_core.ppo_trainer import PPOTrainer, response_logits, response_values, run_ppo
 from rlhf_core.reward import ScalarModel, response_scores, score_responses
 from rlhf_core.reward_eval import TOKEN_TABLE_RESPONSES
 from rlhf_core.tracking import JsonlTracker, read_metrics
