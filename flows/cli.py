@@ -32,13 +32,20 @@ def run_directory(args: argparse.Namespace, cfg: PipelineConfig) -> Path:
     return (args.out or Path("runs") / (Path(args.preset).stem if args.preset else cfg.name)).resolve()
 
 
+def run_locations(args: argparse.Namespace, root: Path) -> dict[str, str]:
+    """Where ``rlhf run`` keeps artifacts and work directories: ``{variable: path}`` for
+    ``RLHF_ARTIFACT_ROOT`` and ``RLHF_WORK_DIR``, under the run directory ``root`` when ``--out``
+    is given or the variable is unset, else the variable's value."""
+    return {
+        name: str(root / sub) if args.out is not None or not os.environ.get(name) else os.environ[name]
+        for name, sub in (("RLHF_ARTIFACT_ROOT", "artifacts"), ("RLHF_WORK_DIR", "work"))
+    }
+
+
 def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     root = run_directory(args, cfg)
     root.mkdir(parents=True, exist_ok=True)
-    if args.out is not None or not os.environ.get("RLHF_ARTIFACT_ROOT"):
-        os.environ["RLHF_ARTIFACT_ROOT"] = str(root / "artifacts")
-    if args.out is not None or not os.environ.get("RLHF_WORK_DIR"):
-        os.environ["RLHF_WORK_DIR"] = str(root / "work")
+    os.environ.update(run_locations(args, root))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     from rlhf_core.pipeline import stages_until
     from tasks.stages import preflight
@@ -83,6 +90,29 @@ def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
             lookup = lambda name: True  # noqa: E731  (left to the run's own check)
     check_before_stages(cfg, stages, secret_exists=lookup)
     print(f"rlhf check: preset {cfg.name}: {len(stages)} stages ({stages[0]} to {stages[-1]}) can start")
+    return 0
+
+
+def cmd_plan(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    """``rlhf plan``: one line per stage up to ``--until``: its name, its key and whether it will
+    run or be taken from the cache. A run directory of the stage commands (``rlhf stages``) is
+    planned from its finished stages (:func:`rlhf_core.cli.plan_stages`); any other, as ``rlhf
+    run`` would use it (default ``runs/<preset>``), from the artifact store and the Prefect cache
+    entries beside it (:func:`tasks.stages.plan_run`). Runs nothing, writes nothing, loads no
+    torch."""
+    from rlhf_core.pipeline import stages_until
+
+    root = run_directory(args, cfg)
+    if (root / core.RUN_MARKER).is_file():
+        return core.cmd_plan(cfg, argparse.Namespace(**{**vars(args), "out": root}))
+    from tasks.stages import plan_run
+    from tasks.storage import ArtifactStore
+
+    where = run_locations(args, root)
+    planned = plan_run(
+        cfg, stages_until(args.until), ArtifactStore(where["RLHF_ARTIFACT_ROOT"]), Path(where["RLHF_WORK_DIR"])
+    )
+    core.print_plan(cfg, planned)
     return 0
 
 
@@ -179,6 +209,14 @@ COMMANDS: dict[str, core.Command] = {
         "check, in seconds, what a run of the preset would read before its first stage (data rows, "
         "models, reward function, splits, the judge's key) and exit; no stage runs",
         out="none",
+        until=True,
+    ),
+    "plan": core.Command(
+        cmd_plan,
+        "print each stage up to --until with its cache key and whether it will run or be taken from "
+        "the cache: rlhf run's artifact store under --out (default runs/<preset>), or the finished "
+        "stages of an rlhf stages run directory; runs nothing",
+        out="optional",
         until=True,
     ),
     "run": core.Command(

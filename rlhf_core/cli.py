@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
@@ -36,6 +37,9 @@ from .errors import DataError, ForeignFilesError, ModelSourceError, TrainingErro
 from .pipeline import STAGES, stage_keys
 from .presets import available_presets
 from .sources import RewardSpecError
+
+if TYPE_CHECKING:
+    from .io import ManifestCheck
 
 log = logging.getLogger("rlhf")
 
@@ -165,10 +169,100 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
         return _run_stages_locked(cfg, root, until, overwrite, nproc)
 
 
+class FinishedOutput(NamedTuple):
+    """A stage folder's finished output made with the key asked for (:func:`finished_output`):
+    its ``stage.json`` (``marker``), what checking its files against the manifest found
+    (``check``, ``None`` without a manifest) and why it cannot be reused (``damage``, the first
+    problem; ``None`` when it can)."""
+
+    marker: dict
+    check: ManifestCheck | None
+    damage: str | None
+
+
+def finished_output(out: Path, key: str) -> FinishedOutput | None:
+    """``None`` unless the stage folder ``out`` holds a finished output (``stage.json`` with
+    status ``done``) made with key ``key``; else that output and whether its files still match
+    the manifest (:func:`rlhf_core.io.check_manifest`, stopping at the first problem; only
+    files whose size or time differ from the record are read). Writes nothing. How ``rlhf
+    stages`` decides to reuse a stage (:func:`run_stages`) and what ``rlhf plan`` reports."""
+    from .io import check_manifest
+
+    marker = _stage_marker(out)
+    if marker.get("key") != key or marker.get("status") != "done":
+        return None
+    check = check_manifest(out, marker["manifest"], first=True) if "manifest" in marker else None
+    damage = "stage.json has no manifest" if check is None else next(iter(check.problems), None)
+    return FinishedOutput(marker, check, damage)
+
+
+class PlannedStage(NamedTuple):
+    """One line of ``rlhf plan``: a stage, its key (:func:`rlhf_core.pipeline.stage_key`),
+    whether its finished output will be reused (``cached``) and why it runs or where the
+    output is (``reason``)."""
+
+    name: str
+    key: str
+    cached: bool
+    reason: str
+
+
+def plan_stages(cfg: PipelineConfig, root: Path | None, until: str | None = None) -> list[PlannedStage]:
+    """What ``rlhf stages --out root --until until`` would do with ``cfg``, stage by stage, in
+    order (:func:`rlhf_core.pipeline.stage_keys`): reuse the finished output in ``root/<stage>``
+    (:func:`finished_output`, as :func:`run_stages` decides) or run the stage. Reads the stage
+    markers and the files whose size or time differ from them; writes nothing, and loads no
+    torch, transformers or datasets. ``root=None``: no run directory, every stage runs.
+
+    Raises:
+        KeyError: ``until`` is not a stage.
+        DataError, ModelSourceError: what a stage reads cannot be found (its key needs it).
+    """
+    planned = []
+    for name, key in stage_keys(cfg, until).items():
+        out = None if root is None else root / name
+        found = None if out is None else finished_output(out, key)
+        if found is not None and found.damage is None:
+            planned.append(PlannedStage(name, key, True, f"finished in {out}"))
+            continue
+        if found is not None:
+            reason = f"its finished output is damaged: {found.damage}"
+        elif out is None:
+            reason = "no run directory"
+        else:
+            marker = _stage_marker(out)
+            if not marker:
+                reason = "not run yet"
+            elif marker.get("key") != key:
+                reason = f"its output has another key ({str(marker.get('key'))[:12]}...)"
+            else:
+                reason = f"its output is {marker.get('status', 'unfinished')} (resumes from its checkpoints)"
+        planned.append(PlannedStage(name, key, False, reason))
+    return planned
+
+
+def cmd_plan(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    """``rlhf plan``: one line per stage up to ``--until``: its name, its key and whether it will
+    run or be taken from the finished output in the run directory ``--out`` (default
+    ``runs/<preset>``) (:func:`plan_stages`)."""
+    root = args.out or Path("runs") / (Path(args.preset).stem if args.preset else cfg.name)
+    print_plan(cfg, plan_stages(cfg, root, args.until))
+    return 0
+
+
+def print_plan(cfg: PipelineConfig, planned: list[PlannedStage]) -> None:
+    """Print ``rlhf plan``'s lines: ``<stage> <key> cached|runs <reason>``, then a count."""
+    width = max(len(p.name) for p in planned)
+    for p in planned:
+        print(f"{p.name:<{width}}  {p.key}  {'cached' if p.cached else 'runs  '}  {p.reason}")
+    runs = sum(not p.cached for p in planned)
+    print(f"rlhf plan: preset {cfg.name}: {runs} of {len(planned)} stages run, {len(planned) - runs} from cache")
+
+
 def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: bool, nproc: int) -> dict:
     import shutil
 
-    from .io import check_manifest, tree_manifest, write_json_atomic
+    from .io import tree_manifest, write_json_atomic
     from .launch import DATA_PARALLEL, launch_torchrun
     from .tracking import JsonlTracker, NullTracker
 
@@ -180,16 +274,17 @@ def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: b
         stage = STAGES[name]
         out = root / name
         marker = _stage_marker(out)
-        if marker.get("key") == key and marker.get("status") == "done" and not overwrite:
-            check = check_manifest(out, marker["manifest"], first=True) if "manifest" in marker else None
-            damage = "stage.json has no manifest" if check is None else next(iter(check.problems), None)
-            if damage is None:
-                if check.restamped:  # unchanged files with new times (a copy): not read next time
-                    write_json_atomic(out / "stage.json", {**marker, "manifest": check.restamp(marker["manifest"])})
-                log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
-                summary[name] = {"reused": True}
-                continue
-            log.warning("stage %s: its finished output in %s is damaged (%s); running it again", name, out, damage)
+        found = None if overwrite else finished_output(out, key)
+        if found is not None and found.damage is None and found.check is not None:
+            if found.check.restamped:  # unchanged files with new times (a copy): not read next time
+                write_json_atomic(out / "stage.json", {**marker, "manifest": found.check.restamp(marker["manifest"])})
+            log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
+            summary[name] = {"reused": True}
+            continue
+        if found is not None:
+            log.warning(
+                "stage %s: its finished output in %s is damaged (%s); running it again", name, out, found.damage
+            )
             overwrite_this = True
         else:
             overwrite_this = overwrite
@@ -420,6 +515,13 @@ COMMANDS: dict[str, Command] = {
         _until(list(STAGES)[-1]),
         "run every stage in order in the run directory --out, "
         "without Prefect or MLflow (stage.json marks finished stages)",
+        until=True,
+    ),
+    "plan": Command(
+        cmd_plan,
+        "print each stage up to --until with its cache key and whether it will run or be taken "
+        "from the finished output in the run directory --out (rlhf stages); runs nothing",
+        out="optional",
         until=True,
     ),
     "verify": Command(

@@ -9,17 +9,16 @@ transformers nor datasets: a command whose stages are all finished finds so at o
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from .config import PipelineConfig
 from .io import json_digest
 from .sources import data_fingerprint, reward_code_digest, source_fingerprint
+from .stage_code import stage_code_digest
 from .tracking import Tracker
 
 
@@ -211,21 +210,30 @@ def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
     return values
 
 
-def sources_digest(root: Path) -> str:
-    """SHA-256 (16 hex) of the Python sources under ``root``, subpackages included, each with
-    its path relative to ``root``."""
-    h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        h.update(path.relative_to(root).as_posix().encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+#: The directory of the ``rlhf_core`` package, whose sources the stage keys digest.
+SOURCE_ROOT = Path(__file__).parent
 
 
-@lru_cache(maxsize=1)
-def code_version() -> str:
-    """:func:`sources_digest` of the ``rlhf_core`` package (``judging/`` included), read once per
-    process, so that a code change invalidates finished stages."""
-    return sources_digest(Path(__file__).parent)
+def code_version(name: str) -> str:
+    """The digest (16 hex) of the code stage ``name`` runs, read once per process
+    (:func:`rlhf_core.stage_code.stage_code_digest` of :data:`SOURCE_ROOT`, this module
+    holding the stage table): its entry in :data:`STAGES` (the ``Stage(...)`` call and the
+    definitions of this module it names, such as its run and reads functions) and the source
+    of every ``rlhf_core`` module that entry imports, transitively, at module level or inside
+    functions (``judging/`` included). An edit re-runs the stages whose code it touches, and,
+    through their keys or artifacts, the stages after them; not the whole pipeline.
+
+    The trade-off: a module imported inside any function of a covered module counts, whether
+    or not the stage calls that function, so some edits re-run a stage that would not have run
+    the edited code; and a stage whose code imports this module (to read the stage names, say)
+    covers it whole. Code reached by a dynamic import outside ``rlhf_core`` is not covered
+    here: a rule reward ``python:MODULE:FUNCTION`` is covered by its own source's digest in the
+    PPO stage's ``reads`` (:func:`rlhf_core.sources.reward_code_digest`).
+
+    Raises:
+        KeyError: ``name`` has no entry in the stage table.
+    """
+    return stage_code_digest(SOURCE_ROOT, __name__, name)
 
 
 def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:
@@ -235,8 +243,10 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
     It covers the settings the stage reads itself (:func:`stage_config`), what else it reads
     (``Stage.reads``: the data files' contents, the model source's files, a rule reward's
     source), ``upstream`` (one string per input stage, in ``Stage.inputs`` order, that changes
-    whenever that stage's output may: its key, or its artifact's content digest), the code
-    version (:func:`code_version`) and ``context`` (for example where the artifacts are stored).
+    whenever that stage's output may: its key, or its artifact's content digest), the code it
+    runs (:func:`code_version`: its table entry and the ``rlhf_core`` modules that entry
+    imports, not the whole package) and ``context`` (for example where the artifacts are
+    stored).
 
     Raises:
         KeyError: ``name`` is not a stage.
@@ -247,7 +257,7 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
         "stage": name,
         "config": stage_config(cfg, name),
         "upstream": list(upstream),
-        "code": code_version(),
+        "code": code_version(name),
         **context,
     }
     if stage.reads is not None:

@@ -26,6 +26,7 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
+from rlhf_core.cli import PlannedStage
 from rlhf_core.config import PipelineConfig, TrainerConfig
 from rlhf_core.io import exclusive_lock, write_json_atomic
 from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
@@ -47,17 +48,27 @@ class StageRecord(BaseModel):
     metrics: dict[str, float] = {}
 
 
-def stage_cache_key(stage: str, cfg: PipelineConfig, upstream: list[StageRecord]) -> str:
+def stage_cache_key(
+    stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
+) -> str:
     """The cache key of ``stage`` (:func:`rlhf_core.pipeline.stage_key`), its upstream being the
-    content digests of its input artifacts and its context the artifact root
-    (``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its artifact lives in."""
-    return stage_key(stage, cfg, [u.digest for u in upstream], store=ArtifactStore().uri(""))
+    content digests of its input artifacts and its context the artifact root (``store``'s,
+    default ``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its artifact
+    lives in."""
+    return stage_key(stage, cfg, [u.digest for u in upstream], store=(store or ArtifactStore()).uri(""))
+
+
+def task_cache_key(
+    stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
+) -> str:
+    """The key of the stage task's Prefect cache entry: ``rlhf-<stage>-<stage_cache_key>``."""
+    return f"rlhf-{stage}-{stage_cache_key(stage, cfg, upstream, store)}"
 
 
 def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     cfg = PipelineConfig.model_validate(parameters["config"])
     upstream = [StageRecord.model_validate(u) for u in parameters.get("upstream") or []]
-    return f"rlhf-{parameters['stage']}-{stage_cache_key(parameters['stage'], cfg, upstream)}"
+    return task_cache_key(parameters["stage"], cfg, upstream)
 
 
 def provide_judge_key(secret_block: str) -> None:
@@ -252,16 +263,20 @@ def result_storage(store: ArtifactStore | None = None):
     """
     import hashlib
 
+    block, location = result_storage_block(store)
+    block.save("rlhf-results-" + hashlib.sha256(location.encode()).hexdigest()[:12], overwrite=True)
+    return block
+
+
+def result_storage_block(store: ArtifactStore | None = None):
+    """The file system of :func:`result_storage`, not saved (no Prefect server is asked), and its
+    location: where a plan reads the cache entries from."""
     from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
     location = os.environ.get("RLHF_RESULT_STORAGE") or (store or ArtifactStore()).uri("_prefect-results")
-    name = "rlhf-results-" + hashlib.sha256(location.encode()).hexdigest()[:12]
     if "://" in location and not location.startswith("file://"):
-        block = RemoteFileSystem(basepath=location.rstrip("/"))
-    else:
-        block = LocalFileSystem(basepath=str(Path(location.removeprefix("file://")).resolve()))
-    block.save(name, overwrite=True)
-    return block
+        return RemoteFileSystem(basepath=location.rstrip("/")), location
+    return LocalFileSystem(basepath=str(Path(location.removeprefix("file://")).resolve())), location
 
 
 #: Stages that run a model (on the accelerator, where there is one): tagged ``gpu``.
@@ -323,15 +338,60 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     # One writer per stage key: a second run of the same stage waits here for the first, then
     # returns the record the first left beside the work directory, its artifact intact.
     with exclusive_lock(work_root() / f"{key}.lock", what=f"stage {stage} ({key})"):
-        finished = work_root() / f"{key}.record.json"
-        if finished.is_file():
-            record = StageRecord.model_validate_json(finished.read_text())
-            if store.is_intact(record.key, record.digest):
-                get_run_logger().info("stage %s: finished meanwhile by another run; its artifact is used", stage)
-                return record.model_dump()
+        done = finished_record(key, store, work_root())
+        if done is not None:
+            get_run_logger().info("stage %s: finished meanwhile by another run; its artifact is used", stage)
+            return done.model_dump()
         record = _run_stage_once(stage, cfg, records, key, store, parent_run_id)
-        write_json_atomic(finished, record.model_dump())
+        write_json_atomic(work_root() / f"{key}.record.json", record.model_dump())
     return record.model_dump()
+
+
+def finished_record(key: str, store: ArtifactStore, work: Path) -> StageRecord | None:
+    """The record a run of stage key ``key`` (``<stage>/<stage_cache_key>``) left beside its
+    work directory under ``work``, when its artifact is intact in ``store``; else ``None``."""
+    finished = work / f"{key}.record.json"
+    if finished.is_file():
+        record = StageRecord.model_validate_json(finished.read_text())
+        if store.is_intact(record.key, record.digest):
+            return record
+    return None
+
+
+def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: Path) -> list[PlannedStage]:
+    """What the flow ``rlhf`` would do with the stages ``names`` of ``cfg`` (``rlhf plan`` on a
+    run directory of ``rlhf run``), stage by stage, deciding as it does: a stage is taken from
+    the cache when its Prefect cache entry (:func:`task_cache_key`, read from
+    :func:`result_storage_block`) or the record of a finished run of it
+    (:func:`finished_record`) names an artifact that is intact in ``store``
+    (:meth:`ArtifactStore.damage`). A stage's key needs its inputs' artifact digests: after a
+    stage that runs, the keys of those reading it are known only once it has run. Writes
+    nothing; asks no Prefect server; loads no torch.
+    """
+    from prefect.results import ResultStore
+
+    results = ResultStore(result_storage=result_storage_block(store)[0])
+    records: dict[str, StageRecord] = {}
+    planned = []
+    for name in names:
+        waiting = next((dep for dep in STAGES[name].inputs if dep not in records), None)
+        if waiting is not None:
+            planned.append(PlannedStage(name, "-", False, f"its key needs the digest of {waiting}'s new artifact"))
+            continue
+        upstream = [records[dep] for dep in STAGES[name].inputs]
+        entry = task_cache_key(name, cfg, upstream, store)
+        key = f"{name}/{stage_cache_key(name, cfg, upstream, store)}"
+        record = StageRecord.model_validate(results.read(entry).result) if results.exists(entry) else None
+        damage = None if record is None else store.damage(record.key, record.digest)
+        if record is not None and damage is None:
+            records[name] = record
+            planned.append(PlannedStage(name, key, True, f"cache entry {entry}: {record.uri}"))
+        elif (done := finished_record(key, store, work)) is not None:
+            records[name] = done
+            planned.append(PlannedStage(name, key, True, f"finished by an earlier run: {done.uri}"))
+        else:
+            planned.append(PlannedStage(name, key, False, "no cache entry" if record is None else str(damage)))
+    return planned
 
 
 def _run_stage_once(

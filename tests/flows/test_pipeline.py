@@ -71,6 +71,26 @@ def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None =
     return json.loads(out[out.index("{\n") : out.rindex("}") + 1]), result.stdout + result.stderr
 
 
+def rlhf_plan(root: Path, *args: str) -> dict[str, list[str]]:
+    """``rlhf plan --preset smoke ARGS --out ROOT`` in a subprocess, with the run's own stores:
+    ``{stage: [key, "cached" or "runs", reason...]}``; it must succeed and load no torch."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from flows.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        f"    code = main(['plan', '--preset', 'smoke', *{list(args)!r}, '--out', {str(root)!r}])\n"
+        "print(json.dumps({'code': code, 'lines': out.getvalue().splitlines(), 'torch': 'torch' in sys.modules}))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=flow_env(root), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    printed = json.loads(result.stdout.splitlines()[-1])
+    assert printed["code"] == 0 and not printed["torch"]
+    return {line.split()[0]: line.split()[1:] for line in printed["lines"][:-1]}
+
+
 def finished_task_runs(log: str) -> list[tuple[str, str]]:
     """``(task run name, final state)`` of each "Task run ... Finished in state ..." log line, in order."""
     found = []
@@ -170,11 +190,23 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     inputs = {i.dataset.name for i in parent.inputs.dataset_inputs}
     assert {"tldr/sft/train", "tldr/preference/train", "tldr/preference/validation_cnndm"} <= inputs
 
+    # `rlhf plan` says so beforehand, with the flow's keys: every stage from the cache; with
+    # another ppo.kl_coef, PPO runs under a key known now, the evaluation after it.
+    plan = rlhf_plan(tmp_path, *FAST)
+    assert {name: line[:2] for name, line in plan.items()} == {
+        name: [record["key"], "cached"] for name, record in first["stages"].items()
+    }
+    plan = rlhf_plan(tmp_path, *FAST, "ppo.kl_coef=0.1")
+    planned_ppo = plan.pop("ppo")
+    assert planned_ppo[1] == "runs" and plan.pop("evaluation")[:2] == ["-", "runs"]
+    assert {line[1] for line in plan.values()} == {"cached"}
+
     # A fresh PREFECT_HOME, as in a new container: the cache entries live beside the artifacts
     # (tasks.stages.result_storage), so the unchanged stages are still cache hits.
     second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(tmp_path / "prefect-fresh")})
     s = states(log)
     assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
+    assert second["stages"]["ppo"]["key"] == planned_ppo[0]
     for stage in ("data", "sft", "reward_norm"):
         assert second["stages"][stage] == first["stages"][stage]  # same artifact, same digest
     assert second["stages"]["ppo"]["key"] != first["stages"]["ppo"]["key"]

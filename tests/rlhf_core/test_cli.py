@@ -271,12 +271,13 @@ def test_a_setting_changes_the_keys_of_its_stage_and_those_downstream_only(overr
 
 
 def test_stage_keys_follow_the_code_version(monkeypatch):
-    """``rlhf run`` reuses a finished stage only with the same code: the key covers the sources."""
+    """``rlhf run`` reuses a finished stage only with the same code: the key covers the code
+    the stage runs (:func:`rlhf_core.pipeline.code_version`)."""
     from rlhf_core import pipeline
 
     cfg = load_config("smoke")
     before = pipeline.stage_keys(cfg)
-    monkeypatch.setattr(pipeline, "code_version", lambda: "0" * 16)
+    monkeypatch.setattr(pipeline, "code_version", lambda name: "0" * 16)
     after = pipeline.stage_keys(cfg)
     assert all(before[s] != after[s] for s in before)
     assert list(pipeline.stage_keys(cfg, "sft")) == ["data", "base_model", "sft"]
@@ -285,20 +286,21 @@ def test_stage_keys_follow_the_code_version(monkeypatch):
 
 
 def test_the_code_version_covers_subpackages(tmp_path):
-    """A change in ``rlhf_core/judging/`` (a subpackage) changes the code version, as one in a
-    top-level module does."""
-    import shutil
-
+    """A change in ``rlhf_core/judging/`` (a subpackage the evaluation imports) changes the
+    evaluation's code version, as one in a top-level module it imports does."""
     from rlhf_core import pipeline
+    from rlhf_core.stage_code import stage_code_digest
 
-    root = tmp_path / "rlhf_core"
-    shutil.copytree(Path(pipeline.__file__).parent, root, ignore=shutil.ignore_patterns("__pycache__"))
-    assert pipeline.code_version() == pipeline.sources_digest(Path(pipeline.__file__).parent)
-    before = pipeline.sources_digest(root)
-    (root / "judging" / "prompt.py").write_text((root / "judging" / "prompt.py").read_text() + "\n# changed\n")
-    after_judging = pipeline.sources_digest(root)
-    (root / "ppo.py").write_text((root / "ppo.py").read_text() + "\n# changed\n")
-    assert len({before, after_judging, pipeline.sources_digest(root)}) == 3
+    def digest(name: str, edit: str | None = None) -> str:
+        root = tmp_path / name / "rlhf_core"
+        shutil.copytree(pipeline.SOURCE_ROOT, root, ignore=shutil.ignore_patterns("__pycache__"))
+        if edit is not None:
+            (root / edit).write_text((root / edit).read_text() + "\n# changed\n")
+        return stage_code_digest(root, pipeline.__name__, "evaluation")
+
+    unchanged = digest("copy")
+    assert pipeline.code_version("evaluation") == unchanged
+    assert len({unchanged, digest("judging", "judging/prompt.py"), digest("ppo", "ppo.py")}) == 3
 
 
 def test_the_reward_command_answers_to_its_old_name_rm(tmp_path, monkeypatch):
@@ -526,19 +528,28 @@ def test_a_stage_command_that_only_reuses_its_stages_loads_no_framework(tmp_path
     from the stage keys alone (the data files' and the model source's fingerprints,
     :mod:`rlhf_core.sources`): it loads neither torch, transformers nor datasets, which took
     seconds to load before any stage was looked at. (The keys of ``sft``, ``reward`` and ``dpo``
-    read nothing beyond those of ``data`` and ``base_model``.)"""
-    argv = ["stages", "--preset", "smoke", *FEW_ROWS, "--until", "base_model", "--out", str(tmp_path / "run")]
+    read nothing beyond those of ``data`` and ``base_model``.) ``rlhf plan`` on that directory
+    names the two finished stages cached and every other to run, with the keys ``rlhf stages``
+    uses, loading none of them either."""
+    from rlhf_core.pipeline import STAGES, stage_keys
+
+    run = tmp_path / "run"
+    argv = ["stages", "--preset", "smoke", *FEW_ROWS, "--until", "base_model", "--out", str(run)]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
     assert {stage: v["reused"] for stage, v in first.items()} == {"data": False, "base_model": False}
+    plan = ["plan", "--preset", "smoke", *FEW_ROWS, "--out", str(run)]
     code = (
         "import contextlib, io, json, sys\n"
         "from rlhf_core.cli import main\n"
-        "printed = io.StringIO()\n"
+        "printed, planned = io.StringIO(), io.StringIO()\n"
         "with contextlib.redirect_stdout(printed):\n"
         f"    code = main({argv!r})\n"
+        "with contextlib.redirect_stdout(planned):\n"
+        f"    plan_code = main({plan!r})\n"
         "loaded = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'datasets'})\n"
-        "print(json.dumps({'code': code, 'summary': json.loads(printed.getvalue()), 'loaded': loaded}))\n"
+        "print(json.dumps({'code': code, 'summary': json.loads(printed.getvalue()), 'loaded': loaded,\n"
+        "                  'plan_code': plan_code, 'plan': planned.getvalue().splitlines()}))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -546,6 +557,18 @@ def test_a_stage_command_that_only_reuses_its_stages_loads_no_framework(tmp_path
     assert again["code"] == 0
     assert again["summary"] == {"data": {"reused": True}, "base_model": {"reused": True}}
     assert again["loaded"] == []
+    keys = stage_keys(load_config("smoke", FEW_ROWS))
+    assert again["plan_code"] == 0 and len(again["plan"]) == len(STAGES) + 1
+    for line, (name, key) in zip(again["plan"], keys.items()):
+        assert line.split()[:3] == [name, key, "cached" if name in ("data", "base_model") else "runs"], line
+    assert again["plan"][-1] == f"rlhf plan: preset smoke: {len(STAGES) - 2} of {len(STAGES)} stages run, 2 from cache"
+    # a finished stage's file changed since: it runs again, and the plan says why
+    marker = json.loads((run / "base_model" / "stage.json").read_text())
+    changed = next(iter(marker["manifest"]["files"]))
+    (run / "base_model" / changed).write_bytes(b"changed")
+    assert main(plan) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("base_model "))
+    assert line.split()[2] == "runs" and f"its finished output is damaged: {changed}" in line, line
 
 
 def test_a_users_file_in_a_stage_folder_survives_every_stage_command(tmp_path, capsys):
