@@ -131,6 +131,17 @@ def smoke_stages(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shared_runs(tmp_path_factory) -> Path:
+    """A folder that the test processes of one pytest run share (all of pytest-xdist's workers):
+    run directories made once and copied by the tests that start from them
+    (:func:`tests.stages.finished_run`)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+@pytest.fixture(scope="session")
 def moto_s3(tmp_path_factory):
     """A real S3 API server (moto) on 127.0.0.1 with one bucket; AWS variables point at it."""
     import boto3

@@ -1,7 +1,9 @@
 """Helpers for tests that build on the session's smoke stage outputs (``smoke_stages`` in
 conftest), and for the kill-and-resume tests of the trainers."""
 
+import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +23,32 @@ def link_stages(smoke_stages: Path, root: Path, **names: str) -> Path:
     return root
 
 
-def kill_then_resume(command: str, stage: str, overrides: list[str], root: Path, step: int = 2) -> dict[str, str]:
+def finished_run(shared: Path, until: str, overrides: list[str]) -> Path:
+    """A run directory of ``rlhf stages --preset smoke OVERRIDES --until UNTIL`` under
+    :data:`BITWISE_ENV`, made once in ``shared`` for each ``(until, overrides)`` and read only:
+    test processes side by side (pytest-xdist) wait for the one that makes it (a file lock)."""
+    from filelock import FileLock
+
+    name = hashlib.sha256(repr((until, overrides)).encode()).hexdigest()[:16]
+    done = shared / f"{until}-{name}"
+    with FileLock(str(shared / f"{until}-{name}.lock")):
+        if not done.is_dir():
+            exe = str(Path(sys.executable).with_name("rlhf"))
+            argv = [exe, "stages", "--preset", "smoke", *overrides, "--until", until, "--out", str(done) + ".part"]
+            result = subprocess.run(argv, capture_output=True, text=True, env=BITWISE_ENV, timeout=900)
+            assert result.returncode == 0, result.stderr[-3000:]
+            os.rename(str(done) + ".part", done)
+    return done
+
+
+def kill_then_resume(
+    command: str, stage: str, overrides: list[str], root: Path, step: int = 2, start_from: Path | None = None
+) -> dict[str, str]:
     """Run ``rlhf COMMAND --preset smoke OVERRIDES`` into ``root/killed``, SIGKILL it once stage
     ``stage`` has written its checkpoint of step ``step``, run it again there (it resumes) and
-    once, uninterrupted, into ``root/clean``, both under :data:`BITWISE_ENV`.
+    once, uninterrupted, into ``root/clean``, both under :data:`BITWISE_ENV`. With
+    ``start_from`` (a run directory of the stages before ``stage``, :func:`finished_run`), both
+    directories start as copies of it, so that neither trains those stages again.
 
     Returns:
         ``{"killed": stderr, "clean": stderr}`` of the two complete runs; each exited 0, the
@@ -33,6 +57,9 @@ def kill_then_resume(command: str, stage: str, overrides: list[str], root: Path,
     exe = str(Path(sys.executable).with_name("rlhf"))
     argv = [exe, command, "--preset", "smoke", *overrides, "--out"]
     killed = root / "killed"
+    if start_from is not None:
+        for name in ("killed", "clean"):
+            shutil.copytree(start_from, root / name)
     proc = subprocess.Popen([*argv, str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=BITWISE_ENV)
     checkpoint = killed / stage / "checkpoints" / f"step-{step:06d}" / "state.pt"
     deadline = time.time() + 600

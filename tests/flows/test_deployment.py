@@ -2,8 +2,9 @@
 and process worker and deploys `rlhf/full-pipeline`; the smoke preset then runs through
 `prefect deployment run`, is killed during PPO, and resumes on a second process worker with
 another PREFECT_HOME, with finished stages cached.
-The artifact root is a local directory, then an S3 bucket on a real S3 API server (moto), on
-one stack: each run passes its artifact root and work directory as job variables."""
+The artifact root is an S3 bucket on a real S3 API server (moto): each run passes its artifact
+root and work directory as job variables. (A local artifact root, cached across a fresh
+PREFECT_HOME and resumed after a kill, is tested through `rlhf run`: tests/flows/test_pipeline.py.)"""
 
 import json
 import os
@@ -21,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from tasks.storage import ArtifactStore
 from tests.servers import free_port
 
-# Both variants share one server stack: one test process runs them.
+# The tests share one server stack: one test process runs them.
 pytestmark = pytest.mark.xdist_group("server-stack")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,9 +52,9 @@ UNFINISHED = ("ppo", "dpo", "dpo_eval", "evaluation")
 
 @pytest.fixture(scope="session")
 def server_stack(tmp_path_factory):
-    """One stack (Prefect server, MLflow server, worker, deployment) for both artifact roots;
-    session-scoped, so that a test process which runs other tests between the two variants
-    does not stop and start it again."""
+    """One stack (Prefect server, MLflow server, worker, deployment) for the tests of this
+    module; session-scoped, so that a test process which runs other tests between them does not
+    stop and start it again."""
     root = tmp_path_factory.mktemp("stack")
     env = {
         **os.environ,
@@ -74,29 +75,19 @@ def server_stack(tmp_path_factory):
     assert not pids, f"stack-down left {pids}"
 
 
-@pytest.fixture(params=["local", "s3"])
-def stack(request, server_stack, tmp_path):
-    """The stack's environment plus this variant's artifact root and work directory, which reach
-    the flow-run process as job variables of each deployment run."""
+@pytest.fixture
+def stack(server_stack, moto_s3, tmp_path):
+    """The stack's environment plus an artifact root in the S3 bucket and a local work
+    directory, which reach the flow-run process as job variables of each deployment run."""
     job_env = {"RLHF_WORK_DIR": str(tmp_path / "work"), "PREFECT_LOGGING_EXTRA_LOGGERS": "rlhf_core"}
-    if request.param == "s3":
-        s3 = request.getfixturevalue("moto_s3")
-        job_env.update(
-            {
-                k: os.environ[k]
-                for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-            }
-        )
-        job_env["RLHF_ARTIFACT_ROOT"] = f"s3://{s3['bucket']}/e2e-{tmp_path.name}"
-    else:
-        job_env["RLHF_ARTIFACT_ROOT"] = str(tmp_path / "artifacts")
-    return {
-        **server_stack,
-        **job_env,
-        "JOB_ENV": json.dumps(job_env),
-        "VARIANT": request.param,
-        "EXPERIMENT": f"e2e-{request.param}",
-    }
+    job_env.update(
+        {
+            k: os.environ[k]
+            for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
+        }
+    )
+    job_env["RLHF_ARTIFACT_ROOT"] = f"s3://{moto_s3['bucket']}/e2e-{tmp_path.name}"
+    return {**server_stack, **job_env, "JOB_ENV": json.dumps(job_env), "EXPERIMENT": "e2e-s3"}
 
 
 def deployment_run(env: dict, *extra: str, watch: bool = True) -> subprocess.CompletedProcess:
@@ -211,11 +202,8 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     assert done.data.tags["rlhf.stage_run.sft"] == finished["sft"].info.run_id
     assert done.data.tags["prefect.flow_run_id"]
     assert "report/report.html" in {f.path for f in client.list_artifacts(done.info.run_id, "report")}
-    assert done.data.tags["rlhf.artifact.ppo"].startswith(
-        "s3://" if env["RLHF_ARTIFACT_ROOT"].startswith("s3") else "/"
-    )
+    assert done.data.tags["rlhf.artifact.ppo"].startswith(env["RLHF_ARTIFACT_ROOT"] + "/ppo/")
     for name, stage in (("rlhf-tldr-policy", "ppo"), ("rlhf-tldr-reward-model", "reward_norm")):
-        # identical models (same digest, e.g. the other variant's) share one registered version
         version = client.get_model_version_by_alias(name, "latest-pipeline")
         assert version.tags["rlhf.digest"] == json.loads(after[stage])["digest"]
     # The flow run's markdown artifact in the Prefect UI: stages, win rates, MLflow run, report.
@@ -232,8 +220,7 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     assert "| ppo | win rate" not in markdown and re.search(r"\| ppo \| \d+\.\d% \[", markdown)
     assert f"Report: {env['RLHF_WORK_DIR']}/reports/{done.info.run_id}/report.html" in markdown
 
-    if env["VARIANT"] == "s3":
-        return  # a changed setting re-runs its stage alone: shown once, on the local root
+    # a changed setting re-runs its stage and what reads it, the rest from the S3 cache
     changed = deployment_run(env, "ppo.kl_coef=0.1")
     assert changed.returncode == 0, changed.stdout[-3000:]
     assert task_states(changed.stdout) == {s: "Completed" if s in ("ppo", "evaluation") else "Cached" for s in STAGES}

@@ -275,18 +275,18 @@ def test_run_with_a_bad_setting_stops_before_starting_anything(tmp_path, capsys)
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow
-def test_two_runs_at_once_on_one_fresh_directory_give_one_result(tmp_path):
-    """Two ``rlhf run`` processes started together on one new run directory: the stores are
-    created once, each stage is computed by one of them while the other waits for it, and both
-    return the same records; the reward model is registered once and the SFT metrics hold one
-    run's records, not two interleaved."""
+@pytest.fixture(scope="session")
+def two_runs_at_once(tmp_path_factory) -> tuple[Path, list[str]]:
+    """Two ``rlhf run --until reward_norm`` processes (``FAST``) started together on one new run
+    directory: the directory and their outputs. The ``smoke-flow`` group's digest test goes on
+    in it, after the test of the two runs."""
+    root = tmp_path_factory.mktemp("two-at-once")
     argv = [sys.executable, "-m", "flows.cli", "run", "--json", "--preset", "smoke", *FAST, "--until", "reward_norm"]
     procs = [
         subprocess.Popen(
-            [*argv, "--out", str(tmp_path)],
-            cwd=tmp_path,
-            env=flow_env(tmp_path),
+            [*argv, "--out", str(root)],
+            cwd=root,
+            env=flow_env(root),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -296,6 +296,17 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(tmp_path):
     outputs = [p.communicate(timeout=900)[0] for p in procs]
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out[-4000:]
+    return root, outputs
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smoke-flow")
+def test_two_runs_at_once_on_one_fresh_directory_give_one_result(two_runs_at_once):
+    """Two ``rlhf run`` processes started together on one new run directory: the stores are
+    created once, each stage is computed by one of them while the other waits for it, and both
+    return the same records; the reward model is registered once and the SFT metrics hold one
+    run's records, not two interleaved."""
+    tmp_path, outputs = two_runs_at_once
     results = [json.loads(out[out.index("{\n") : out.rindex("}") + 1]) for out in outputs]
     assert results[0]["stages"] == results[1]["stages"]
     assert results[0]["registered"] == results[1]["registered"] == {"rlhf-tldr-reward-model": "1"}
@@ -335,12 +346,17 @@ def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("smoke-flow")
-def test_identical_work_in_two_directories_gives_identical_digests(first_run, tmp_path):
+def test_identical_work_in_two_directories_gives_identical_digests(first_run, two_runs_at_once):
     """Timings, absolute paths and random dataset fingerprints stay out of a stage's digest:
     the same settings run twice from nothing, in two directories, give equal digests for every
-    stage (the models are bitwise equal), so a re-run of identical work leaves downstream cached."""
+    stage (the models are bitwise equal), so a re-run of identical work leaves downstream cached.
+    The second directory is the one of the two runs at once (stages up to reward_norm), where a
+    third run computes the remaining stages."""
     _, first, _ = first_run  # its record, taken before any other test used its directory
-    second, _ = run_flow(tmp_path)
+    second, log = run_flow(two_runs_at_once[0])
+    s = states(log)
+    assert [s.pop(name) for name in ("data", "base_model", "sft", "reward", "reward_norm")] == ["Cached"] * 5
+    assert set(s.values()) == {"Completed"}
     assert list(first["stages"]) == list(STAGES)
     for stage in STAGES:
         assert first["stages"][stage]["digest"] == second["stages"][stage]["digest"], stage

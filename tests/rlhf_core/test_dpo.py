@@ -16,7 +16,7 @@ from rlhf_core.config import load_config
 from rlhf_core.distributed import world
 from rlhf_core.dpo import dpo_loss, implicit_reward, linear_logprobs, pair_logprobs, sequence_logprobs
 from rlhf_core.tracking import JsonlTracker, NullTracker, read_metrics
-from tests.stages import kill_then_resume
+from tests.stages import finished_run, kill_then_resume
 
 
 def test_dpo_loss_on_a_hand_worked_example():
@@ -242,14 +242,15 @@ def test_the_implicit_reward_model_is_evaluated_like_the_reward_model(smoke_stag
 
 
 @pytest.mark.slow
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, shared_runs):
     """Kill `rlhf dpo` with SIGKILL after a mid-stage checkpoint; the resumed run ends with the
-    uninterrupted run's weights and per-step metrics, bit for bit."""
+    uninterrupted run's weights and per-step metrics, bit for bit. Both runs start from copies of
+    one run of the stages before DPO."""
     from safetensors.torch import load_file
 
+    upstream = ["sft.max_steps=1", "sft.eval_max_samples=1"]
     overrides = [
-        "sft.max_steps=1",
-        "sft.eval_max_samples=1",
+        *upstream,
         "dpo.num_epochs=2",
         "dpo.max_steps=12",
         "dpo.batch_size=4",
@@ -257,9 +258,10 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
         "dpo.checkpoint_every=2",
         "reward.eval_max_samples=2",
     ]
-    logs = kill_then_resume("dpo", "dpo", overrides, tmp_path)
+    logs = kill_then_resume("dpo", "dpo", overrides, tmp_path, start_from=finished_run(shared_runs, "sft", upstream))
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    assert "stage sft: finished earlier with the same config and code, reused" in logs["killed"]
+    for log in logs.values():
+        assert "stage sft: finished earlier with the same config and code, reused" in log
     assert not (killed / "reward").exists()  # the DPO branch trains no reward model
     a, b = (load_file(str(out / "dpo" / "model" / "model.safetensors")) for out in (killed, clean))
     assert a.keys() == b.keys()

@@ -18,7 +18,7 @@ from rlhf_core.reward import ScalarModel, response_scores, score_responses
 from rlhf_core.reward_eval import TOKEN_TABLE_RESPONSES
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import TrainingError
-from tests.stages import kill_then_resume, link_stages
+from tests.stages import finished_run, kill_then_resume, link_stages
 
 REPORTED = [
     "objective/scores",
@@ -441,10 +441,12 @@ def test_ppo_checkpoints_by_the_clock_and_keeps_the_newest_only(smoke, tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
-def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, adapters):
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, adapters, shared_runs):
     """Kill `rlhf ppo` with SIGKILL after a checkpoint; the resumed run's final policy is identical.
     With low-rank adapters too: their checkpoint holds the adapters and the value head, not the
-    frozen weights (test_lora.py), and the resumed run's adapters equal the other's bit for bit."""
+    frozen weights (test_lora.py), and the resumed run's adapters equal the other's bit for bit.
+    Both runs start from copies of one run of the stages before PPO (shared by both variants)."""
+    upstream = ["sft.max_steps=1", "sft.eval_max_samples=1", "reward.max_steps=1", "reward.eval_max_samples=2"]
     overrides = ["ppo.lora.r=8", "ppo.learning_rate=1e-2"] * adapters + [
         "ppo.total_episodes=24",
         "ppo.batch_size=4",
@@ -452,14 +454,13 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, adapters):
         "ppo.checkpoint_every=2",
         "ppo.eval_every=100",
         "ppo.eval_max_samples=2",
-        "sft.max_steps=1",
-        "sft.eval_max_samples=1",
-        "reward.max_steps=1",
-        "reward.eval_max_samples=2",
+        *upstream,
     ]
-    logs = kill_then_resume("ppo", "ppo", overrides, tmp_path)
+    before = finished_run(shared_runs, "reward_eval", upstream)
+    logs = kill_then_resume("ppo", "ppo", overrides, tmp_path, start_from=before)
     killed, clean = tmp_path / "killed", tmp_path / "clean"
-    assert "stage reward_eval: finished earlier" in logs["killed"]
+    for name in ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval"):
+        assert all(f"stage {name}: finished earlier" in log for log in logs.values()), name
     a = load_file(str(killed / "ppo" / "model" / "model.safetensors"))
     b = load_file(str(clean / "ppo" / "model" / "model.safetensors"))
     for k in b:
