@@ -31,7 +31,7 @@ from .io import atomic_file  # noqa: E402
 from .tracking import read_metrics  # noqa: E402
 
 DEFAULT_CURVE_KEYS: list[str] = [
-    # SFT and reward model (rlhf_core.training.train_loop's ``train/`` keys)
+    # SFT and reward model (rlhf_core.trainer.train_loop's ``train/`` keys)
     "train/loss",
     "train/accuracy",
     # PPO (rlhf_core.ppo_trainer)
