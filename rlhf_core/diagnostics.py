@@ -31,16 +31,11 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
-import matplotlib
+import numpy as np
+import torch
+from rouge_score import tokenize as _rouge_tokenize
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rouge_score import rouge_scorer  # noqa: E402
-from rouge_score import tokenize as _rouge_tokenize  # noqa: E402
-
-from .io import atomic_file  # noqa: E402
+from .io import atomic_file
 
 NAN = float("nan")
 
@@ -50,6 +45,8 @@ NAN = float("nan")
 
 def rouge_l(predictions: list[str], references: list[str]) -> list[float]:
     """ROUGE-L F1 of each prediction against its reference (``rouge-score``, Porter stemming)."""
+    from rouge_score import rouge_scorer  # imports NLTK (and scikit-learn): only where ROUGE is computed
+
     scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
     return [scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references)]
 
@@ -275,6 +272,17 @@ def length_control(
     return rows
 
 
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, imported on first use: the stages
+    that draw nothing do not pay for its import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def savefig_atomic(fig: Any, path: str | os.PathLike, dpi: int = 90) -> Path:
     """Save a matplotlib figure as PNG through a temporary sibling file and a rename, then close it.
 
@@ -284,7 +292,7 @@ def savefig_atomic(fig: Any, path: str | os.PathLike, dpi: int = 90) -> Path:
         with atomic_file(path, "wb") as fh:
             fig.savefig(fh, format="png", dpi=dpi)
     finally:
-        plt.close(fig)
+        pyplot().close(fig)
     return Path(path)
 
 
@@ -313,7 +321,7 @@ def plot_length_control(
     """
     pooled = np.asarray([r for ratios, _ in curves.values() for r in ratios], dtype=np.float64)
     edges = _bin_edges(pooled[np.isfinite(pooled)], bins)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for name, (ratios, wins) in curves.items():
         rows = [r for r in length_control(ratios, wins, edges, confidence) if r["n"] > 0]
         xs = [r["center"] for r in rows]

@@ -7,12 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .diagnostics import savefig_atomic  # noqa: E402
+from .diagnostics import pyplot, savefig_atomic
 
 
 def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.PathLike) -> Path:
@@ -28,7 +23,7 @@ def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.
     """
     rows = list(lengths)
     ncols = max(len(cols) for cols in lengths.values())
-    fig, axes = plt.subplots(len(rows), ncols, figsize=(4.2 * ncols, 2.6 * len(rows)), squeeze=False)
+    fig, axes = pyplot().subplots(len(rows), ncols, figsize=(4.2 * ncols, 2.6 * len(rows)), squeeze=False)
     for r, split in enumerate(rows):
         for c in range(ncols):
             ax = axes[r][c]
@@ -46,7 +41,7 @@ def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -63,7 +58,7 @@ def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.P
     """
     import math
 
-    fig, ax = plt.subplots(figsize=(5.5, 4))
+    fig, ax = pyplot().subplots(figsize=(5.5, 4))
     top = max([r["high"] for rows in tables.values() for r in rows] or [1.0])
     xs = [top * i / 100 for i in range(101)]
     ax.plot(xs, [1 / (1 + math.exp(-x)) for x in xs], "--", color="gray", label="calibrated: 1/(1+e^-Δ)")
@@ -83,7 +78,7 @@ def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.P
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -98,7 +93,7 @@ def _plot_per_token(
     score is read at (``eos_index``) in another colour and labelled with its value, and a line
     for each ``(key, legend)`` of ``lines``; tokens on the x axis."""
     longest = max([len(r["tokens"]) for r in rows] or [1])
-    fig, axes = plt.subplots(
+    fig, axes = pyplot().subplots(
         max(1, len(rows)), 1, figsize=(min(18.0, 3.0 + 0.16 * longest), 2.5 * max(1, len(rows))), squeeze=False
     )
     for ax, row, label in zip(axes[:, 0], rows, labels):

@@ -20,15 +20,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from .diagnostics import savefig_atomic  # noqa: E402
-from .io import atomic_file  # noqa: E402
-from .tracking import read_metrics  # noqa: E402
+from .diagnostics import pyplot, savefig_atomic
+from .io import atomic_file
+from .tracking import read_metrics
 
 DEFAULT_CURVE_KEYS: list[str] = [
     # SFT and reward model (rlhf_core.trainer.train_loop's ``train/`` keys)
@@ -167,7 +163,7 @@ def plot_training_curves(
     for stage, series in panels:  # each stage starts a new row and wraps after ncols panels
         cells += [(stage, *s) for s in series] + [None] * (-len(series) % ncols)
     nrows = len(cells) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.7 * nrows), squeeze=False)
+    fig, axes = pyplot().subplots(nrows, ncols, figsize=(3.6 * ncols, 2.7 * nrows), squeeze=False)
     for i, cell in enumerate(cells):
         ax = axes[i // ncols][i % ncols]
         if cell is None:

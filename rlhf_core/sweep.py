@@ -376,12 +376,11 @@ def plot_sweep(results: list[CellResult], column: str, path: str | os.PathLike) 
     Returns:
         ``path``, a PNG.
     """
-    from .diagnostics import savefig_atomic
-    from .plots import plt
+    from .diagnostics import pyplot, savefig_atomic
 
     done = [r for r in results if r.error is None and not math.isnan(r.value(column)[0])]
     by_size = sweep_axis(done) == "parameters"
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     series: dict[str, list[CellResult]] = {}
     for r in done:
         label = "/".join(f"{k}={_yaml_scalar(v)}" for k, v in r.cell.settings) or "preset settings"

@@ -18,6 +18,8 @@ from mlflow.tracking import MlflowClient
 from rlhf_core.pipeline import STAGES
 from tasks.storage import ArtifactStore
 
+from .conftest import fresh_prefect_home
+
 REPO = Path(__file__).resolve().parents[2]
 FAST = [
     "sft.max_steps=2",
@@ -38,9 +40,11 @@ FAST = [
 
 
 def flow_env(root: Path) -> dict:
+    """The environment of an ``rlhf`` command on the run directory ``root``: its own Prefect home
+    (:func:`fresh_prefect_home` the first time), MLflow store, artifact root and work directory."""
     return {
         **os.environ,
-        "PREFECT_HOME": str(root / "prefect"),
+        "PREFECT_HOME": str(fresh_prefect_home(root / "prefect")),
         "RLHF_ARTIFACT_ROOT": str(root / "artifacts"),
         "RLHF_WORK_DIR": str(root / "work"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",

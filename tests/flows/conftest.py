@@ -1,0 +1,49 @@
+"""Fixtures of the flow tests."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.servers import BIN, QUIET_ENV
+
+#: An empty Prefect database at Prefect's current schema, migrated once per pytest run
+#: (:func:`prefect_database`): :func:`fresh_prefect_home` starts a run directory's
+#: ``PREFECT_HOME`` from a copy of it, not from the migrations every new database runs first.
+PREFECT_DATABASE: list[Path] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_database(shared_runs) -> Path:
+    """``prefect server database upgrade`` into an empty ``PREFECT_HOME``, once for all test
+    processes of the run (a file lock): its ``prefect.db``."""
+    from filelock import FileLock
+
+    made = shared_runs / "prefect-database" / "prefect.db"
+    with FileLock(str(shared_runs / "prefect-database.lock")):
+        if not made.is_file():
+            part = made.parent.with_name("prefect-database.part")
+            shutil.rmtree(part, ignore_errors=True)
+            env = {**os.environ, **QUIET_ENV, "PREFECT_HOME": str(part)}
+            done = subprocess.run(
+                [str(BIN / "prefect"), "server", "database", "upgrade", "-y"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            os.rename(part, made.parent)
+    PREFECT_DATABASE[:] = [made]
+    return made
+
+
+def fresh_prefect_home(home: Path) -> Path:
+    """``home`` as a new ``PREFECT_HOME``: no flow runs, no cache records, no settings; its
+    database a copy of :data:`PREFECT_DATABASE` where the session made one and ``home`` has none."""
+    home.mkdir(parents=True, exist_ok=True)
+    if PREFECT_DATABASE and not (home / "prefect.db").exists():
+        shutil.copyfile(PREFECT_DATABASE[0], home / "prefect.db")
+    return home
