@@ -22,6 +22,8 @@ from mlflow.tracking import MlflowClient
 from tasks.storage import ArtifactStore
 from tests.servers import free_port
 
+from .conftest import fresh_prefect_home
+
 # The tests share one server stack: one test process runs them.
 pytestmark = pytest.mark.xdist_group("server-stack")
 
@@ -56,6 +58,7 @@ def server_stack(tmp_path_factory):
     module; session-scoped, so that a test process which runs other tests between them does not
     stop and start it again."""
     root = tmp_path_factory.mktemp("stack")
+    fresh_prefect_home(root / "stack" / "prefect")  # the server's database, migrated already
     env = {
         **os.environ,
         "STACK_DIR": str(root / "stack"),
