@@ -147,7 +147,8 @@ def default_tldr_dir() -> Path | None:
 
 def overrides(args: argparse.Namespace) -> list[str]:
     """``key=value`` overrides of the preset for this run (data, PPO; SFT when it runs here)."""
-    return [f"data.local_dir={args.tldr_dir.resolve()}"] * (args.tldr_dir is not None) + [
+    rows = [] if args.tldr_dir is None else [f"data.local_dir={args.tldr_dir.resolve()}"]
+    return rows + [
         f"ppo.reward={args.reward}",
         f"ppo.total_episodes={args.updates * args.batch_size}",
         f"ppo.batch_size={args.batch_size}",
