@@ -39,12 +39,14 @@ FAST = [
 ]
 
 
-def flow_env(root: Path) -> dict:
+def flow_env(root: Path, migrated: bool = True) -> dict:
     """The environment of an ``rlhf`` command on the run directory ``root``: its own Prefect home
-    (:func:`fresh_prefect_home` the first time), MLflow store, artifact root and work directory."""
+    (:func:`fresh_prefect_home` the first time, unless not ``migrated``: then the first command
+    creates its database), MLflow store, artifact root and work directory."""
+    home = fresh_prefect_home(root / "prefect") if migrated else root / "prefect"
     return {
         **os.environ,
-        "PREFECT_HOME": str(fresh_prefect_home(root / "prefect")),
+        "PREFECT_HOME": str(home),
         "RLHF_ARTIFACT_ROOT": str(root / "artifacts"),
         "RLHF_WORK_DIR": str(root / "work"),
         "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
@@ -286,11 +288,14 @@ def two_runs_at_once(tmp_path_factory) -> tuple[Path, list[str]]:
     in it, after the test of the two runs."""
     root = tmp_path_factory.mktemp("two-at-once")
     argv = [sys.executable, "-m", "flows.cli", "run", "--json", "--preset", "smoke", *FAST, "--until", "reward_norm"]
+    # Both create the Prefect database as well (no copy of a migrated one), which keeps them in
+    # step until their first stage: one then computes each stage while the other waits for it.
+    env = flow_env(root, migrated=False)
     procs = [
         subprocess.Popen(
             [*argv, "--out", str(root)],
             cwd=root,
-            env=flow_env(root),
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
