@@ -4,6 +4,7 @@ as a subprocess on a free port and stopped by the PID it was started with."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,3 +99,18 @@ def start_mlflow(root: Path) -> Server:
         "1",
     ]
     return Server("mlflow", cmd, port, root, health_path="/health", timeout=180)
+
+
+#: An empty Prefect database at Prefect's current schema, migrated once per pytest run (the
+#: ``prefect_database`` fixture of tests/flows/conftest.py): :func:`fresh_prefect_home` starts a
+#: run directory's ``PREFECT_HOME`` from a copy of it, not from the migrations of a new database.
+PREFECT_DATABASE: list[Path] = []
+
+
+def fresh_prefect_home(home: Path) -> Path:
+    """``home`` as a new ``PREFECT_HOME``: no flow runs, no cache records, no settings; its
+    database a copy of :data:`PREFECT_DATABASE` where the session made one and ``home`` has none."""
+    home.mkdir(parents=True, exist_ok=True)
+    if PREFECT_DATABASE and not (home / "prefect.db").exists():
+        shutil.copyfile(PREFECT_DATABASE[0], home / "prefect.db")
+    return home

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import BIN, QUIET_ENV
-
-#: An empty Prefect database at Prefect's current schema, migrated once per pytest run
-#: (:func:`prefect_database`): :func:`fresh_prefect_home` starts a run directory's
-#: ``PREFECT_HOME`` from a copy of it, not from the migrations every new database runs first.
-PREFECT_DATABASE: list[Path] = []
+from tests.servers import BIN, PREFECT_DATABASE, QUIET_ENV
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,12 +33,3 @@ def prefect_database(shared_runs) -> Path:
             os.rename(part, made.parent)
     PREFECT_DATABASE[:] = [made]
     return made
-
-
-def fresh_prefect_home(home: Path) -> Path:
-    """``home`` as a new ``PREFECT_HOME``: no flow runs, no cache records, no settings; its
-    database a copy of :data:`PREFECT_DATABASE` where the session made one and ``home`` has none."""
-    home.mkdir(parents=True, exist_ok=True)
-    if PREFECT_DATABASE and not (home / "prefect.db").exists():
-        shutil.copyfile(PREFECT_DATABASE[0], home / "prefect.db")
-    return home

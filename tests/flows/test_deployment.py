@@ -20,9 +20,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.storage import ArtifactStore
-from tests.servers import free_port
-
-from .conftest import fresh_prefect_home
+from tests.servers import free_port, fresh_prefect_home
 
 # The tests share one server stack: one test process runs them.
 pytestmark = pytest.mark.xdist_group("server-stack")

@@ -17,8 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from rlhf_core.pipeline import STAGES
 from tasks.storage import ArtifactStore
-
-from .conftest import fresh_prefect_home
+from tests.servers import fresh_prefect_home
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = [
