@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Bitwise equality needs MKL's strict reproducibility mode: by default its matrix products may
@@ -23,22 +24,35 @@ def link_stages(smoke_stages: Path, root: Path, **names: str) -> Path:
     return root
 
 
-def finished_run(shared: Path, until: str, overrides: list[str]) -> Path:
-    """A run directory of ``rlhf stages --preset smoke OVERRIDES --until UNTIL`` under
-    :data:`BITWISE_ENV`, made once in ``shared`` for each ``(until, overrides)`` and read only:
-    test processes side by side (pytest-xdist) wait for the one that makes it (a file lock)."""
+def made_once(shared: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """``shared/NAME``, made by ``build(directory)`` once for all test processes of the pytest
+    run and read only after: processes side by side (pytest-xdist) wait for the one that makes it
+    (a file lock), and a half-made directory never takes the name."""
     from filelock import FileLock
 
-    name = hashlib.sha256(repr((until, overrides)).encode()).hexdigest()[:16]
-    done = shared / f"{until}-{name}"
-    with FileLock(str(shared / f"{until}-{name}.lock")):
+    done = shared / name
+    with FileLock(str(done) + ".lock"):
         if not done.is_dir():
-            exe = str(Path(sys.executable).with_name("rlhf"))
-            argv = [exe, "stages", "--preset", "smoke", *overrides, "--until", until, "--out", str(done) + ".part"]
-            result = subprocess.run(argv, capture_output=True, text=True, env=BITWISE_ENV, timeout=900)
-            assert result.returncode == 0, result.stderr[-3000:]
-            os.rename(str(done) + ".part", done)
+            part = Path(str(done) + ".part")
+            shutil.rmtree(part, ignore_errors=True)
+            build(part)
+            os.rename(part, done)
     return done
+
+
+def finished_run(shared: Path, until: str, overrides: list[str]) -> Path:
+    """A run directory of ``rlhf stages --preset smoke OVERRIDES --until UNTIL`` under
+    :data:`BITWISE_ENV`, made once in ``shared`` for each ``(until, overrides)``
+    (:func:`made_once`)."""
+
+    def build(out: Path) -> None:
+        exe = str(Path(sys.executable).with_name("rlhf"))
+        argv = [exe, "stages", "--preset", "smoke", *overrides, "--until", until, "--out", str(out)]
+        result = subprocess.run(argv, capture_output=True, text=True, env=BITWISE_ENV, timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    name = hashlib.sha256(repr((until, overrides)).encode()).hexdigest()[:16]
+    return made_once(shared, f"{until}-{name}", build)
 
 
 def kill_then_resume(

@@ -208,7 +208,8 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
 
     # A fresh PREFECT_HOME, as in a new container: the cache entries live beside the artifacts
     # (tasks.stages.result_storage), so the unchanged stages are still cache hits.
-    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(tmp_path / "prefect-fresh")})
+    fresh_home = fresh_prefect_home(tmp_path / "prefect-fresh")  # no flow runs, no cache records
+    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(fresh_home)})
     s = states(log)
     assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     assert second["stages"]["ppo"]["key"] == planned_ppo[0]
@@ -219,44 +220,39 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     assert second["registered"]["rlhf-tldr-reward-model"] == first["registered"]["rlhf-tldr-reward-model"]
     assert int(second["registered"]["rlhf-tldr-policy"]) == int(first["registered"]["rlhf-tldr-policy"]) + 1
 
-    # Only an evaluation setting changed: only the evaluation stage runs. The PPO artifact was
-    # deleted since its cache entry was written: PPO runs again instead of returning a dead URI.
-    shutil.rmtree(second["stages"]["ppo"]["uri"])
-    third, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2")
-    s = states(log)
-    # reward.eval_* also sets which pairs DPO's implicit reward model is evaluated on
-    rerun = [s.pop(name) for name in ("reward_eval", "dpo_eval", "ppo", "evaluation")]
-    assert rerun == ["Completed"] * 4 and set(s.values()) == {"Cached"}
-    assert "is missing or incomplete (no MANIFEST.json); running it again" in log
-    for stage in ("data", "sft", "reward", "reward_norm"):
-        assert third["stages"][stage] == second["stages"][stage]
-    assert third["stages"]["reward_eval"]["key"] != second["stages"]["reward_eval"]["key"]
-    assert third["stages"]["ppo"]["key"] == second["stages"]["ppo"]["key"]  # same settings, artifact rebuilt
-    assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(
-        third["stages"]["ppo"]["key"], third["stages"]["ppo"]["digest"]
-    )
-
-    # Only a judge setting changed: the evaluation stage alone runs again, and PPO, whose
-    # stored weights had 64 KiB overwritten in place (same size), is rebuilt, not used.
-    weights = Path(third["stages"]["ppo"]["uri"]) / "model" / "model.safetensors"
+    # Only evaluation settings changed (which pairs the reward models are evaluated on, a judge
+    # setting): only the evaluation stages run, and two stored artifacts are found unusable since
+    # their cache entries were written: DPO's was deleted, and PPO's weights had 64 KiB
+    # overwritten in place (same size). Both stages run again under their keys instead of
+    # returning a dead URI or damaged weights.
+    shutil.rmtree(second["stages"]["dpo"]["uri"])
+    weights = Path(second["stages"]["ppo"]["uri"]) / "model" / "model.safetensors"
     size = weights.stat().st_size
     with open(weights, "r+b") as fh:
         fh.seek(size // 2)
         fh.write(bytes(65_536))
     assert weights.stat().st_size == size
-    fourth, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5")
+    third, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5")
     s = states(log)
-    assert s.pop("evaluation") == "Completed" and s.pop("ppo") == "Completed" and set(s.values()) == {"Cached"}
+    # reward.eval_* also sets which pairs DPO's implicit reward model is evaluated on
+    rerun = [s.pop(name) for name in ("reward_eval", "dpo_eval", "dpo", "ppo", "evaluation")]
+    assert rerun == ["Completed"] * 5 and set(s.values()) == {"Cached"}
+    dpo_uri = second["stages"]["dpo"]["uri"]
+    assert f"{dpo_uri} is missing or incomplete (no MANIFEST.json); running it again" in log
     assert "model/model.safetensors: SHA-256 differs from its manifest (changed in place); running it again" in log
-    assert fourth["stages"]["ppo"]["key"] == third["stages"]["ppo"]["key"]
-    assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(
-        fourth["stages"]["ppo"]["key"], fourth["stages"]["ppo"]["digest"]
-    )
+    for stage in ("data", "sft", "reward", "reward_norm"):
+        assert third["stages"][stage] == second["stages"][stage]
+    assert third["stages"]["reward_eval"]["key"] != second["stages"]["reward_eval"]["key"]
+    for stage in ("dpo", "ppo"):  # same settings, artifact rebuilt
+        assert third["stages"][stage]["key"] == second["stages"][stage]["key"]
+        assert ArtifactStore(str(tmp_path / "artifacts")).is_intact(
+            third["stages"][stage]["key"], third["stages"][stage]["digest"]
+        )
 
     # Two training processes (the GPU pools set RLHF_NPROC_PER_NODE from their `gpus` job
     # variable): the task launches SFT under torchrun, 2 gloo ranks with half the micro-batch,
     # relays rank 0's records to MLflow, and trains exactly like the single process above.
-    fifth, log = run_flow(tmp_path, "sft.micro_batch_size=2", "--until", "sft", env={"RLHF_NPROC_PER_NODE": "2"})
+    fourth, log = run_flow(tmp_path, "sft.micro_batch_size=2", "--until", "sft", env={"RLHF_NPROC_PER_NODE": "2"})
     assert states(log) == {"data": "Cached", "base_model": "Cached", "sft": "Completed"}
     assert "sft: 2 processes" in log and "torch.distributed.run" in log
 
@@ -264,9 +260,9 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
         history = client.get_metric_history(record["mlflow_run_id"], "train/loss")
         return [m.value for m in sorted(history, key=lambda m: m.step)]
 
-    assert len(losses(fifth["stages"]["sft"])) == 2
-    assert losses(fifth["stages"]["sft"]) == pytest.approx(losses(first["stages"]["sft"]), rel=1e-4)
-    sft_run = client.get_run(fifth["stages"]["sft"]["mlflow_run_id"])
+    assert len(losses(fourth["stages"]["sft"])) == 2
+    assert losses(fourth["stages"]["sft"]) == pytest.approx(losses(first["stages"]["sft"]), rel=1e-4)
+    sft_run = client.get_run(fourth["stages"]["sft"]["mlflow_run_id"])
     assert sft_run.info.status == "FINISHED" and "eval/rougeL" in sft_run.data.metrics
     assert sft_run.data.params["sft.micro_batch_size"] == "2"
 

@@ -19,7 +19,7 @@ from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.sft import sft_loss_sum
 from rlhf_core.tracking import read_metrics
 from rlhf_core.training import accumulation_steps
-from tests.stages import link_stages
+from tests.stages import link_stages, made_once
 
 
 def test_shards_split_a_global_batch_evenly_and_in_order():
@@ -160,11 +160,15 @@ def test_data_parallel_sums_gradients_over_ranks_once_per_global_batch(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def inputs(smoke_stages, tmp_path_factory):
-    root = link_stages(smoke_stages, tmp_path_factory.mktemp("ddp"), data="data", base="base")
-    shutil.copytree(root / "base", root / "sft" / "model")  # the reward model starts from a policy's `model`
-    save_pretrained_atomic(reward_model_from_causal_lm(root / "base", seed=3), root / "reward" / "model")
-    return root
+def inputs(smoke_stages, shared_runs):
+    """The stages' inputs, made once for all test processes (the runs below are shared too)."""
+
+    def build(root):
+        link_stages(smoke_stages, root, data="data", base="base")
+        shutil.copytree(root / "base", root / "sft" / "model")  # the reward model starts from a policy's `model`
+        save_pretrained_atomic(reward_model_from_causal_lm(root / "base", seed=3), root / "reward" / "model")
+
+    return made_once(shared_runs, "ddp-inputs", build)
 
 
 def launch(
@@ -201,10 +205,11 @@ def launch(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage,strategy", [("sft", "ddp"), ("reward", "ddp"), ("sft", "fsdp"), ("reward", "zero2")])
-def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inputs, tmp_path):
+def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inputs, shared_runs, tmp_path):
     """DDP sums full gradients; ZeRO-2 and FSDP (PyTorch FSDP2) shard gradients and optimiser
     state (FSDP the parameters too). Each must train like one process, checkpoint the full
-    state from all ranks, and save a full model from rank 0."""
+    state from all ranks, and save a full model from rank 0. The one process's run is made once
+    per stage, for every strategy."""
     if stage == "sft":
         stage_inputs, extra = [inputs / "data", inputs / "base"], ["sft.max_steps=3", "sft.eval_max_samples=1"]
     else:
@@ -212,7 +217,13 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(stage, strategy, inp
     # float32 on every machine: the equality below is of float32 sums in another order; bf16
     # autocast (what `auto` picks on a CPU with native bf16) rounds each product to 8 bits
     extra.append(f"{stage}.bf16=false")
-    one = launch(stage, stage_inputs, tmp_path / "one", 1, f"{stage}.micro_batch_size=4", *extra)
+    reference = made_once(
+        shared_runs,
+        f"{stage}-one-rank",
+        lambda out: launch(stage, stage_inputs, out, 1, f"{stage}.micro_batch_size=4", *extra),
+    )
+    (tmp_path / "one").symlink_to(reference, target_is_directory=True)
+    one = read_metrics(tmp_path / "one" / "metrics.jsonl")
     two = launch(
         stage,
         stage_inputs,
@@ -261,10 +272,11 @@ PPO_TWO_RANKS = (
 
 
 @pytest.fixture(scope="module")
-def ppo_ddp(inputs, tmp_path_factory):
-    """PPO on 2 ranks under DDP: its output directory and metrics."""
-    out = tmp_path_factory.mktemp("ppo-ddp") / "ppo"
-    return out, launch("ppo", [inputs / "data", inputs / "sft", inputs / "reward"], out, 2, *PPO_TWO_RANKS)
+def ppo_ddp(inputs, shared_runs):
+    """PPO on 2 ranks under DDP, made once for all test processes: its output directory and metrics."""
+    stages = [inputs / "data", inputs / "sft", inputs / "reward"]
+    out = made_once(shared_runs, "ppo-ddp", lambda out: launch("ppo", stages, out, 2, *PPO_TWO_RANKS))
+    return out, read_metrics(out / "metrics.jsonl")
 
 
 @pytest.mark.slow
