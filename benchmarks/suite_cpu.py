@@ -6,7 +6,7 @@ call and teardown), the CPU seconds of the test process and of the subprocesses 
 (`getrusage`: a `torchrun` job's ranks, an `rlhf run` with its temporary Prefect server), with
 the test process's name and its start and end time, one JSON line per test:
 
-    make test PYTEST_ARGS="-p benchmarks.suite_cpu"           # appends to $SUITE_CPU_OUT
+    make test PYTEST_ARGS="-p benchmarks.suite_cpu"           # writes $SUITE_CPU_OUT afresh
     python benchmarks/suite_cpu.py [FILE] [--top N]           # the summary below
 
 Not counted: processes that a test starts and does not reap, such as the server stack of the
@@ -35,6 +35,13 @@ def _cpu() -> tuple[float, float]:
     own = resource.getrusage(resource.RUSAGE_SELF)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
+def pytest_configure(config):
+    """The records of one pytest run only: the main process (pytest-xdist's controller, which
+    configures before its workers start) removes an earlier run's."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        OUT.unlink(missing_ok=True)
 
 
 @pytest.hookimpl(hookwrapper=True)

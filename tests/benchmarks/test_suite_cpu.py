@@ -25,6 +25,7 @@ def test_a_test_is_charged_its_subprocesses_cpu(tmp_path):
     (tmp_path / "test_burn.py").write_text(TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     out = tmp_path / "records.jsonl"
+    out.write_text(json.dumps({"test": "an earlier run's"}) + "\n")  # replaced, not appended to
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not an xdist worker's
     env |= {"PYTHONPATH": str(REPO), "SUITE_CPU_OUT": str(out)}
     argv = [
