@@ -46,7 +46,8 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
-    from rlhf_core.config import ModelConfig, QueryFormat
+    from rlhf_core.config import ModelConfig
+    from rlhf_core.config_data import QueryFormat
     from rlhf_core.data import truncate_query
     from rlhf_core.models import load_tokenizer
     from tests.rlhf_core.test_data import _truncate_one_paragraph_at_a_time

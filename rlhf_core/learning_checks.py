@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from . import diagnostics as diag
-from .config import IN_DISTRIBUTION_SPLIT
+from .config_data import IN_DISTRIBUTION_SPLIT
 from .reward import ResponseScores
 
 #: The reward model's evaluation splits in the report, by metric prefix (``reward_eval`` and

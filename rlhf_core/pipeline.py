@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import PipelineConfig
-from .io import json_digest
+from .io import content_digest, json_digest
 from .sources import data_fingerprint, reward_code_digest, source_fingerprint
 from .stage_code import stage_code_digest
 from .tracking import Tracker
@@ -75,7 +75,10 @@ def _ppo_reads(cfg: PipelineConfig) -> dict[str, Any]:
 
 def _evaluation_reads(cfg: PipelineConfig) -> dict[str, Any]:
     local_judge = cfg.eval.judge == "offline" and cfg.eval.judge_model  # default: the base model, an input
-    return {"judge": source_fingerprint(cfg.eval.judge_model) if local_judge else None}  # type: ignore[arg-type]
+    reads = {"judge": source_fingerprint(cfg.eval.judge_model) if local_judge else None}  # type: ignore[arg-type]
+    if cfg.eval.judge_prompt:  # the template file, by content (unset: the prompt is in the code)
+        reads["judge_prompt"] = content_digest([Path(cfg.eval.judge_prompt)])
+    return reads
 
 
 def _data(cfg, inputs, out, tracker):

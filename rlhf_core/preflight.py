@@ -76,9 +76,10 @@ def _setting(cfg: PipelineConfig, key: str):
 
 
 def split_names(data: DataConfig, kind: SplitKind) -> list[str]:
-    """The splits of ``kind`` that the data stage writes: those of ``data.{kind}_splits`` and the
+    """The splits of ``kind`` that the data stage writes: those of ``data.{kind}_splits`` (under
+    ``data.format: trl`` the data's own: :meth:`rlhf_core.config.DataConfig.splits`) and the
     splits held out of them (``data.{kind}_splits.*.holdout.split``)."""
-    specs = getattr(data, f"{kind}_splits")
+    specs = data.splits(kind)
     return [*specs, *(spec.holdout.split for spec in specs.values() if spec.holdout is not None)]
 
 
@@ -165,11 +166,12 @@ def check_local_data(data: DataConfig) -> None:
         where = f"{local_dir} does not exist" if local_dir else "neither it nor RLHF_TLDR_DIR is set"
         raise DataError(f"data.local_dir: the data source is local but {where}; set data.local_dir or RLHF_TLDR_DIR")
     for kind in ("sft", "preference"):
-        for name, spec in getattr(data, f"{kind}_splits").items():
+        for name, spec in data.splits(kind).items():
             try:
                 local_split_files(local_dir, kind, spec.source)
             except DataError as exc:
-                raise DataError(f"data.{kind}_splits.{name}.source: {exc}") from None
+                key = "data.local_dir" if data.format == "trl" else f"data.{kind}_splits.{name}.source"
+                raise DataError(f"{key}: {exc}") from None
 
 
 def check_hub_datasets(data: DataConfig) -> None:
@@ -395,6 +397,21 @@ def check_judge_key(cfg: PipelineConfig, secret_exists: Callable[[str], bool] | 
 # ------------------------------------------------------------------------ entry point
 
 
+def check_judge_prompt(cfg: PipelineConfig) -> None:
+    """Check that ``eval.judge_prompt``, when set, is a readable template naming ``{prompt}``,
+    ``{a}`` and ``{b}`` (:func:`rlhf_core.judging.prompt.load_judge_prompt`).
+
+    Raises:
+        PreflightError: naming ``eval.judge_prompt``, the file and what is wrong.
+    """
+    from .judging.prompt import load_judge_prompt
+
+    try:
+        load_judge_prompt(cfg.eval.judge_prompt, cfg.data.format)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
+
+
 def check_before_stages(
     cfg: PipelineConfig,
     stages: Iterable[str] | None = None,
@@ -426,4 +443,5 @@ def check_before_stages(
     if "data" in names:
         check_hub_datasets(cfg.data)
     if "evaluation" in names:
+        check_judge_prompt(cfg)
         check_judge_key(cfg, secret_exists)

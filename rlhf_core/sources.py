@@ -115,7 +115,8 @@ def gguf_cache_dir(source: Source) -> Path:
 
 
 def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> list[Path]:
-    """The JSONL files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``.
+    """The files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``, then
+    the same names in ``.parquet``.
 
     The second form lets one source split span several files, as the offline data's
     ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split.
@@ -126,10 +127,18 @@ def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> li
     root = Path(local_dir)
     if not root.is_dir():
         raise DataError(f"local data directory {root} does not exist (set RLHF_TLDR_DIR or data.local_dir)")
-    files = sorted(root.glob(f"{kind}_{split}.jsonl")) + sorted(root.glob(f"{kind}_{split}_*.jsonl"))
+    files = [
+        path
+        for suffix in ("jsonl", "parquet")
+        for pattern in (f"{kind}_{split}.{suffix}", f"{kind}_{split}_*.{suffix}")
+        for path in sorted(root.glob(pattern))
+    ]
     if not files:
-        present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*.jsonl"))) or "none"
-        raise DataError(f"no file {kind}_{split}.jsonl in {root} for {kind} split {split!r} (present: {present})")
+        present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*") if p.suffix in (".jsonl", ".parquet")))
+        raise DataError(
+            f"no file {kind}_{split}.jsonl (or .parquet) in {root} for {kind} split {split!r} "
+            f"(present: {present or 'none'})"
+        )
     return files
 
 
@@ -158,8 +167,8 @@ def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
             raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
         files = {
             path
-            for kind, specs in (("sft", data_cfg.sft_splits), ("preference", data_cfg.preference_splits))
-            for spec in specs.values()
+            for kind in ("sft", "preference")
+            for spec in data_cfg.splits(kind).values()
             for path in local_split_files(local_dir, kind, spec.source)
         }
         return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}

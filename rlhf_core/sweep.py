@@ -23,7 +23,8 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import IN_DISTRIBUTION_SPLIT, ConfigError, PipelineConfig, load_config
+from .config import ConfigError, PipelineConfig, load_config
+from .config_data import IN_DISTRIBUTION_SPLIT
 from .credentials import format_validation_error
 from .presets import PRESET_DIR, read_yaml_mapping
 

@@ -141,7 +141,7 @@ class RewardModelScorer(mlflow.pyfunc.PythonModel):
     def load_context(self, context) -> None:
         from transformers import AutoTokenizer
 
-        from rlhf_core.config import QueryFormat
+        from rlhf_core.config_data import QueryFormat
         from rlhf_core.reward import ScalarModel
 
         path = context.artifacts["reward_model"]

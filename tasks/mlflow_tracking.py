@@ -196,8 +196,8 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
     root = Path(data_dir)
     d = cfg.data
     inputs = []
-    for kind, specs in (("sft", d.sft_splits), ("preference", d.preference_splits)):
-        for split, spec in specs.items():
+    for kind in ("sft", "preference"):
+        for split, spec in d.splits(kind).items():
             if not (root / kind / split).is_dir():
                 continue
             ds = datasets.load_from_disk(str(root / kind / split))

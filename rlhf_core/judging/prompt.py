@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import string
 from typing import Literal
 
 # Huang et al. 2024, Appendix I (modified from Rafailov et al. 2023). The paper's text
@@ -40,6 +41,66 @@ JUDGE_PROMPT = (
     'Preferred: <"A" or "B">'
 )
 
+#: The judge prompt of ``data.format: trl`` data, which need not be summaries of forum posts: a
+#: neutral pairwise question, in the layout and answer format of :data:`JUDGE_PROMPT`.
+PAIRWISE_PROMPT = (
+    "Which of the following two responses to the prompt is better? Judge based on helpfulness, "
+    "accuracy, and coherence.\n"
+    "\n"
+    "Prompt:\n"
+    "<post>\n"
+    "{prompt}\n"
+    "</post>\n"
+    "\n"
+    "Response A:\n"
+    "<summary>\n"
+    "{a}\n"
+    "</summary>\n"
+    "\n"
+    "Response B:\n"
+    "<summary>\n"
+    "{b}\n"
+    "</summary>\n"
+    "\n"
+    "FIRST provide a one-sentence comparison of the two responses, explaining which you prefer and why. "
+    'SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use '
+    "the format:\n"
+    "\n"
+    "Comparison: <one-sentence comparison and explanation>\n"
+    'Preferred: <"A" or "B">'
+)
+#: The placeholders a judge prompt of ``eval.judge_prompt`` fills: the prompt (or post) and the
+#: two responses. :data:`JUDGE_PROMPT` names them ``post``, ``summary_a``, ``summary_b``.
+TEMPLATE_FIELDS = ("prompt", "a", "b")
+
+
+def load_judge_prompt(path: str | None, data_format: str) -> str:
+    """The judge prompt template: the file ``path`` (``eval.judge_prompt``) when set, else
+    :data:`JUDGE_PROMPT` (Appendix I) for ``tldr`` data and :data:`PAIRWISE_PROMPT` for ``trl``.
+
+    A template file is UTF-8 text naming each of ``{prompt}``, ``{a}`` and ``{b}`` and no other
+    placeholder (a literal brace is written twice); it should ask for the answer format that
+    :func:`parse_preference` reads (a last line ``Preferred: A`` or ``Preferred: B``).
+
+    Raises:
+        ValueError: the file cannot be read, or its placeholders are not exactly those three;
+            naming ``eval.judge_prompt`` and the file.
+    """
+    if not path:
+        return PAIRWISE_PROMPT if data_format == "trl" else JUDGE_PROMPT
+    try:
+        template = open(path, encoding="utf-8").read()
+        names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"eval.judge_prompt {path}: {type(exc).__name__}: {exc}") from None
+    if names != set(TEMPLATE_FIELDS):
+        raise ValueError(
+            f"eval.judge_prompt {path}: a judge prompt names {{prompt}}, {{a}} and {{b}}, each once or more, "
+            f"and nothing else; it names {', '.join('{' + n + '}' for n in sorted(names)) or 'none'}"
+        )
+    return template
+
+
 #: The delimiters of :data:`JUDGE_PROMPT`, which a text must not contain as they are.
 _DELIMITER = re.compile(r"<(/?)(post|summary)>", re.IGNORECASE)
 
@@ -53,10 +114,11 @@ def escape_delimiters(text: str) -> str:
 Preference = Literal["A", "B"]
 
 
-def format_judge_prompt(post: str, summary_a: str, summary_b: str) -> str:
-    """The Appendix I prompt with ``post`` and the two summaries filled in, each inside its
-    tags (:data:`JUDGE_PROMPT`) with the tags escaped in the texts (:func:`escape_delimiters`);
-    everything else in them, braces and "Preferred:" lines included, is kept verbatim.
+def format_judge_prompt(post: str, summary_a: str, summary_b: str, template: str = JUDGE_PROMPT) -> str:
+    """The Appendix I prompt (or another ``template``: :func:`load_judge_prompt`) with ``post``
+    and the two summaries filled in, each inside its tags (:data:`JUDGE_PROMPT`) with the tags
+    escaped in the texts (:func:`escape_delimiters`); everything else in them, braces and
+    "Preferred:" lines included, is kept verbatim.
 
     Raises:
         TypeError: an argument is not a string.
@@ -64,9 +126,8 @@ def format_judge_prompt(post: str, summary_a: str, summary_b: str) -> str:
     for name, value in (("post", post), ("summary_a", summary_a), ("summary_b", summary_b)):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a string, got {type(value).__name__}")
-    return JUDGE_PROMPT.format(
-        post=escape_delimiters(post), summary_a=escape_delimiters(summary_a), summary_b=escape_delimiters(summary_b)
-    )
+    post, a, b = escape_delimiters(post), escape_delimiters(summary_a), escape_delimiters(summary_b)
+    return template.format(post=post, summary_a=a, summary_b=b, prompt=post, a=a, b=b)
 
 
 def prompt_sha256(prompt: str) -> str:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .prompt import Preference, format_judge_prompt, parse_letter_logprobs
+from .prompt import JUDGE_PROMPT, Preference, format_judge_prompt, parse_letter_logprobs
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Comparison:
         reference: the human-written reference summary.
         title: the post's title; when set the judge sees ``"{title}\\n\\n{post}"``.
         policy: which model produced ``response`` (bookkeeping, copied to the judgement).
+        template: the judge prompt (:func:`rlhf_core.judging.prompt.load_judge_prompt`).
 
     Raises:
         ValueError: ``id`` is empty; TypeError: a text field is not a string.
@@ -31,6 +32,7 @@ class Comparison:
     reference: str
     title: str | None = None
     policy: str | None = None
+    template: str = JUDGE_PROMPT
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not self.id:
@@ -49,10 +51,11 @@ class Comparison:
     def prompt(self, response_first: bool) -> str:
         """The judge prompt, with the response as Summary A when ``response_first``."""
         a, b = (self.response, self.reference) if response_first else (self.reference, self.response)
-        return format_judge_prompt(self.post_text, a, b)
+        return format_judge_prompt(self.post_text, a, b, self.template)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The comparison's fields but its prompt template (the same for every comparison)."""
+        return {k: v for k, v in asdict(self).items() if k != "template"}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ import statistics
 import datasets
 import pytest
 
-from rlhf_core.config import QueryFormat, load_config
+from rlhf_core.config import load_config
+from rlhf_core.config_data import QueryFormat
 from rlhf_core.data import (
     format_query,
     left_pad,

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from rlhf_core.config import ModelConfig, QueryFormat, RandomInitConfig
+from rlhf_core.config import ModelConfig, RandomInitConfig
+from rlhf_core.config_data import QueryFormat
 from rlhf_core.data import format_query
 from rlhf_core.models import (
     ModelSourceError,

@@ -1,0 +1,318 @@
+"""The ``data`` section of the configuration: where rows come from, their format, splits and queries.
+
+:class:`DataConfig` and its parts (:class:`QueryFormat`, :class:`SplitSpec`,
+:class:`HoldoutSpec`), and :class:`StrictModel`, the base of every section: unknown keys and
+booleans given for numbers are refused. :mod:`rlhf_core.config` composes them with the other
+sections and loads the whole.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+import typing
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
+CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
+#: The preference split of comparisons held out of ``train`` (``SplitSpec.holdout``): the reward
+#: model's (and DPO's) in-distribution accuracy. Reports name it in distribution, and ``validation``
+#: out of distribution (its policies differ from train's: Huang et al. 2024, Detail 6).
+IN_DISTRIBUTION_SPLIT = "validation_in_dist"
+
+
+class StrictModel(BaseModel):
+    """A settings section: unknown keys, assignments that do not validate and booleans given for
+    numbers are refused."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for an int field: `sft.batch_size=true` would train with 1
+        if isinstance(value, bool) and info.field_name is not None:
+            annotation = cls.model_fields[info.field_name].annotation
+            kinds = typing.get_args(annotation) or (annotation,)
+            if bool not in kinds and any(k in (int, float) for k in kinds):
+                raise ValueError(f"a number is needed, not the boolean {str(value).lower()}")
+        return value
+
+
+# --------------------------------------------------------------------------- data
+
+
+#: The fields of a TL;DR row (``data.format: tldr``) that a query template may name: the post's,
+#: not its summaries' (``site`` is the news site of a CNN/DM article).
+QUERY_FIELDS = ("id", "subreddit", "title", "post", "site")
+
+
+class QueryFormat(StrictModel):
+    """How a row becomes a query (Huang et al. 2024, Detail 2).
+
+    ``template`` is a ``str.format`` template over the row's fields (:data:`QUERY_FIELDS`);
+    ``truncate_field`` is the field shortened, paragraph by paragraph, until the tokenised query
+    has at most ``max_query_length`` tokens (special tokens included). A placeholder or
+    ``truncate_field`` that names no field is refused when the configuration is read.
+    """
+
+    template: str = TLDR_QUERY_TEMPLATE
+    truncate_field: str = "post"
+    max_query_length: int = Field(512, gt=0)
+
+    @field_validator("template")
+    @classmethod
+    def _fields_exist(cls, template: str) -> str:
+        try:
+            parsed = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        except ValueError as exc:  # "Single '}' encountered in format string"
+            raise ValueError(f"not a str.format template ({exc}); write a literal brace as {{{{ or }}}}") from None
+        for name in parsed:
+            if name not in QUERY_FIELDS:
+                raise ValueError(
+                    f"the placeholder {{{name}}} names no field of a row; the fields are "
+                    + ", ".join(f"{{{f}}}" for f in QUERY_FIELDS)
+                )
+        return template
+
+    @field_validator("truncate_field")
+    @classmethod
+    def _a_query_field(cls, name: str) -> str:
+        if name not in QUERY_FIELDS:
+            raise ValueError(f"{name!r} names no field of a row; one of {', '.join(QUERY_FIELDS)}")
+        return name
+
+
+class HoldoutSpec(StrictModel):
+    """Rows moved out of a split into a split of their own (:class:`SplitSpec` ``holdout``).
+
+    ``split`` names the new split; ``rows`` is its exact row count; ``seed`` draws them
+    (``datasets.Dataset.shuffle``). Rows are held out by query: every row of a drawn query
+    (one post compared several times, or one pair labelled by several workers) goes to the
+    new split, so that no query of it is in the split it came from
+    (:func:`rlhf_core.data.apply_holdouts`).
+    """
+
+    split: str = Field(min_length=1)
+    rows: int = Field(gt=0)
+    seed: int = 0
+
+
+class SplitSpec(StrictModel):
+    """One output split, taken from one source split.
+
+    ``source`` names the hub split (or the local ``{set}_{source}.jsonl`` file);
+    ``batches`` keeps only those comparison batches, ``exclude_batches`` drops them;
+    ``max_rows`` keeps the first N valid rows; ``task`` picks the query format
+    (``tldr`` or ``cnndm``; ``trl`` is the task of every split under ``data.format: trl``). ``holdout`` (:class:`HoldoutSpec`) moves ``holdout.rows`` of
+    this split's rows (after the filters above, validation and the response caps) into the
+    split ``holdout.split``, and this split keeps the rest, in their order: for example
+    ``train: {source: validation, batches: [batch13], holdout: {split: validation_in_dist,
+    rows: 200, seed: 1}}``. Unset, it is left out of the dumped settings, so that the settings,
+    and the data stage's key, of a split without one are what they were before the field
+    existed.
+    """
+
+    source: str
+    batches: list[str] | None = None
+    exclude_batches: list[str] = Field(default_factory=list)
+    max_rows: int | None = Field(None, gt=0)
+    task: Literal["tldr", "cnndm", "trl"] = "tldr"
+    holdout: HoldoutSpec | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_unset_holdout(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        if self.holdout is None:
+            dumped.pop("holdout", None)
+        return dumped
+
+
+def _default_sft_splits() -> dict[str, SplitSpec]:
+    return {name: SplitSpec(source=name) for name in ("train", "validation", "test")}
+
+
+def _default_preference_splits() -> dict[str, SplitSpec]:
+    return {
+        "train": SplitSpec(source="train"),
+        "validation": SplitSpec(source="validation", exclude_batches=list(CNNDM_BATCHES)),
+        "validation_cnndm": SplitSpec(source="validation", batches=list(CNNDM_BATCHES), task="cnndm"),
+    }
+
+
+#: TRL's column names (its ``dataset_formats`` page) that ``data.columns`` may map a user's columns onto.
+TRL_COLUMNS = ("prompt", "completion", "messages", "chosen", "rejected")
+#: The splits read under ``data.format: trl``, each from the file or hub split of its name.
+TRL_SPLITS = {"sft": ("train", "validation", "test"), "preference": ("train", "validation")}
+
+
+class DataConfig(StrictModel):
+    """Where the TL;DR data comes from and how it is tokenised (Details 1-6).
+
+    ``format``: ``tldr`` (the default) reads TL;DR rows (``id, subreddit, title, post`` and a
+    ``summary``, or comparisons with their policies and batches), formatted by ``tldr_format`` /
+    ``cnndm_format`` (Details 1-6). ``trl`` reads rows in TRL's dataset formats
+    (:mod:`rlhf_core.data_trl`): ``prompt``/``completion`` or ``messages`` for SFT,
+    ``prompt``/``chosen``/``rejected`` (or ``chosen``/``rejected`` alone, sharing a prompt) for
+    preferences, each as strings (standard) or message lists (conversational, through the
+    tokenizer's chat template). ``columns`` maps those names onto the data's own
+    (``{prompt: question}``). Under ``trl`` the splits are the data's own (:data:`TRL_SPLITS`,
+    :meth:`splits`): the configured splits give way, keeping only their ``max_rows`` and
+    ``holdout``; prompts longer than ``max_query_length`` (unset: ``tldr_format``'s) tokens
+    are cut keeping their end or start, or dropped (``prompt_truncation``). Left at their
+    defaults these four keys are left out of the dumped settings, so that the data stage's key
+    of a ``tldr`` configuration is what it was before they existed.
+
+    ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
+    (:func:`rlhf_core.data_hub.load_hub_split`); ``local`` reads JSONL files from ``local_dir``
+    (default: the ``RLHF_TLDR_DIR`` environment variable); ``auto`` is ``local`` when a local
+    directory is known, else the rows of ``hub_subset`` when it is set, else ``hub``.
+    ``hub_subset`` names a subset file (``configs/data/NAME.json`` or a path): the identities
+    of the rows of a local folder and the hub datasets they come from. With ``auto`` and no
+    local directory, those rows are fetched once from the hub into a cache folder
+    (:func:`rlhf_core.hub_subset.ensure_local_rows`) and read from it as a local folder.
+    ``max_*_response_length`` of ``None`` derive the padded lengths from the data (Detail 4); a
+    number caps them and drops longer rows, counted in ``stats.json``. ``on_bad_row`` is
+    ``error`` (stop, naming file and row) or ``skip`` (drop and count). ``revision`` pins the
+    hub datasets to a branch, tag or commit.
+    """
+
+    source: Literal["auto", "hub", "local"] = "auto"
+    local_dir: str | None = None
+    hub_subset: str | None = None
+    sft_dataset: str = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
+    preference_dataset: str = "openai/summarize_from_feedback"
+    preference_config: str | None = "comparisons"
+    revision: str | None = None
+    sft_splits: dict[str, SplitSpec] = Field(default_factory=_default_sft_splits)
+    preference_splits: dict[str, SplitSpec] = Field(default_factory=_default_preference_splits)
+    tldr_format: QueryFormat = Field(default_factory=QueryFormat)
+    cnndm_format: QueryFormat = Field(
+        default_factory=lambda: QueryFormat(template=CNNDM_QUERY_TEMPLATE, max_query_length=2047 - 128)
+    )
+    max_sft_response_length: int | None = Field(None, gt=0)
+    max_rm_response_length: int | None = Field(None, gt=0)
+    on_bad_row: Literal["error", "skip"] = "error"
+    format: Literal["tldr", "trl"] = "tldr"
+    columns: dict[str, str] = Field(default_factory=dict)
+    prompt_truncation: Literal["keep_end", "keep_start", "drop"] = "keep_end"
+    max_query_length: int | None = Field(None, gt=0)
+
+    @model_serializer(mode="wrap")
+    def _no_trl_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped = handler(self)
+        defaults = {"format": "tldr", "columns": {}, "prompt_truncation": "keep_end", "max_query_length": None}
+        for key, default in defaults.items():
+            if dumped.get(key) == default:
+                dumped.pop(key, None)
+        return dumped
+
+    @field_validator("columns")
+    @classmethod
+    def _trl_names(cls, columns: dict[str, str]) -> dict[str, str]:
+        for name, column in columns.items():
+            if name not in TRL_COLUMNS:
+                raise ValueError(f"data.columns.{name}: not one of TRL's columns ({', '.join(TRL_COLUMNS)})")
+            if not column:
+                raise ValueError(f"data.columns.{name}: an empty column name")
+        return columns
+
+    def splits(self, kind: Literal["sft", "preference"]) -> dict[str, SplitSpec]:
+        """The splits of ``kind`` the data stage reads: ``{kind}_splits`` under ``format: tldr``;
+        under ``trl`` the data's own (:data:`TRL_SPLITS`), each read from the file or hub split of
+        its name, with the ``max_rows`` and ``holdout`` of the configured split of that name."""
+        configured: dict[str, SplitSpec] = getattr(self, f"{kind}_splits")
+        if self.format == "tldr":
+            return configured
+        out = {}
+        for name in TRL_SPLITS[kind]:
+            spec = configured.get(name)
+            out[name] = SplitSpec(
+                source=name,
+                task="trl",
+                max_rows=spec.max_rows if spec else None,
+                holdout=spec.holdout if spec else None,
+            )
+        return out
+
+    @property
+    def trl_max_query_length(self) -> int:
+        """The prompt length limit under ``format: trl``, in tokens: ``max_query_length``, else
+        ``tldr_format.max_query_length``."""
+        return self.max_query_length or self.tldr_format.max_query_length
+
+    @field_validator("hub_subset")
+    @classmethod
+    def _check_subset(cls, name: str | None) -> str | None:
+        if name is not None:
+            from .subset_files import subset_path
+
+            subset_path(name)  # a missing file is named now, not when the rows are first read
+        return name
+
+    @model_validator(mode="after")
+    def _check_holdouts(self) -> DataConfig:
+        for kind in ("sft", "preference"):
+            splits: dict[str, SplitSpec] = getattr(self, f"{kind}_splits")
+            taken: dict[str, str] = {}  # held-out split -> the split it is held out of
+            for name, spec in splits.items():
+                if spec.holdout is None:
+                    continue
+                key, new = f"data.{kind}_splits.{name}.holdout.split", spec.holdout.split
+                if new in splits:
+                    raise ValueError(f"{key}: {new!r} is already a split of data.{kind}_splits; name a new split")
+                if new in taken:
+                    raise ValueError(f"{key}: {new!r} is also held out of {taken[new]!r}; name another split")
+                taken[new] = name
+            if kind != "preference":
+                continue
+            if IN_DISTRIBUTION_SPLIT in splits:
+                raise ValueError(
+                    f"data.preference_splits.{IN_DISTRIBUTION_SPLIT}: the in-distribution split is held out of "
+                    f"train, not read from a source: set data.preference_splits.train.holdout: "
+                    f"{{split: {IN_DISTRIBUTION_SPLIT}, rows: N, seed: S}}"
+                )
+            if taken.get(IN_DISTRIBUTION_SPLIT, "train") != "train":
+                raise ValueError(
+                    f"data.preference_splits.{taken[IN_DISTRIBUTION_SPLIT]}.holdout.split: "
+                    f"{IN_DISTRIBUTION_SPLIT!r} names the comparisons held out of train (the reward model's "
+                    "in-distribution accuracy); hold it out of train or name the split otherwise"
+                )
+        return self
+
+    def resolved_source(self) -> Literal["hub", "local"]:
+        """``hub`` or ``local``, resolving ``auto`` from ``local_dir``/``RLHF_TLDR_DIR``, then
+        ``hub_subset`` (its rows are read as a local folder)."""
+        if self.source != "auto":
+            return self.source
+        return "local" if self.resolved_local_dir() else "hub"
+
+    def subset_in_use(self) -> str | None:
+        """``hub_subset`` when its rows are what is read: ``source`` is ``auto`` and neither
+        ``local_dir`` nor ``$RLHF_TLDR_DIR`` is set, and the format is ``tldr`` (the subset's
+        rows are TL;DR rows); else ``None``."""
+        if self.format != "tldr":
+            return None
+        explicit = self.local_dir or os.environ.get("RLHF_TLDR_DIR")
+        return self.hub_subset if self.source == "auto" and not explicit else None
+
+    def resolved_local_dir(self) -> str | None:
+        """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
+        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``."""
+        if self.subset_in_use():
+            from .subset_files import subset_dir
+
+            return str(subset_dir(self.hub_subset))  # type: ignore[arg-type]
+        return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None

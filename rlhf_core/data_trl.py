@@ -1,0 +1,237 @@
+"""Rows in TRL's dataset formats (``data.format: trl``): validated, normalised, and made queries.
+
+The formats are TRL's (its ``dataset_formats`` page), which OpenRLHF and NeMo-RL also read:
+
+- SFT, standard: ``prompt`` and ``completion`` strings; conversational: ``messages``, a list of
+  ``{role, content}`` whose last message is the assistant's response, or ``prompt`` and
+  ``completion`` as message lists.
+- Preferences, standard: ``prompt``, ``chosen`` and ``rejected`` strings; conversational: the
+  same as message lists. Without ``prompt`` (TRL's implicit prompt), ``chosen`` and
+  ``rejected`` are whole texts or conversations split at their common prefix
+  (:func:`split_implicit_prompt`).
+
+``data.columns`` renames the data's columns onto these first. A row comes out in the flat form
+of :func:`rlhf_core.data_rows.normalise_row`, so the rest of the pipeline reads it as a TL;DR
+row: ``post`` holds the prompt's text for reports and the judge (the last user message of a
+conversation), ``summary`` / ``chosen`` / ``rejected`` the responses as given (not stripped:
+a response brings its own leading space, if any), ``subreddit`` and ``title`` are empty, and
+the metadata the evaluation groups by (``batch``, ``chosen_policy``, ``rejected_policy``,
+``confidence``, ``split``) and the labeller (``worker``) are kept when present, else ``None``. The prompt itself is kept in
+``prompt`` (a string) or ``prompt_messages`` (the conversation as JSON), and made a query by
+:func:`trl_query` with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from .errors import BadRow, DataError
+
+#: Reasons a row is dropped by a setting rather than for being bad: counted, never an error.
+DROPPED_BY_SETTING = ("prompt_too_long",)
+#: Metadata a preference row may carry, used by the reward model's per-group tables.
+PREFERENCE_METADATA = ("batch", "chosen_policy", "rejected_policy", "split", "worker")
+
+
+def rename_columns(rec: dict, columns: dict[str, str]) -> dict:
+    """``rec`` with each column ``columns[name]`` renamed ``name`` (``data.columns``).
+
+    Raises:
+        BadRow: ``missing_column:COLUMN`` when a mapped column is absent.
+    """
+    if not columns:
+        return rec
+    out = dict(rec)
+    for name, column in columns.items():
+        if column not in rec:
+            raise BadRow(f"missing_column:{column}", f"data.columns.{name} names column {column!r}, not in the row")
+        out[name] = out.pop(column)
+    return out
+
+
+def _messages(value: Any, name: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise BadRow(f"bad_messages:{name}", "a non-empty list of {role, content} is needed")
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRow(f"bad_messages:{name}", f"message {i} has no role")
+        if not isinstance(message.get("content"), str):
+            raise BadRow(f"bad_messages:{name}", f"message {i} has no string content")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _assistant_text(messages: list[dict[str, str]], name: str) -> str:
+    """The content of a response given as messages: one assistant message."""
+    if len(messages) != 1 or messages[0]["role"] != "assistant":
+        roles = [m["role"] for m in messages]
+        raise BadRow(f"not_one_assistant_message:{name}", f"roles {roles}")
+    return messages[0]["content"]
+
+
+def _string(value: Any, name: str) -> str:
+    if value is None:
+        raise BadRow(f"null_field:{name}")
+    if not isinstance(value, str):
+        raise BadRow(f"non_string_field:{name}", f"got {type(value).__name__}")
+    if not value.strip():
+        raise BadRow(f"empty_field:{name}")
+    return value
+
+
+def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """Split two whole responses sharing a prompt into ``(prompt, chosen, rejected)``.
+
+    Conversations split at their longest common prefix of whole messages; strings at their
+    longest common prefix of characters, moved back to the last whitespace in it, so that a
+    response starts at a word (with its leading space).
+
+    Raises:
+        BadRow: ``no_common_prompt`` when the two share no prefix, or ``identical_responses``.
+    """
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        if n == len(chosen) and n == len(rejected):
+            raise BadRow("identical_responses")
+        if n == 0:
+            raise BadRow("no_common_prompt", "chosen and rejected share no leading message")
+        return chosen[:n], chosen[n:], rejected[n:]
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == len(chosen) and n == len(rejected):
+        raise BadRow("identical_responses")
+    while n > 0 and not chosen[n - 1].isspace():
+        n -= 1
+    if n > 0:
+        n -= 1  # the whitespace starts the responses
+    if n == 0:
+        raise BadRow("no_common_prompt", "chosen and rejected share no leading words")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def row_form(rec: dict, kind: str) -> str:
+    """``standard`` or ``conversational``, from the row's columns (after renaming).
+
+    Raises:
+        BadRow: ``missing_field:...`` when the columns make no form of ``kind``.
+    """
+    if kind == "sft":
+        if "messages" in rec:
+            return "conversational"
+        for name in ("prompt", "completion"):
+            if name not in rec:
+                raise BadRow(f"missing_field:{name}", "an SFT row needs prompt and completion, or messages")
+        return "conversational" if isinstance(rec["prompt"], list) else "standard"
+    for name in ("chosen", "rejected"):
+        if name not in rec:
+            raise BadRow(f"missing_field:{name}", "a preference row needs chosen and rejected (and prompt)")
+    probe = rec["prompt"] if "prompt" in rec else rec["chosen"]
+    return "conversational" if isinstance(probe, list) else "standard"
+
+
+def normalise_trl_row(rec: dict, kind: str, columns: dict[str, str]) -> tuple[str, dict]:
+    """Validate one TRL-format row and return ``(form, row)``, ``row`` in the flat form above.
+
+    Raises:
+        BadRow: a missing, null, empty or mistyped column (``missing_field:completion``,
+            ``bad_messages:prompt``, ``not_one_assistant_message:chosen``, ...).
+    """
+    rec = rename_columns(rec, columns)
+    form = row_form(rec, kind)
+    out: dict[str, Any] = {"id": rec.get("id") if isinstance(rec.get("id"), str) else ""}
+    if kind == "sft":
+        if form == "conversational" and "messages" in rec:
+            messages = _messages(rec["messages"], "messages")
+            if messages[-1]["role"] != "assistant" or len(messages) < 2:
+                raise BadRow(
+                    "no_assistant_response:messages", "the last message must be the assistant's, after a prompt"
+                )
+            prompt, responses = messages[:-1], {"summary": messages[-1]["content"]}
+        elif form == "conversational":
+            prompt = _messages(rec["prompt"], "prompt")
+            responses = {"summary": _assistant_text(_messages(rec["completion"], "completion"), "completion")}
+        else:
+            prompt, responses = _string(rec["prompt"], "prompt"), {"summary": _string(rec["completion"], "completion")}
+    else:
+        chosen, rejected = rec["chosen"], rec["rejected"]
+        if "prompt" in rec:
+            prompt = rec["prompt"]
+        else:
+            if form == "conversational":
+                chosen, rejected = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+            else:
+                chosen, rejected = _string(chosen, "chosen"), _string(rejected, "rejected")
+            prompt, chosen, rejected = split_implicit_prompt(chosen, rejected)
+        if form == "conversational":
+            prompt = _messages(prompt, "prompt")
+            responses = {
+                "chosen": _assistant_text(_messages(chosen, "chosen"), "chosen"),
+                "rejected": _assistant_text(_messages(rejected, "rejected"), "rejected"),
+            }
+        else:
+            prompt = _string(prompt, "prompt")
+            responses = {"chosen": _string(chosen, "chosen"), "rejected": _string(rejected, "rejected")}
+        for name in PREFERENCE_METADATA:
+            value = rec.get(name)
+            out[name] = value if isinstance(value, str) else None
+        confidence = rec.get("confidence")
+        out["confidence"] = confidence if isinstance(confidence, int) and not isinstance(confidence, bool) else None
+    for name, text in responses.items():
+        if not text.strip():
+            raise BadRow(f"empty_field:{name}")
+    if isinstance(prompt, list):
+        users = [m["content"] for m in prompt if m["role"] == "user"]
+        out |= {
+            "post": users[-1] if users else prompt[-1]["content"],
+            "prompt": "",
+            "prompt_messages": json.dumps(prompt),
+        }
+    else:
+        out |= {"post": prompt, "prompt": prompt, "prompt_messages": ""}
+    return form, out | {"subreddit": "", "title": "", "site": ""} | responses
+
+
+def trl_query(
+    row: dict, tokenizer: PreTrainedTokenizerBase, max_query_length: int, truncation: str
+) -> tuple[str, list[int], dict]:
+    """The query of a row of :func:`normalise_trl_row`, cut to ``max_query_length`` tokens.
+
+    A standard prompt is tokenised as given, with the tokenizer's special tokens (as a TL;DR
+    query is: Detail 2); a conversation is rendered by the tokenizer's chat template with the
+    generation prompt added, then tokenised without adding special tokens (the template writes
+    its own). A query over the limit keeps its last tokens (``keep_end``, TRL's default), its
+    first (``keep_start``), or is dropped (``drop``); the query text is then the kept tokens
+    decoded.
+
+    Returns:
+        ``(query, query_token, counts)`` as :func:`rlhf_core.data.truncate_query` returns them:
+        ``counts["token_cut"]`` is whether the query was cut.
+
+    Raises:
+        BadRow: ``prompt_too_long`` with ``truncation: drop``.
+        DataError: a conversation with a tokenizer that has no chat template.
+    """
+    if row["prompt_messages"]:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"conversational rows need a chat template, and the tokenizer {tokenizer.name_or_path!r} has none: "
+                "use a chat model's tokenizer (model.tokenizer) or standard-form rows"
+            )
+        query = tokenizer.apply_chat_template(
+            json.loads(row["prompt_messages"]), tokenize=False, add_generation_prompt=True
+        )
+        ids = tokenizer(query, add_special_tokens=False)["input_ids"]
+    else:
+        query = row["prompt"]
+        ids = tokenizer(query, add_special_tokens=True)["input_ids"]
+    if len(ids) <= max_query_length:
+        return query, ids, {"paragraphs_removed": 0, "token_cut": False}
+    if truncation == "drop":
+        raise BadRow("prompt_too_long", f"{len(ids)} tokens > {max_query_length} (data.prompt_truncation: drop)")
+    ids = ids[-max_query_length:] if truncation == "keep_end" else ids[:max_query_length]
+    return tokenizer.decode(ids), ids, {"paragraphs_removed": 0, "token_cut": True}

@@ -1,0 +1,274 @@
+"""Rows in TRL's dataset formats (``data.format: trl``), and the settings that guard them."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from rlhf_core.config import load_config
+from rlhf_core.data import load_prepared, prepare_data, tokenize_splits
+from rlhf_core.data_trl import normalise_trl_row, split_implicit_prompt, trl_query
+from rlhf_core.errors import BadRow, ConfigError, DataError
+
+ROOT = Path(__file__).resolve().parents[2]
+USER, ASSISTANT = "user", "assistant"
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def converter():
+    spec = importlib.util.spec_from_file_location("convert_tldr_to_trl", ROOT / "examples/convert_tldr_to_trl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------- rows
+
+
+def test_standard_and_conversational_rows_normalise_alike():
+    form, row = normalise_trl_row({"prompt": "The sky is", "completion": " blue."}, "sft", {})
+    assert form == "standard" and row["prompt"] == "The sky is" and row["summary"] == " blue."  # not stripped
+    conversation = [msg(USER, "What color is the sky?"), msg(ASSISTANT, "It is blue.")]
+    form, row = normalise_trl_row({"messages": conversation}, "sft", {})
+    assert form == "conversational" and row["summary"] == "It is blue."
+    assert json.loads(row["prompt_messages"]) == conversation[:1] and row["post"] == "What color is the sky?"
+    split = {"prompt": conversation[:1], "completion": conversation[1:]}
+    assert normalise_trl_row(split, "sft", {}) == ("conversational", row)
+
+
+def test_preference_rows_with_explicit_and_implicit_prompts():
+    explicit = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green.", "batch": "b1", "confidence": 7}
+    form, row = normalise_trl_row(explicit, "preference", {})
+    assert (form, row["chosen"], row["rejected"], row["batch"], row["confidence"]) == (
+        "standard",
+        " blue.",
+        " green.",
+        "b1",
+        7,
+    )
+    assert row["chosen_policy"] is None and row["split"] is None  # absent metadata stays absent
+    # TRL's documented example: the implicit prompt is the common prefix, up to the last space
+    _, implicit = normalise_trl_row({"chosen": "The sky is blue.", "rejected": "The sky is green."}, "preference", {})
+    assert (implicit["prompt"], implicit["chosen"], implicit["rejected"]) == ("The sky is", " blue.", " green.")
+    assert split_implicit_prompt("The sky is blue.", "The sky is black.") == ("The sky is", " blue.", " black.")
+    q = [msg(USER, "What color is the sky?")]
+    whole = {"chosen": q + [msg(ASSISTANT, "It is blue.")], "rejected": q + [msg(ASSISTANT, "It is green.")]}
+    form, row = normalise_trl_row(whole, "preference", {})
+    assert form == "conversational" and json.loads(row["prompt_messages"]) == q
+    assert (row["chosen"], row["rejected"]) == ("It is blue.", "It is green.")
+
+
+def test_columns_are_renamed_and_bad_rows_named():
+    form, row = normalise_trl_row(
+        {"question": "Q?", "answer": " A."}, "sft", {"prompt": "question", "completion": "answer"}
+    )
+    assert (row["prompt"], row["summary"]) == ("Q?", " A.")
+    with pytest.raises(BadRow, match="missing_column:answer"):
+        normalise_trl_row({"question": "Q?"}, "sft", {"prompt": "question", "completion": "answer"})
+    with pytest.raises(BadRow, match="missing_field:chosen_policy|missing_field:completion"):
+        normalise_trl_row({"prompt": "Q?"}, "sft", {})
+    with pytest.raises(BadRow, match="not_one_assistant_message:completion"):
+        normalise_trl_row({"prompt": [msg(USER, "Q?")], "completion": [msg(USER, "A.")]}, "sft", {})
+    with pytest.raises(BadRow, match="no_assistant_response:messages"):
+        normalise_trl_row({"messages": [msg(USER, "Q?")]}, "sft", {})
+    with pytest.raises(BadRow, match="identical_responses"):
+        split_implicit_prompt("same", "same")
+
+
+def test_a_mix_of_forms_in_one_split_names_the_file_and_row(tmp_path, smol_tokenizer):
+    folder = _standard_folder(tmp_path / "d")
+    rows = [json.loads(line) for line in (folder / "sft_train.jsonl").read_text().splitlines()]
+    rows[3] = {"messages": [msg(USER, "Q?"), msg(ASSISTANT, "A.")]}
+    write_jsonl(folder / "sft_train.jsonl", rows)
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={folder}"])
+    with pytest.raises(DataError, match=r"sft_train\.jsonl:4: a conversational sft row in a split of standard rows"):
+        tokenize_splits(cfg.data, smol_tokenizer)
+
+
+# ------------------------------------------------------------------- queries
+
+
+def test_prompts_over_the_limit_are_cut_or_dropped(smol_tokenizer):
+    row = {"prompt": " ".join(f"word{i}" for i in range(200)), "prompt_messages": ""}
+    ids = smol_tokenizer(row["prompt"])["input_ids"]
+    query, end, counts = trl_query(row, smol_tokenizer, 50, "keep_end")
+    assert end == ids[-50:] and counts["token_cut"] and query == smol_tokenizer.decode(ids[-50:])
+    _, start, _ = trl_query(row, smol_tokenizer, 50, "keep_start")
+    assert start == ids[:50]
+    with pytest.raises(BadRow, match="prompt_too_long"):
+        trl_query(row, smol_tokenizer, 50, "drop")
+    assert trl_query(row, smol_tokenizer, len(ids), "drop")[1] == ids
+
+
+def test_a_conversation_goes_through_the_chat_template(smol_tokenizer, llama_tokenizer):
+    prompt = [msg(USER, "Summarise: the cat sat on the mat.")]
+    row = {"prompt": "", "prompt_messages": json.dumps(prompt)}
+    query, ids, _ = trl_query(row, smol_tokenizer, 512, "keep_end")
+    assert query == smol_tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    assert (
+        query.endswith("<|im_start|>assistant\n")
+        and ids == smol_tokenizer(query, add_special_tokens=False)["input_ids"]
+    )
+    no_template = llama_tokenizer.__class__.from_pretrained(llama_tokenizer.name_or_path)
+    no_template.chat_template = None
+    with pytest.raises(DataError, match="has none"):
+        trl_query(row, no_template, 512, "keep_end")
+
+
+# ------------------------------------------------------------------- whole data stage
+
+
+def _standard_folder(folder: Path) -> Path:
+    converter().convert(folder, "smoke", [], "standard")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def conversational_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trl-conversational")
+    converter().convert(folder, "smoke", [], "conversational")
+    return folder
+
+
+def test_the_data_stage_reads_conversational_files(tmp_path, conversational_folder, smol_tokenizer):
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={conversational_folder}"])
+    stats = prepare_data(cfg, tmp_path / "data")
+    sft, preference, _ = load_prepared(tmp_path / "data")
+    assert set(sft) == {"train", "validation", "test"} and set(preference) == {"train", "validation"}
+    assert stats["splits"]["sft/train"]["task"] == "trl" and cfg.reward.eval_splits == ["validation"]
+    first = json.loads((conversational_folder / "sft_train.jsonl").read_text().splitlines()[0])
+    row, pad = sft["train"][0], smol_tokenizer.pad_token_id
+    query = smol_tokenizer.apply_chat_template(first["prompt"], tokenize=False, add_generation_prompt=True)
+    expected_query = smol_tokenizer(query, add_special_tokens=False)["input_ids"][-256:]  # the smoke preset's limit
+    assert [t for t in row["query_token"] if t != pad] == expected_query
+    response = first["completion"][0]["content"]  # the assistant's text, no leading space, then EOS
+    expected = smol_tokenizer(response, add_special_tokens=False)["input_ids"] + [smol_tokenizer.eos_token_id]
+    assert [t for t in row["reference_response_token"] if t != pad] == expected
+    assert stats["splits"]["sft/train"]["truncation"]["token"] > 0  # the posts are longer than 256 tokens
+
+
+def test_converted_rows_give_the_tldr_formats_token_ids_on_every_shared_row(tmp_path, tldr_dir, smol_tokenizer):
+    """Every row of the offline TL;DR files, read as TL;DR rows and as their TRL standard-form
+    conversion, gives the same query, response, chosen and rejected token ids."""
+    cnndm = ["batch0_cnndm", "cnndm0", "cnndm2"]
+    full = {
+        "data.source": "local",
+        "data.local_dir": str(tldr_dir),
+        "data.sft_splits": {s: {"source": s} for s in ("train", "validation", "test")},
+        "data.preference_splits": {
+            "train": {"source": "validation", "exclude_batches": cnndm},
+            "validation": {"source": "validation", "batches": cnndm, "task": "cnndm"},
+        },
+        "data.tldr_format.max_query_length": 512,
+        "data.cnndm_format.max_query_length": 1919,
+    }
+    overrides = [f"{k}={json.dumps(v)}" for k, v in full.items()]
+    folder = tmp_path / "trl"
+    _, tldr = converter().convert(folder, "smoke", overrides, "standard")  # the TL;DR rows, tokenised
+    trl_overrides = ["data.format=trl", f"data.local_dir={folder}", "data.max_query_length=1919", *overrides[2:4]]
+    trl = tokenize_splits(load_config("smoke", trl_overrides).data, smol_tokenizer)
+    columns = {
+        "sft": ("query_token_unpadded", "reference_response_token_unpadded"),
+        "preference": ("query_token_unpadded", "chosen_token_unpadded", "rejected_token_unpadded"),
+    }
+    compared = 0
+    for kind, names in columns.items():
+        for split, ds in tldr.datasets[kind].items():
+            other = trl.datasets[kind][split]
+            assert len(other) == len(ds) > 0
+            for column in names:
+                assert other[column] == ds[column], f"{kind}/{split} {column}"
+            assert not any(other["token_cut"])  # the prompts were cut by the paper's rule already
+            compared += len(ds)
+    shared = sum(1 for p in tldr_dir.glob("*.jsonl") for line in p.read_bytes().split(b"\n") if line.strip())
+    dropped = sum(sum(c.values()) for c in tldr.dropped.values())
+    assert compared + dropped == shared  # every row, or it was refused by the TL;DR checks and counted
+
+
+# ------------------------------------------------------------------- settings
+
+
+def test_a_template_placeholder_naming_no_field_is_refused():
+    with pytest.raises(ConfigError, match=r"data\.tldr_format\.template: the placeholder \{prompt\} names no field"):
+        load_config("smoke", ['data.tldr_format.template="Q: {prompt}"'])
+    with pytest.raises(ConfigError, match=r"data\.cnndm_format\.truncate_field: 'body' names no field"):
+        load_config("smoke", ["data.cnndm_format.truncate_field=body"])
+    site = load_config("smoke", ['data.cnndm_format.template="{site}: {post}\\n\\nTL;DR:"'])
+    assert site.data.cnndm_format.template.startswith("{site}")
+
+
+def test_a_base_model_over_a_random_init_preset_is_not_ignored():
+    with pytest.raises(ConfigError, match=r"model\.base .* and model\.random_init are both set"):
+        load_config("smoke", ["model.base=HuggingFaceTB/SmolLM2-135M-Instruct"])
+    cfg = load_config("smoke", ["model.base=HuggingFaceTB/SmolLM2-135M-Instruct", "model.random_init=null"])
+    assert cfg.model.random_init is None
+
+
+def test_trl_settings_left_at_their_defaults_keep_the_data_key():
+    dumped = load_config("smoke").data.model_dump(mode="json")
+    assert not {"format", "columns", "prompt_truncation", "max_query_length"} & set(dumped)
+    assert load_config("smoke", ["data.format=trl"]).data.model_dump(mode="json")["format"] == "trl"
+    with pytest.raises(ConfigError, match=r"data\.columns\.question: not one of TRL's columns"):
+        load_config("smoke", ["data.columns.question=prompt"])
+
+
+# ------------------------------------------------------------------- every stage
+
+
+@pytest.mark.slow
+def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder):
+    """SFT, the reward model, its normalisation and evaluation, PPO, DPO and the evaluation on
+    TRL conversational rows through SmolLM2's chat template; the judge reads the pairwise prompt."""
+    from rlhf_core.cli import run_stages
+    from rlhf_core.judging import Comparison, prompt_sha256
+    from rlhf_core.judging.prompt import PAIRWISE_PROMPT
+
+    overrides = [
+        "data.format=trl",
+        f"data.local_dir={conversational_folder}",
+        "ppo.total_episodes=16",
+        "ppo.response_length=16",
+    ]
+    overrides += [
+        "eval.max_samples=4",
+        "eval.max_comparisons=8",
+        "eval.judge_human_comparisons=4",
+        "eval.judge_orders=one",
+    ]
+    overrides += ["eval.diversity_prompts=0", "eval.token_shift_samples=0", "sft.eval_max_samples=4"]
+    cfg = load_config("smoke", overrides)
+    root = tmp_path / "run"
+    run_stages(cfg, root, until="evaluation")
+    for stage in ("data", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval", "evaluation"):
+        assert (root / stage / "stage.json").is_file(), stage
+    reward_eval = json.loads((root / "reward_eval" / "metrics.json").read_text())
+    assert "eval/accuracy" in reward_eval and not [key for key in reward_eval if "cnndm" in key]
+    sft, _, _ = load_prepared(root / "data")
+    summaries = [json.loads(line) for line in (root / "evaluation" / "summaries.jsonl").read_text().splitlines()]
+    judgements = [json.loads(line) for line in (root / "evaluation" / "judgements.jsonl").read_text().splitlines()]
+    first = next(j for j in judgements if j["policy"] != "human-chosen")
+    row = next(s for s in summaries if f"{first['policy']}/{s['id']}" == first["id"])
+    # the prompt the judge read: the pairwise one, around the user's message
+    comparison = Comparison(first["id"], row["post"], row[first["policy"]], row["reference"], template=PAIRWISE_PROMPT)
+    assert first["prompt_sha256"] == prompt_sha256(comparison.prompt(first["response_is_a"]))
+    assert row["post"] in sft["validation"]["post"] and not row["post"].startswith("<|im_start|>")
+
+
+def test_a_bad_judge_prompt_file_is_found_before_any_stage_runs(tmp_path):
+    from rlhf_core.preflight import PreflightError, check_before_stages
+
+    template = tmp_path / "judge.txt"
+    template.write_text("Post: {post}\nA: {a}\nB: {b}")
+    cfg = load_config("smoke", [f"eval.judge_prompt={template}"])
+    with pytest.raises(PreflightError, match=r"eval\.judge_prompt .*judge\.txt: a judge prompt names"):
+        check_before_stages(cfg, ["evaluation"])
+    template.write_text("Prompt: {prompt}\nA: {a}\nB: {b}\nPreferred: A or B")
+    check_before_stages(cfg, ["evaluation"])
