@@ -3,7 +3,7 @@
     python examples/convert_tldr_to_trl.py OUT_DIR [--preset smoke] [--form standard] [KEY=VALUE ...]
 
 For each split of the configuration (``data.sft_splits``, ``data.preference_splits``: their
-sources, batch filters and row caps) it writes ``OUT_DIR/sft_{split}.jsonl`` and
+sources, batch filters, row caps and holdouts, a holdout as a split of its own) it writes ``OUT_DIR/sft_{split}.jsonl`` and
 ``OUT_DIR/preference_{split}.jsonl``, which ``data.format=trl data.local_dir=OUT_DIR`` reads.
 
 ``--form standard``: the prompt is the paper's formatted query, already cut to the query
@@ -14,7 +14,15 @@ format. ``--form conversational``: one user message holding the formatted post a
 assistant message holding the summary, as a chat model would be trained on them.
 
 Preference rows keep the metadata the reward model's evaluation groups by (``batch``,
-``chosen_policy``, ``rejected_policy``, ``confidence``, ``split``).
+``chosen_policy``, ``rejected_policy``, ``confidence``, ``split``) and the labeller
+(``worker``: one pair labelled by two workers is two rows). The CNN/DM comparisons become
+standard preference rows the same way, for example as a train split and a held-out validation
+split::
+
+    python examples/convert_tldr_to_trl.py /tmp/cnndm-trl \
+        'data.preference_splits={train: {source: validation, batches: [batch0_cnndm], task: cnndm,
+                                 holdout: {split: validation, rows: 87}}}'
+
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import json
 from pathlib import Path
 
 from rlhf_core.config import load_config
-from rlhf_core.data import TokenizedSplits, tokenize_splits
+from rlhf_core.data import TokenizedSplits, apply_holdouts, tokenize_splits
 from rlhf_core.models import load_tokenizer
 
 METADATA = ("batch", "chosen_policy", "rejected_policy", "confidence", "split", "worker")
@@ -57,6 +65,7 @@ def convert(
     cfg = load_config(preset, overrides)
     tokenizer = load_tokenizer(cfg.model)
     splits = tokenize_splits(cfg.data, tokenizer)
+    apply_holdouts(splits, cfg.data)  # a split's holdout is written as a split of its own
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     for kind, named in splits.datasets.items():

@@ -51,6 +51,7 @@ def accuracy_by_group(
         f"{prefix}/accuracy/{group}/{value}": a_v, f"{prefix}/count/{group}/{value}": n_v, ...}``;
         a pair is correct when ``chosen > rejected``; ``lo``, ``hi`` bound the overall
         accuracy by the 95% Wilson interval (:func:`rlhf_core.diagnostics.wilson_interval`).
+        A grouping whose labels are all ``None`` (rows without that metadata) has no entries.
     """
     correct = (chosen_scores > rejected_scores).float()
     low, high = wilson_interval(int(correct.sum().item()), len(correct))
@@ -61,6 +62,9 @@ def accuracy_by_group(
         f"{prefix}/accuracy_ci_high": high,
     }
     for group, labels in groups.items():
+        if all(label is None for label in labels):  # TRL-format rows without this metadata
+            log.info("%s: the rows have no %s labels, so there is no accuracy per %s", prefix, group, group)
+            continue
         buckets: dict[str, list[int]] = defaultdict(list)
         for i, label in enumerate(labels):
             buckets[str(label)].append(i)

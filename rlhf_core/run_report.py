@@ -146,11 +146,13 @@ def report_plots(
         ``({heading: PNG in out}, {heading: table rows})`` for ``write_report``'s ``plots`` and
         ``figure_tables``.
     """
-    plots = {
-        "Win rate against summary length": diag.plot_length_control(
+    plots = {}
+    if any(math.isfinite(r) for ratios, _ in evaluation.curves.values() for r in ratios):
+        plots["Win rate against summary length"] = diag.plot_length_control(
             evaluation.curves, out / "length_control.png", bins=ecfg.length_bins
         )
-    }
+    else:  # every summary or reference without a word: no length ratio to bin
+        log.warning("no summary and reference both have words: no plot of win rate against summary length")
     if (stages.reward_eval / CALIBRATION_PLOT).is_file():
         shutil.copyfile(stages.reward_eval / CALIBRATION_PLOT, out / CALIBRATION_PLOT)
         plots["Reward model calibration"] = out / CALIBRATION_PLOT
@@ -234,7 +236,13 @@ def report_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
     ecfg, n, verdicts = cfg.eval, len(evaluation.prompts), evaluation.verdicts
     by_id = verdicts.by_id
     judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
-    notes = [judge_note(judge_name, ecfg, n, evaluation.judge_human or {})]
+    if ecfg.judge_prompt:
+        prompt = f"the prompt of {Path(ecfg.judge_prompt).name} (eval.judge_prompt)"
+    elif cfg.data.format == "trl":
+        prompt = "a neutral pairwise prompt (TRL-format data)"
+    else:
+        prompt = JUDGE_PROMPT_NAME
+    notes = [judge_note(judge_name, ecfg, n, evaluation.judge_human or {}, prompt)]
     if ecfg.judge == "offline":
         notes.append(
             f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
@@ -276,8 +284,15 @@ def score_note(non_eos_penalty: float | None, max_new: int) -> str:
     )
 
 
-def judge_note(judge_name: str, ecfg: EvalConfig, n: int, judge_human: dict[str, Any]) -> str:
-    """The report's sentence on how win rates were judged and how far the judge can be trusted:
+#: How the report names the paper's judge prompt.
+JUDGE_PROMPT_NAME = "the prompt of Huang et al. (2024), Appendix I"
+
+
+def judge_note(
+    judge_name: str, ecfg: EvalConfig, n: int, judge_human: dict[str, Any], prompt: str = JUDGE_PROMPT_NAME
+) -> str:
+    """The report's sentence on how win rates were judged (with ``prompt``, the judge prompt's
+    name) and how far the judge can be trusted:
     its agreement with human labels in words ("at chance on human labels" when the interval
     includes 0.5, "below chance" when it lies under it), its share of "A" verdicts and its order
     consistency."""
@@ -289,7 +304,7 @@ def judge_note(judge_name: str, ecfg: EvalConfig, n: int, judge_human: dict[str,
     )
     text = (
         f"Win rates: share of valid judgements preferring the policy's summary to the human reference "
-        f"(a tie counts half), judged by {judge_name} with the prompt of Huang et al. (2024), Appendix I, "
+        f"(a tie counts half), judged by {judge_name} with {prompt}, "
         f"{orders}; 95% Wilson intervals; {n} {ecfg.split} prompts."
     )
     if not judge_human:

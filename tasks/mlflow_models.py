@@ -107,8 +107,13 @@ def save_policy_model(
                 "return_full_text": False,
             },
             metadata={
-                "prompt_format": cfg.data.tldr_format.template,
-                "max_query_tokens": cfg.data.tldr_format.max_query_length,
+                # TRL-format data: the prompt as given, or a conversation through the chat template
+                "prompt_format": cfg.data.tldr_format.template if cfg.data.format == "tldr" else "trl",
+                "max_query_tokens": (
+                    cfg.data.tldr_format.max_query_length
+                    if cfg.data.format == "tldr"
+                    else cfg.data.trl_max_query_length
+                ),
                 "eos_token": tokenizer.eos_token,
                 "source": f"rlhf-tldr {method} policy (Huang et al. 2024, arXiv:2403.17031)",
             },

@@ -231,19 +231,17 @@ def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder
     from rlhf_core.judging import Comparison, prompt_sha256
     from rlhf_core.judging.prompt import PAIRWISE_PROMPT
 
-    overrides = [
-        "data.format=trl",
-        f"data.local_dir={conversational_folder}",
-        "ppo.total_episodes=16",
-        "ppo.response_length=16",
-    ]
+    overrides = ["data.format=trl", f"data.local_dir={conversational_folder}"]
+    # each stage as short as it goes: one optimiser step or PPO update, a few rows evaluated
+    overrides += ["sft.max_steps=1", "reward.max_steps=1", "dpo.max_steps=1", "ppo.total_episodes=8"]
     overrides += [
-        "eval.max_samples=4",
-        "eval.max_comparisons=8",
-        "eval.judge_human_comparisons=4",
-        "eval.judge_orders=one",
+        "ppo.response_length=16",
+        "sft.eval_max_samples=2",
+        "reward.eval_max_samples=4",
+        "ppo.eval_max_samples=2",
     ]
-    overrides += ["eval.diversity_prompts=0", "eval.token_shift_samples=0", "sft.eval_max_samples=4"]
+    overrides += ["eval.max_samples=2", "eval.judge_human_comparisons=2", "eval.judge_orders=one"]
+    overrides += ["eval.diversity_prompts=0", "eval.token_shift_samples=0"]
     cfg = load_config("smoke", overrides)
     root = tmp_path / "run"
     run_stages(cfg, root, until="evaluation")
@@ -260,6 +258,7 @@ def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder
     comparison = Comparison(first["id"], row["post"], row[first["policy"]], row["reference"], template=PAIRWISE_PROMPT)
     assert first["prompt_sha256"] == prompt_sha256(comparison.prompt(first["response_is_a"]))
     assert row["post"] in sft["validation"]["post"] and not row["post"].startswith("<|im_start|>")
+    assert "with a neutral pairwise prompt (TRL-format data)" in (root / "evaluation" / "report.md").read_text()
 
 
 def test_a_bad_judge_prompt_file_is_found_before_any_stage_runs(tmp_path):
@@ -272,3 +271,24 @@ def test_a_bad_judge_prompt_file_is_found_before_any_stage_runs(tmp_path):
         check_before_stages(cfg, ["evaluation"])
     template.write_text("Prompt: {prompt}\nA: {a}\nB: {b}\nPreferred: A or B")
     check_before_stages(cfg, ["evaluation"])
+
+
+@pytest.mark.slow
+def test_a_reward_model_trains_and_is_evaluated_on_cnndm_comparisons_as_trl_rows(tmp_path):
+    from rlhf_core.cli import run_stages
+
+    train = {"source": "validation", "batches": ["batch0_cnndm"], "task": "cnndm", "max_rows": 40}
+    splits = {"train": train | {"holdout": {"split": "validation", "rows": 7, "seed": 0}}}  # 5 articles, by article
+    folder = tmp_path / "cnndm"
+    written, _ = converter().convert(folder, "smoke", [f"data.preference_splits={json.dumps(splits)}"], "standard")
+    assert (written["preference_train.jsonl"], written["preference_validation.jsonl"]) == (33, 7)
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={folder}", "sft.max_steps=1"])
+    root = tmp_path / "run"
+    run_stages(cfg, root, until="reward_eval")
+    _, preference, _ = load_prepared(root / "data")
+    assert all(post.startswith("Article:\n") for post in preference["train"]["post"])
+    assert set(preference["validation"]["batch"]) == {"batch0_cnndm"}
+    metrics = json.loads((root / "reward_eval" / "metrics.json").read_text())
+    assert metrics["eval/count"] == 7 and 0 <= metrics["eval/accuracy"] <= 1
+    assert metrics["eval/count/batch/batch0_cnndm"] == 7  # the per-group tables read the rows' metadata
+    assert not (root / "ppo").exists()

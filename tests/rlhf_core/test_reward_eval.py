@@ -31,6 +31,10 @@ def test_accuracy_by_group():
     assert out["eval/count/batch/b2"] == 3
     # 3 of 5: the 95% Wilson interval
     assert (out["eval/accuracy_ci_low"], out["eval/accuracy_ci_high"]) == pytest.approx((0.2307, 0.8824), abs=1e-4)
+    # rows without a label (TRL-format data without metadata) have no table for it
+    unlabelled = accuracy_by_group(chosen, rejected, {"batch": [None] * 5, "split": ["v", None, "v", "v", "v"]}, "eval")
+    assert not [key for key in unlabelled if "/batch/" in key]
+    assert unlabelled["eval/count/split/None"] == 1 and unlabelled["eval/accuracy"] == out["eval/accuracy"]
 
 
 def test_calibration_table():
