@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import REWARD_SPEC, DataConfig
+from .config import EXTERNAL_REWARD_SPEC, REWARD_SPEC, DataConfig
 from .errors import DataError, ModelSourceError
 from .io import cache_root, content_digest, file_sha256
 
@@ -179,17 +179,43 @@ class RewardSpecError(ValueError):
 
 
 def parse_reward_spec(spec: str) -> tuple[str, str] | None:
-    """``None`` for ``"model"``; ``(module, function)`` for ``"python:MODULE:FUNCTION"``.
+    """``None`` for a reward model (``"model"``, or ``"model:SOURCE"``: :func:`external_reward_source`);
+    ``(module, function)`` for ``"python:MODULE:FUNCTION"``.
 
     Raises:
         RewardSpecError: any other string.
     """
-    if spec == "model":
+    if spec == "model" or EXTERNAL_REWARD_SPEC.fullmatch(spec):
         return None
     match = REWARD_SPEC.fullmatch(spec)
     if not match:
-        raise RewardSpecError(f"ppo.reward {spec!r}: expected 'model' or 'python:MODULE:FUNCTION'")
+        raise RewardSpecError(
+            f"ppo.reward {spec!r}: expected 'model', 'model:SOURCE[@REVISION]' or 'python:MODULE:FUNCTION'"
+        )
     return match.group(1), match.group(2)
+
+
+def external_reward_source(spec: str) -> tuple[str, str | None] | None:
+    """``(source, revision)`` of ``"model:SOURCE"`` or ``"model:SOURCE@REVISION"``, an existing
+    reward model (a hub id, a local directory or ``pkg:PACKAGE/PATH``, :func:`resolve_source`;
+    ``revision`` ``None`` when not given); ``None`` for any other ``ppo.reward``."""
+    match = EXTERNAL_REWARD_SPEC.fullmatch(spec)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def external_reward_fingerprint(spec: str) -> dict[str, Any] | None:
+    """What the reward stage reads of an existing reward model ``"model:SOURCE[@REVISION]"``, for
+    its cache key (:func:`rlhf_core.pipeline.stage_key`): the spec and the source's
+    :func:`source_fingerprint` (its files' digest, or the hub id and revision); ``None`` for any
+    other ``ppo.reward`` (the reward model is trained).
+
+    Raises:
+        ModelSourceError: the source cannot be resolved.
+    """
+    external = external_reward_source(spec)
+    if external is None:
+        return None
+    return {"spec": spec, **source_fingerprint(*external)}
 
 
 def reward_source(spec: str) -> Path | None:
