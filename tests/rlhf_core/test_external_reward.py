@@ -210,7 +210,7 @@ def test_reward_eval_scores_the_pairs_with_the_existing_model(external):
 
 def test_ppo_trains_against_the_existing_model(external, tmp_path):
     cfg, root, source, _, _ = external
-    ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 16})
+    ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 8, "eval_max_samples": 4})
     metrics = run_ppo(ppo_cfg, root / "data", root / "sft", root / "reward_norm" / "model", tmp_path / "ppo")
     assert math.isfinite(metrics["objective/scores"]) and (tmp_path / "ppo" / "model" / "config.json").is_file()
     assert not (tmp_path / "ppo" / "value_vs_reward.json").exists()
@@ -234,3 +234,28 @@ def test_the_reward_stage_imports_instead_of_training_and_is_keyed_on_the_files(
     finally:
         (source / "config.json").write_bytes(original)
     assert {s for s in before if before[s] != after[s]} == {"reward"}
+
+
+@pytest.mark.slow
+def test_stages_until_reward_eval_evaluate_the_existing_model_without_training_one(tmp_path, llama_tokenizer, capsys):
+    """``rlhf stages --until reward_eval`` with ``ppo.reward=model:DIR``: the reward stage imports
+    the checkpoint (no training steps, no checkpoints), and its normalisation and evaluation run on it."""
+    from rlhf_core.cli import main
+
+    save_llama_reward_model(tmp_path / "rm", llama_tokenizer, CHAT_TEMPLATE)
+    out = tmp_path / "run"
+    argv = ["stages", "--preset", "smoke", f"ppo.reward=model:{tmp_path / 'rm'}", "sft.max_steps=2"]
+    assert main([*argv, "--until", "reward_eval", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert list(summary) == ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval"]
+    assert summary["reward"]["metrics"] == {"train/steps": 0.0}
+    assert not (out / "reward" / "checkpoints").exists()
+    saved = json.loads((out / "reward_norm" / "model" / "config.json").read_text())
+    assert saved[EXTERNAL_REWARD_KEY] == f"model:{tmp_path / 'rm'}" and saved["architectures"] == [
+        "LlamaForSequenceClassification"
+    ]
+    assert abs(summary["reward_norm"]["metrics"]["normalization/mean_after"]) < 1e-3
+    metrics = summary["reward_eval"]["metrics"]
+    assert 0 <= metrics["eval/accuracy"] <= 1 and metrics["eval/count"] == 8
+    assert "eval/validation_cnndm/accuracy" in metrics
+    assert (out / "reward_eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
