@@ -171,6 +171,10 @@ def test_ppo_scores_equal_a_direct_transformers_call_on_the_decoded_texts(extern
     expected_cut = direct_scores(source, *policy_texts(trainer.tokenizer, queries, cut), bias)
     torch.testing.assert_close(trainer.score(queries, cut).raw_scores, expected_cut, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(expected_cut, expected)
+    # the tokens after the first EOS are not read, PAD or not
+    untruncated = references.clone()
+    untruncated[:, 3] = trainer.eos_id
+    torch.testing.assert_close(trainer.score(queries, untruncated).raw_scores, expected_cut, atol=1e-5, rtol=1e-5)
 
 
 def test_batches_with_padding_score_as_one_text_at_a_time(external):
