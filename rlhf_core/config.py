@@ -43,8 +43,7 @@ CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
 IN_DISTRIBUTION_SPLIT = "validation_in_dist"
 #: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
 REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
-#: ``ppo.reward`` naming an existing reward model: ``model:`` + a model source (a hub id, a local
-#: directory or ``pkg:PACKAGE/PATH``), optionally ``@REVISION`` (a hub id's branch, tag or commit).
+#: ``ppo.reward`` of an existing reward model: ``model:`` + a model source, optionally ``@REVISION``.
 EXTERNAL_REWARD_SPEC = re.compile(r"model:([^@\s]+)(?:@([^@\s]+))?")
 
 
@@ -444,12 +443,7 @@ class PPOConfig(TrainerConfig):
     ``tests/rlhf_core/test_ppo_learning.py``, whose random model never samples EOS).
 
     ``reward`` is what PPO maximises. ``model`` (the paper's): the normalised reward model.
-    ``model:SOURCE`` (``model:SOURCE@REVISION`` for a hub revision): an existing reward model, any
-    Hugging Face sequence-classification checkpoint with one label (a hub id, a local directory
-    or ``pkg:PACKAGE/PATH``), imported by the reward stage instead of training one
-    (:func:`rlhf_core.reward.import_reward_model`) and normalised (Detail 15) and evaluated as
-    the trained one would be; it scores through its own tokenizer, and chat template when it
-    has one, the texts decoded from the policy's ids (:class:`rlhf_core.reward.ExternalRewardModel`).
+    ``model:SOURCE[@REVISION]``: an existing one, not trained (:mod:`rlhf_core.external_reward`).
     ``python:MODULE:FUNCTION``: a function ``f(queries, responses, query_ids, response_ids)``
     of four equally long lists (query texts, response texts up to their first EOS, query
     token ids without PAD, response token ids up to, not including, the first EOS, without
@@ -480,9 +474,8 @@ class PPOConfig(TrainerConfig):
     #: The value model's start, with a reward model (Detail 22): ``reward_model``, the reward
     #: model as it is (the paper's); ``zero_head``, its backbone with the head's weight and bias
     #: zeroed, so every value is 0 until the value model learns and the first advantages are the
-    #: whitened returns. Without a reward model (a rule reward) or with an existing one
-    #: (``model:SOURCE``, whose tokenizer may differ from the policy's) the start is always the SFT
-    #: backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
+    #: whitened returns. Without a reward model on the policy's tokens (a rule reward, model:SOURCE)
+    #: the start is always the SFT backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
     value_init: Literal["reward_model", "zero_head"] = "reward_model"
     eval_every: int = Field(10, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
@@ -513,9 +506,8 @@ class PPOConfig(TrainerConfig):
     def _check_reward(cls, spec: str) -> str:
         if spec != "model" and not REWARD_SPEC.fullmatch(spec) and not EXTERNAL_REWARD_SPEC.fullmatch(spec):
             raise ValueError(
-                f"ppo.reward must be 'model', 'model:SOURCE[@REVISION]' (an existing sequence-classification "
-                f"reward model: hub id, directory or pkg:PACKAGE/PATH) or 'python:MODULE:FUNCTION' "
-                f"(e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}"
+                "ppo.reward must be 'model', 'model:SOURCE[@REVISION]' (an existing reward model) or 'python:MODULE:"
+                f"FUNCTION' (e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}"
             )
         return spec
 

@@ -109,7 +109,8 @@ def _sft(cfg, inputs, out, tracker):
 
 
 def _reward(cfg, inputs, out, tracker):
-    from .reward import import_reward_model, run_reward_training
+    from .external_reward import import_reward_model
+    from .reward import run_reward_training
 
     if external_reward_source(cfg.ppo.reward) is not None:  # ppo.reward model:SOURCE: none trained
         return import_reward_model(cfg.ppo.reward, out)

@@ -22,11 +22,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from . import diagnostics as diag
 from .config import PPOConfig
 from .distributed import DataParallel, World, all_gather_object, split_range
+from .external_reward import ExternalRewardModel
 from .generation import summarize
 from .io import write_json_atomic
 from .lora import AdaptersDisabled
 from .plots import plot_value_vs_reward
-from .reward import ExternalRewardModel, ResponseScores, response_reward_logits
+from .reward import ResponseScores, response_reward_logits
 from .reward_eval import TOKEN_TABLE_RESPONSES, token_table
 
 

@@ -62,6 +62,7 @@ from .distributed import (
     shard,
     world,
 )
+from .external_reward import ExternalRewardModel
 from .generation import generate, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic, write_jsonl_atomic
 from .models import causal_forward, load_causal_lm
@@ -85,7 +86,6 @@ from .ppo_rollout import (
     whitened_advantages,
 )
 from .reward import (
-    ExternalRewardModel,
     ResponseScores,
     ScalarModel,
     load_reward_model,

@@ -21,11 +21,11 @@ from transformers import PreTrainedTokenizerBase
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import wilson_interval
+from .external_reward import ExternalRewardModel
 from .generation import ends_with_eos
 from .io import METRICS_FILE, write_json_atomic
 from .plots import plot_calibration, plot_reward_logits
 from .reward import (
-    ExternalRewardModel,
     ScalarModel,
     load_reward_model,
     response_reward_logits,
@@ -140,7 +140,7 @@ def evaluate_reward_model(
     (:func:`rlhf_core.reward.score_pairs`); then the reward logits at every token of a few
     validation responses (Detail 13, :func:`write_reward_logits`).
 
-    An existing reward model (``ppo.reward: model:SOURCE``, :class:`rlhf_core.reward.ExternalRewardModel`)
+    An existing reward model (``ppo.reward: model:SOURCE``, :class:`rlhf_core.external_reward.ExternalRewardModel`)
     scores each pair's query with the chosen and with the rejected response through its own
     tokenizer (:func:`rlhf_core.reward.score_responses`); it has no per-token logits on the
     policy's tokens, so no ``reward_logits`` are written."""

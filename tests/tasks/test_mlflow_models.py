@@ -79,7 +79,7 @@ def test_an_existing_reward_model_pyfunc_scores_through_its_own_tokenizer(rows, 
     """``ppo.reward: model:DIR``: the registered model is the existing checkpoint, whose own
     tokenizer builds the queries; its scores are ``transformers``' own on the chat template's texts."""
     from rlhf_core.data import truncate_query
-    from rlhf_core.reward import import_reward_model
+    from rlhf_core.external_reward import import_reward_model
     from tests.rlhf_core.test_external_reward import CHAT_TEMPLATE, direct_scores, save_llama_reward_model
 
     save_llama_reward_model(tmp_path / "source", llama_tokenizer, CHAT_TEMPLATE)
