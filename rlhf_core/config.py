@@ -34,6 +34,8 @@ from .stage_names import STAGE_NAMES
 
 #: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
 REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
+#: ``ppo.reward`` of an existing reward model: ``model:`` + a model source, optionally ``@REVISION``.
+EXTERNAL_REWARD_SPEC = re.compile(r"model:([^@\s]+)(?:@([^@\s]+))?")
 
 # -------------------------------------------------------------------------- model
 
@@ -258,6 +260,7 @@ class PPOConfig(TrainerConfig):
     ``tests/rlhf_core/test_ppo_learning.py``, whose random model never samples EOS).
 
     ``reward`` is what PPO maximises. ``model`` (the paper's): the normalised reward model.
+    ``model:SOURCE[@REVISION]``: an existing one, not trained (:mod:`rlhf_core.external_reward`).
     ``python:MODULE:FUNCTION``: a function ``f(queries, responses, query_ids, response_ids)``
     of four equally long lists (query texts, response texts up to their first EOS, query
     token ids without PAD, response token ids up to, not including, the first EOS, without
@@ -288,8 +291,8 @@ class PPOConfig(TrainerConfig):
     #: The value model's start, with a reward model (Detail 22): ``reward_model``, the reward
     #: model as it is (the paper's); ``zero_head``, its backbone with the head's weight and bias
     #: zeroed, so every value is 0 until the value model learns and the first advantages are the
-    #: whitened returns. Without a reward model (a rule reward) the start is always the SFT
-    #: backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
+    #: whitened returns. Without a reward model on the policy's tokens (a rule reward, model:SOURCE)
+    #: the start is always the SFT backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
     value_init: Literal["reward_model", "zero_head"] = "reward_model"
     eval_every: int = Field(10, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
@@ -308,7 +311,7 @@ class PPOConfig(TrainerConfig):
 
     @model_validator(mode="after")
     def _frozen_models_to_offload(self) -> PPOConfig:
-        if self.offload_frozen and self.lora.r and self.reward != "model":
+        if self.offload_frozen and self.lora.r and REWARD_SPEC.fullmatch(self.reward):
             raise ValueError(
                 f"ppo.offload_frozen has nothing to offload: with ppo.lora.r {self.lora.r} the reference is the "
                 f"policy itself, and ppo.reward {self.reward!r} needs no reward model; set ppo.offload_frozen=false"
@@ -318,10 +321,10 @@ class PPOConfig(TrainerConfig):
     @field_validator("reward")
     @classmethod
     def _check_reward(cls, spec: str) -> str:
-        if spec != "model" and not REWARD_SPEC.fullmatch(spec):
+        if spec != "model" and not REWARD_SPEC.fullmatch(spec) and not EXTERNAL_REWARD_SPEC.fullmatch(spec):
             raise ValueError(
-                f"ppo.reward must be 'model' or 'python:MODULE:FUNCTION' "
-                f"(e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}"
+                "ppo.reward must be 'model', 'model:SOURCE[@REVISION]' (an existing reward model) or 'python:MODULE:"
+                f"FUNCTION' (e.g. python:rlhf_core.rule_rewards:word_count_12), not {spec!r}"
             )
         return spec
 

@@ -31,7 +31,7 @@ from .io import write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
 from .models import ModelSourceError, load_causal_lm, resolve_source
-from .reward import ResponseScores, ScalarModel, score_responses
+from .reward import ResponseScores, load_reward_model, score_responses
 from .tracking import NullTracker, Tracker
 from .training import pick_device, precision_name
 
@@ -202,7 +202,7 @@ def score_policies(
 ) -> dict[str, ResponseScores]:
     """Reward-model scores of every policy's summaries and of the references, with PPO's EOS
     trick (Detail 23; :func:`rlhf_core.reward.score_responses`). Keys: the policies and ``reference``."""
-    reward_model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
+    reward_model = load_reward_model(reward_model_dir, tokenizer).to(device)
     responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": prompts.reference_tokens}
     scored = {
         key: score_responses(

@@ -16,8 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from .config import PipelineConfig
-from .io import content_digest, json_digest
-from .sources import data_fingerprint, reward_code_digest, source_fingerprint
+from .io import json_digest
+from .sources import (
+    data_fingerprint,
+    external_reward_fingerprint,
+    external_reward_source,
+    judge_prompt_fingerprint,
+    reward_code_digest,
+    source_fingerprint,
+)
 from .stage_code import stage_code_digest
 from .tracking import Tracker
 
@@ -68,6 +75,11 @@ def _base_model_reads(cfg: PipelineConfig) -> dict[str, Any]:
     }
 
 
+def _reward_reads(cfg: PipelineConfig) -> dict[str, Any]:
+    # ppo.reward model:SOURCE: the existing reward model's files (or hub id and revision) and spec
+    return {"external_reward": external_reward_fingerprint(cfg.ppo.reward)}
+
+
 def _ppo_reads(cfg: PipelineConfig) -> dict[str, Any]:
     # a reward function may live outside rlhf_core
     return {"reward_code": reward_code_digest(cfg.ppo.reward)}
@@ -77,7 +89,7 @@ def _evaluation_reads(cfg: PipelineConfig) -> dict[str, Any]:
     local_judge = cfg.eval.judge == "offline" and cfg.eval.judge_model  # default: the base model, an input
     reads = {"judge": source_fingerprint(cfg.eval.judge_model) if local_judge else None}  # type: ignore[arg-type]
     if cfg.eval.judge_prompt:  # the template file, by content (unset: the prompt is in the code)
-        reads["judge_prompt"] = content_digest([Path(cfg.eval.judge_prompt)])
+        reads["judge_prompt"] = judge_prompt_fingerprint(cfg.eval.judge_prompt)
     return reads
 
 
@@ -101,8 +113,11 @@ def _sft(cfg, inputs, out, tracker):
 
 
 def _reward(cfg, inputs, out, tracker):
+    from .external_reward import import_reward_model
     from .reward import run_reward_training
 
+    if external_reward_source(cfg.ppo.reward) is not None:  # ppo.reward model:SOURCE: none trained
+        return import_reward_model(cfg.ppo.reward, out)
     data, sft = inputs
     return run_reward_training(cfg.reward, data, sft / "model", out, tracker)
 
@@ -175,6 +190,7 @@ STAGES: dict[str, Stage] = {
             ("reward",),
             _reward,
             ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS,
+            reads=_reward_reads,
             branch="ppo",
         ),
         Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm, branch="ppo"),

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from . import diagnostics as diag
 from .config import PPOConfig
 from .distributed import DataParallel, World, all_gather_object, split_range
+from .external_reward import ExternalRewardModel
 from .generation import summarize
 from .io import write_json_atomic
 from .lora import AdaptersDisabled
@@ -175,11 +176,11 @@ def value_vs_reward(
     Returns:
         :func:`rlhf_core.reward_eval.token_table` rows with ``row`` (the evaluation prompt's
         index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
-        None on ranks other than 0, with a rule reward (no reward model) or before any
-        evaluation.
+        None on ranks other than 0, with a rule reward (no reward model) or an existing reward
+        model of its own tokenizer (``ppo.reward: model:SOURCE``), or before any evaluation.
     """
-    if models.reward_parallel is None:
-        return None
+    if models.reward_parallel is None or isinstance(models.reward_parallel.model, ExternalRewardModel):
+        return None  # no reward model, or one that reads other tokens than the policy's
     pad, eos, bf16 = models.pad_id, models.eos_id, models.cfg.bf16
     # gathered whole (collective) so that rank 0 alone may run its forward passes
     with models.value_parallel.gathered(), models.reward_parallel.gathered():

@@ -62,6 +62,7 @@ from .distributed import (
     shard,
     world,
 )
+from .external_reward import ExternalRewardModel
 from .generation import generate, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic, write_jsonl_atomic
 from .models import causal_forward, load_causal_lm
@@ -87,6 +88,7 @@ from .ppo_rollout import (
 from .reward import (
     ResponseScores,
     ScalarModel,
+    load_reward_model,
     response_scores,
     reward_model_from_causal_lm,
     score_responses,
@@ -216,7 +218,7 @@ class PPOTrainer:
         self.reward_model = (
             None
             if self.reward_fn is not None
-            else (ScalarModel.from_pretrained(str(reward_model_dir)).to(frozen_home).eval().requires_grad_(False))
+            else load_reward_model(reward_model_dir, self.tokenizer).to(frozen_home).eval().requires_grad_(False)  # type: ignore[arg-type]
         )
         self.value_model = self.initial_value_model().to(self.device)
         # ppo.lora.r > 0: low-rank adapters on the policy and the value model (whose head trains in
@@ -259,8 +261,10 @@ class PPOTrainer:
         head zeroed under ``ppo.value_init: zero_head``; without one (a rule reward) the SFT
         backbone with a zero head. A zero head gives V = 0 until the value model learns, so the
         first advantages are the lambda-returns of the rewards; Detail 11's random head gives
-        values that dwarf a score in [-1, 0] (benchmarks/README.md)."""
-        if self.reward_model_dir is not None:
+        values that dwarf a score in [-1, 0] (benchmarks/README.md). An existing reward model
+        (``ppo.reward: model:SOURCE``) reads other tokens than the policy's: the value model
+        starts from the SFT backbone with a zero head, as without a reward model."""
+        if self.reward_model_dir is not None and not isinstance(self.reward_model, ExternalRewardModel):
             model = ScalarModel.from_pretrained(str(self.reward_model_dir))
             if self.cfg.value_init == "reward_model":
                 return model
@@ -277,7 +281,9 @@ class PPOTrainer:
         """The score PPO maximises (``ppo.reward``), with the EOS trick (Detail 23).
 
         ``model``: the reward model's output at each response's last real token
-        (:func:`rlhf_core.reward.score_responses`); ``python:MODULE:FUNCTION``: the function's
+        (:func:`rlhf_core.reward.score_responses`); ``model:SOURCE``: the existing reward model's
+        output on the decoded texts, re-encoded by its tokenizer (through the same function);
+        ``python:MODULE:FUNCTION``: the function's
         value on the decoded texts and ids (:func:`rlhf_core.rule_rewards.rule_scores`). Either
         is ``raw_scores``; ``scores`` replaces it by ``ppo.non_eos_penalty`` for a response
         without EOS. Rollouts and evaluations score through here.

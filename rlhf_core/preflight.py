@@ -28,7 +28,7 @@ from typing import Literal
 from .config import ConfigError, DataConfig, PipelineConfig
 from .errors import DataError, ModelSourceError
 from .pipeline import STAGES, stages_until
-from .sources import RewardSpecError, local_split_files, parse_reward_spec, resolve_source
+from .sources import RewardSpecError, external_reward_source, local_split_files, parse_reward_spec, resolve_source
 
 
 class PreflightError(ConfigError):
@@ -202,7 +202,8 @@ def model_sources(cfg: PipelineConfig, stages: Iterable[str]) -> list[tuple[str,
     """The model and tokenizer sources the stages of ``stages`` read, as ``(key, source,
     revision)``, each source once: ``model.tokenizer`` (else ``model.base``) for the data and
     base model stages, ``model.base`` for the base model stage unless ``model.random_init`` is
-    set, and ``eval.judge_model`` for the evaluation with the offline judge."""
+    set, ``ppo.reward``'s existing reward model (``model:SOURCE[@REVISION]``) for the reward
+    stage, and ``eval.judge_model`` for the evaluation with the offline judge."""
     stages, m = set(stages), cfg.model
     sources: dict[str, tuple[str, str, str | None]] = {}
     if stages & {"data", "base_model"}:
@@ -210,6 +211,9 @@ def model_sources(cfg: PipelineConfig, stages: Iterable[str]) -> list[tuple[str,
         sources[m.tokenizer_source] = (key, m.tokenizer_source, m.revision)
     if "base_model" in stages and m.random_init is None and m.base:
         sources.setdefault(m.base, ("model.base", m.base, m.revision))
+    external = external_reward_source(cfg.ppo.reward)
+    if "reward" in stages and external is not None:
+        sources.setdefault(external[0], ("ppo.reward", *external))
     if "evaluation" in stages and cfg.eval.judge == "offline" and cfg.eval.judge_model:
         sources.setdefault(cfg.eval.judge_model, ("eval.judge_model", cfg.eval.judge_model, None))
     return list(sources.values())
@@ -227,7 +231,10 @@ def check_model_source(key: str, spec: str, revision: str | None = None) -> None
     try:
         source = resolve_source(spec)
     except ModelSourceError as exc:
-        kinds = "a local model directory" if key == "eval.judge_model" else "a directory, a .gguf file or a hub id"
+        kinds = {
+            "eval.judge_model": "a local model directory",
+            "ppo.reward": "model: and a directory or a hub id",
+        }.get(key, "a directory, a .gguf file or a hub id")
         raise ModelSourceError(f"{key}: {exc}; set {key} to {kinds} that exists, or to pkg:PACKAGE/PATH") from None
     if key == "eval.judge_model" and source.kind != "local":
         raise ModelSourceError(

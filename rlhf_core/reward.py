@@ -24,6 +24,10 @@ or with ``transformers`` alone, adding the bias::
 
 which equals our score for right-padded rows (the score is read at the last token that is not
 PAD, the EOS of a finished summary; Detail 12).
+
+An existing reward model (``ppo.reward: model:SOURCE``) is any such checkpoint with one label and
+its own tokenizer (:mod:`rlhf_core.external_reward`): :func:`load_reward_model` loads either kind;
+:func:`score_responses` scores with either.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ from transformers import (
     AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
 )
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, all_reduce_sum, is_sharded
+from .external_reward import EXTERNAL_REWARD_KEY, ExternalRewardModel
 from .generation import ends_with_eos, last_token_indices, trim_left_padding
 from .io import write_json_atomic
 from .models import DTYPES, causal_forward, disable_dropout, pair_forward, pair_layout, save_pretrained_atomic
@@ -154,6 +160,11 @@ class ScalarModel(PreTrainedModel):
         """
         config = AutoConfig.from_pretrained(str(path))
         bias = getattr(config, "rlhf_score_bias", None)
+        if getattr(config, EXTERNAL_REWARD_KEY, None) is not None:
+            raise ValueError(
+                f"{path}: an existing reward model ({EXTERNAL_REWARD_KEY} {getattr(config, EXTERNAL_REWARD_KEY)!r}) "
+                "with its own tokenizer: load it with rlhf_core.reward.load_reward_model"
+            )
         if bias is None or config.num_labels != 1:
             raise ValueError(
                 f"{path}: not a reward model saved by rlhf_core (its config.json needs num_labels 1 and "
@@ -178,6 +189,21 @@ class ScalarModel(PreTrainedModel):
             model.head.weight.copy_(hf.score.weight)
             model.head.bias.fill_(bias)
         return model
+
+
+def load_reward_model(
+    path: str | os.PathLike, policy_tokenizer: PreTrainedTokenizerBase
+) -> ScalarModel | ExternalRewardModel:
+    """The reward model saved in ``path``: an :class:`ExternalRewardModel` when its config names
+    an existing model's spec (:data:`EXTERNAL_REWARD_KEY`, :func:`import_reward_model`), reading
+    the ids of ``policy_tokenizer``; else a :class:`ScalarModel` (the policy's tokenizer).
+
+    Raises:
+        ValueError: not a reward model (:meth:`ScalarModel.from_pretrained`).
+    """
+    if getattr(AutoConfig.from_pretrained(str(path)), EXTERNAL_REWARD_KEY, None) is not None:
+        return ExternalRewardModel.from_pretrained(path, policy_tokenizer)
+    return ScalarModel.from_pretrained(str(path))
 
 
 def init_head(head: nn.Linear, d_model: int, generator: torch.Generator | None = None) -> None:
@@ -418,7 +444,7 @@ def response_scores(
 
 @torch.no_grad()
 def score_responses(
-    reward_model: ScalarModel,
+    reward_model: ScalarModel | ExternalRewardModel,
     queries: torch.Tensor,
     responses: torch.Tensor,
     pad_token_id: int,
@@ -435,6 +461,8 @@ def score_responses(
     ``raw_scores``). Preference pairs are scored by :func:`pair_scores` (training) and
     :func:`score_pairs` (evaluation), which read the same position. The score is read at each
     response's last real token; queries may be left-padded (the padding is invisible, Detail 14).
+    An :class:`ExternalRewardModel` (``ppo.reward: model:SOURCE``) scores the decoded texts
+    through its own tokenizer instead (:meth:`ExternalRewardModel.score`).
 
     Args:
         queries: ``(n, query_length)`` long token ids, left-padded.
@@ -447,6 +475,9 @@ def score_responses(
     Returns:
         :class:`ResponseScores` on the device of ``responses``.
     """
+    if isinstance(reward_model, ExternalRewardModel):
+        raw_scores = reward_model.score(queries, responses, pad_token_id, eos_token_id, batch_size, bf16)
+        return response_scores(raw_scores.to(responses.device), responses, eos_token_id, pad_token_id, non_eos_penalty)
     device = next(reward_model.parameters()).device
     reward_model.eval()
     raw = []
@@ -517,6 +548,9 @@ def normalize_reward_model(
         ``normalization/mean_before``, ``normalization/mean_after`` (within float error of
         0 when normalising), ``normalization/shift`` (the mean subtracted; 0 when not
         normalising), ``normalization/std``, ``normalization/count``.
+
+    An existing reward model (:func:`import_reward_model`) is normalised the same way, through
+    its ``bias`` (:class:`ExternalRewardModel`), and written with its own tokenizer.
     """
     tracker = tracker or NullTracker()
     out_dir = Path(out_dir)
@@ -524,7 +558,7 @@ def normalize_reward_model(
     tokenizer = load_data_tokenizer(data_dir)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     device = pick_device()
-    model = ScalarModel.from_pretrained(str(reward_model_dir)).to(device)
+    model = load_reward_model(reward_model_dir, tokenizer).to(device)
     ds = sft[cfg.normalization_split]
     ds = ds.select(range(min(len(ds), cfg.normalization_max_samples or len(ds))))
     rows = ds.with_format("torch", columns=["query_token", "reference_response_token"])[:]
@@ -538,7 +572,12 @@ def normalize_reward_model(
     before = reference_scores()
     mean = before.double().mean().item()
     shift = mean if cfg.normalize else 0.0
-    if cfg.normalize:
+    if cfg.normalize and isinstance(model, ExternalRewardModel):
+        model.bias -= shift
+        config = model.model.config
+        config.rlhf_normalization_mean = getattr(config, "rlhf_normalization_mean", 0.0) + shift
+        after = reference_scores()
+    elif cfg.normalize:
         with torch.no_grad():
             model.head.bias -= shift
         model.config.normalization_mean = model.config.normalization_mean + shift
@@ -552,7 +591,9 @@ def normalize_reward_model(
         "normalization/std": before.double().std().item() if len(before) > 1 else 0.0,
         "normalization/count": float(len(before)),
     }
-    save_pretrained_atomic(model, out_dir / "model", tokenizer)
+    # an existing reward model is saved with its own tokenizer
+    own_tokenizer = None if isinstance(model, ExternalRewardModel) else tokenizer
+    save_pretrained_atomic(model, out_dir / "model", own_tokenizer)  # type: ignore[arg-type]
     tracker.log_metrics(metrics)
     write_json_atomic(out_dir / "metrics.json", metrics)
     if cfg.normalize:

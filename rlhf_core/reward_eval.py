@@ -21,10 +21,17 @@ from transformers import PreTrainedTokenizerBase
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
 from .diagnostics import wilson_interval
+from .external_reward import ExternalRewardModel
 from .generation import ends_with_eos
 from .io import METRICS_FILE, write_json_atomic
 from .plots import plot_calibration, plot_reward_logits
-from .reward import ScalarModel, response_reward_logits, score_pairs
+from .reward import (
+    ScalarModel,
+    load_reward_model,
+    response_reward_logits,
+    score_pairs,
+    score_responses,
+)
 from .tracking import NullTracker, Tracker
 from .training import pick_device
 
@@ -135,11 +142,22 @@ def evaluate_reward_model(
     """Accuracy per batch, confidence and split, reward statistics and calibration (Details 16-18)
     of the reward model in ``reward_model_dir``: :func:`evaluate_pairs` with its scores
     (:func:`rlhf_core.reward.score_pairs`); then the reward logits at every token of a few
-    validation responses (Detail 13, :func:`write_reward_logits`)."""
+    validation responses (Detail 13, :func:`write_reward_logits`).
+
+    An existing reward model (``ppo.reward: model:SOURCE``, :class:`rlhf_core.external_reward.ExternalRewardModel`)
+    scores each pair's query with the chosen and with the rejected response through its own
+    tokenizer (:func:`rlhf_core.reward.score_responses`); it has no per-token logits on the
+    policy's tokens, so no ``reward_logits`` are written."""
     tokenizer = load_data_tokenizer(data_dir)
-    model = ScalarModel.from_pretrained(str(reward_model_dir)).to(pick_device())
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model = load_reward_model(reward_model_dir, tokenizer).to(pick_device())
 
     def score(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(model, ExternalRewardModel):
+            queries, size, bf16 = rows["query_token"], cfg.micro_batch_size, cfg.bf16
+            chosen = score_responses(model, queries, rows["chosen_token"], pad, eos, None, size, bf16)
+            rejected = score_responses(model, queries, rows["rejected_token"], pad, eos, None, size, bf16)
+            return chosen.raw_scores, rejected.raw_scores
         return score_pairs(
             model,
             rows["query_chosen_token"],
@@ -150,7 +168,8 @@ def evaluate_reward_model(
         )
 
     metrics = evaluate_pairs(score, cfg, data_dir, out_dir, tracker, "reward model")
-    write_reward_logits(model, cfg, data_dir, out_dir, tracker)
+    if isinstance(model, ScalarModel):
+        write_reward_logits(model, cfg, data_dir, out_dir, tracker)
     return metrics
 
 
@@ -176,8 +195,8 @@ def evaluate_pairs(
 
     Args:
         score: the split's rows (``query_chosen_token``, ``query_rejected_token``,
-            ``query_token_len``, torch tensors) -> ``(chosen_rewards, rejected_rewards)``,
-            each ``(n,)``.
+            ``query_token_len``, ``query_token``, ``chosen_token``, ``rejected_token``, torch
+            tensors) -> ``(chosen_rewards, rejected_rewards)``, each ``(n,)``.
 
     Returns:
         The flat metrics.
@@ -198,6 +217,7 @@ def evaluate_pairs(
         ds = pref[split]
         ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
         columns = ["query_chosen_token", "query_rejected_token", "query_token_len"]
+        columns += ["query_token", "chosen_token", "rejected_token"]
         chosen, rejected = score(ds.with_format("torch", columns=columns)[:])
         prefix = "eval" if split == "validation" else f"eval/{split}"
         groups = {"batch": list(ds["batch"]), "confidence": list(ds["confidence"]), "split": list(ds["split"])}

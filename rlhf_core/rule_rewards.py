@@ -71,9 +71,12 @@ def load_reward_function(spec: str) -> RewardFunction | None:
 
 
 def describe_reward(spec: str, reward_model_dir: str | Path | None) -> str:
-    """What PPO maximises, in one line, for the run's params: the reward model's directory, or
-    the function's qualified name and source file."""
+    """What PPO maximises, in one line, for the run's params: the reward model's directory (after
+    the existing model's spec, ``model:SOURCE``, when it was imported), or the function's
+    qualified name and source file."""
     parsed = parse_reward_spec(spec)
+    if parsed is None and spec != "model":
+        return f"{spec} ({Path(reward_model_dir).resolve() if reward_model_dir is not None else '<none>'})"
     if parsed is None:
         return f"model:{Path(reward_model_dir).resolve()}" if reward_model_dir is not None else "model:<none>"
     return f"python:{parsed[0]}:{parsed[1]} ({reward_source(spec)})"

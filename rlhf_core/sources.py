@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import REWARD_SPEC, DataConfig
-from .errors import DataError, ModelSourceError
+from .config import EXTERNAL_REWARD_SPEC, REWARD_SPEC, DataConfig
+from .errors import ConfigError, DataError, ModelSourceError
 from .io import cache_root, content_digest, file_sha256
 
 
@@ -99,6 +99,20 @@ def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str 
     if source.kind == "gguf":
         return {"content": content_digest([source.gguf_path]), "gguf_conversion": GGUF_CONVERSION}
     return {"content": content_digest([Path(source.location)])}
+
+
+def judge_prompt_fingerprint(path: str | None) -> str | None:
+    """A digest of the judge prompt file ``eval.judge_prompt`` (16 hex), for the evaluation
+    stage's key; ``None`` when unset (the prompt is then the code's, covered by its digest).
+
+    Raises:
+        ConfigError: the file does not exist, naming ``eval.judge_prompt``.
+    """
+    if not path:
+        return None
+    if not Path(path).is_file():
+        raise ConfigError(f"eval.judge_prompt: {path} is not a file")
+    return content_digest([Path(path)])
 
 
 #: Version of the way a GGUF file is converted (its tokenizer's special tokens set from the GGUF
@@ -188,17 +202,43 @@ class RewardSpecError(ValueError):
 
 
 def parse_reward_spec(spec: str) -> tuple[str, str] | None:
-    """``None`` for ``"model"``; ``(module, function)`` for ``"python:MODULE:FUNCTION"``.
+    """``None`` for a reward model (``"model"``, or ``"model:SOURCE"``: :func:`external_reward_source`);
+    ``(module, function)`` for ``"python:MODULE:FUNCTION"``.
 
     Raises:
         RewardSpecError: any other string.
     """
-    if spec == "model":
+    if spec == "model" or EXTERNAL_REWARD_SPEC.fullmatch(spec):
         return None
     match = REWARD_SPEC.fullmatch(spec)
     if not match:
-        raise RewardSpecError(f"ppo.reward {spec!r}: expected 'model' or 'python:MODULE:FUNCTION'")
+        raise RewardSpecError(
+            f"ppo.reward {spec!r}: expected 'model', 'model:SOURCE[@REVISION]' or 'python:MODULE:FUNCTION'"
+        )
     return match.group(1), match.group(2)
+
+
+def external_reward_source(spec: str) -> tuple[str, str | None] | None:
+    """``(source, revision)`` of ``"model:SOURCE"`` or ``"model:SOURCE@REVISION"``, an existing
+    reward model (a hub id, a local directory or ``pkg:PACKAGE/PATH``, :func:`resolve_source`;
+    ``revision`` ``None`` when not given); ``None`` for any other ``ppo.reward``."""
+    match = EXTERNAL_REWARD_SPEC.fullmatch(spec)
+    return None if match is None else (match.group(1), match.group(2))
+
+
+def external_reward_fingerprint(spec: str) -> dict[str, Any] | None:
+    """What the reward stage reads of an existing reward model ``"model:SOURCE[@REVISION]"``, for
+    its cache key (:func:`rlhf_core.pipeline.stage_key`): the spec and the source's
+    :func:`source_fingerprint` (its files' digest, or the hub id and revision); ``None`` for any
+    other ``ppo.reward`` (the reward model is trained).
+
+    Raises:
+        ModelSourceError: the source cannot be resolved.
+    """
+    external = external_reward_source(spec)
+    if external is None:
+        return None
+    return {"spec": spec, **source_fingerprint(*external)}
 
 
 def reward_source(spec: str) -> Path | None:

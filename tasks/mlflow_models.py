@@ -140,18 +140,20 @@ class RewardModelScorer(mlflow.pyfunc.PythonModel):
 
     ``model_config``: ``query_format`` (:class:`rlhf_core.config.QueryFormat` as a dict) and
     ``batch_size``. Artifact ``reward_model``: a directory saved by
-    :meth:`rlhf_core.reward.ScalarModel.save_pretrained`, with its tokenizer.
+    :meth:`rlhf_core.reward.ScalarModel.save_pretrained`, with its tokenizer, or an existing
+    reward model (``ppo.reward: model:SOURCE``) with its own, which then builds the queries too
+    (:func:`rlhf_core.reward.load_reward_model`).
     """
 
     def load_context(self, context) -> None:
         from transformers import AutoTokenizer
 
         from rlhf_core.config_data import QueryFormat
-        from rlhf_core.reward import ScalarModel
+        from rlhf_core.reward import load_reward_model
 
         path = context.artifacts["reward_model"]
-        self.model = ScalarModel.from_pretrained(path).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = load_reward_model(path, self.tokenizer).eval()
         self.query_format = QueryFormat(**context.model_config["query_format"])
         self.batch_size = int(context.model_config.get("batch_size", 8))
 

@@ -292,3 +292,14 @@ def test_a_reward_model_trains_and_is_evaluated_on_cnndm_comparisons_as_trl_rows
     assert metrics["eval/count"] == 7 and 0 <= metrics["eval/accuracy"] <= 1
     assert metrics["eval/count/batch/batch0_cnndm"] == 7  # the per-group tables read the rows' metadata
     assert not (root / "ppo").exists()
+
+
+def test_the_judge_prompt_file_is_part_of_the_evaluations_key(tmp_path):
+    from rlhf_core.pipeline import stage_keys
+
+    template = tmp_path / "judge.txt"
+    template.write_text("Prompt: {prompt}\nA: {a}\nB: {b}\nPreferred: A or B")
+    keys = stage_keys(load_config("smoke", [f"eval.judge_prompt={template}"]))
+    template.write_text("Prompt: {prompt}\n\nA: {a}\nB: {b}\nPreferred: A or B")
+    edited = stage_keys(load_config("smoke", [f"eval.judge_prompt={template}"]))
+    assert [s for s in keys if keys[s] != edited[s]] == ["evaluation"]

@@ -216,8 +216,8 @@ def test_a_hub_that_cannot_be_reached_leaves_the_cache(hub_cache, monkeypatch):
         ("python:no_such_module:f", "cannot import module 'no_such_module': ModuleNotFoundError"),
         ("python:rlhf_core.rule_rewards:no_such_fn", "module 'rlhf_core.rule_rewards' has no attribute 'no_such_fn'"),
         (
-            "python:rlhf_core.config:TLDR_QUERY_TEMPLATE",
-            "rlhf_core.config.TLDR_QUERY_TEMPLATE is a str, not a function",
+            "python:rlhf_core.config_data:TLDR_QUERY_TEMPLATE",
+            "rlhf_core.config_data.TLDR_QUERY_TEMPLATE is a str, not a function",
         ),
     ],
 )

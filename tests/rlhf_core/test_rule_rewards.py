@@ -110,10 +110,14 @@ def test_model_spec_loads_no_function(tmp_path):
         "python:a b:f",
         "python:rlhf_core.rule_rewards:word_count_12:x",
         "rlhf_core.rule_rewards:f",
+        "model:a b",
+        "model:org/rm@",
     ],
 )
 def test_malformed_specs_fail_at_config_time(spec):
-    with pytest.raises(ConfigError, match=r"ppo\.reward: .*'model' or 'python:MODULE:FUNCTION'"):
+    with pytest.raises(
+        ConfigError, match=r"ppo\.reward: .*'model', 'model:SOURCE\[@REVISION\]' .* or 'python:MODULE:FUNCTION'"
+    ):
         load_config("smoke", [f"ppo.reward={spec}"])
 
 

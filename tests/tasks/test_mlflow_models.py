@@ -75,6 +75,26 @@ def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, 
         scorer.predict(frame[["post"]])  # the signature requires a summary
 
 
+def test_an_existing_reward_model_pyfunc_scores_through_its_own_tokenizer(rows, llama_tokenizer, tmp_path):
+    """``ppo.reward: model:DIR``: the registered model is the existing checkpoint, whose own
+    tokenizer builds the queries; its scores are ``transformers``' own on the chat template's texts."""
+    from rlhf_core.data import truncate_query
+    from rlhf_core.external_reward import import_reward_model
+    from tests.rlhf_core.test_external_reward import CHAT_TEMPLATE, direct_scores, save_llama_reward_model
+
+    save_llama_reward_model(tmp_path / "source", llama_tokenizer, CHAT_TEMPLATE)
+    cfg = load_config("smoke", [f"ppo.reward=model:{tmp_path / 'source'}"])
+    import_reward_model(cfg.ppo.reward, tmp_path / "reward")
+    save_reward_model(tmp_path / "reward" / "model", tmp_path / "rm", cfg, None)
+    scores = mlflow.pyfunc.load_model(str(tmp_path / "rm")).predict(
+        pd.DataFrame({k: rows[k] for k in ("post", "summary", "subreddit", "title")})
+    )
+    fields = [{k: rows[k][i] for k in ("post", "subreddit", "title")} for i in range(len(rows))]
+    queries = [truncate_query(f, llama_tokenizer, cfg.data.tldr_format)[0] for f in fields]
+    expected = direct_scores(tmp_path / "source", queries, rows["summary"])
+    assert scores["score"].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
+
+
 def test_the_policy_is_a_transformers_text_generation_model(smoke_stages, rows, tmp_path, mlflow_messages):
     cfg = load_config("smoke", ["eval.temperature=0.01"])
     save_policy_model(smoke_stages / "base", tmp_path / "policy", cfg, smoke_stages / "data")
