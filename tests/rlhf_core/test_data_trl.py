@@ -303,3 +303,21 @@ def test_the_judge_prompt_file_is_part_of_the_evaluations_key(tmp_path):
     template.write_text("Prompt: {prompt}\n\nA: {a}\nB: {b}\nPreferred: A or B")
     edited = stage_keys(load_config("smoke", [f"eval.judge_prompt={template}"]))
     assert [s for s in keys if keys[s] != edited[s]] == ["evaluation"]
+
+
+def test_parquet_files_are_read_as_jsonl_files_are(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_core.config_data import SplitSpec
+    from rlhf_core.data_rows import load_split
+
+    rows = [{"question": f"Q{i}?", "answer": f" A{i}.", "id": f"r{i}"} for i in range(3)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "sft_train.parquet")
+    columns = ["data.columns.prompt=question", "data.columns.completion=answer"]
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={tmp_path}", *columns])
+    loaded = load_split(cfg.data, "sft", SplitSpec(source="train", task="trl"), None)
+    assert [(r["prompt"], r["summary"], r["id"]) for r in loaded.rows] == [
+        (f"Q{i}?", f" A{i}.", f"r{i}") for i in range(3)
+    ]
+    assert loaded.rows[2]["source_row"] == f"{tmp_path / 'sft_train.parquet'}:row 3"
