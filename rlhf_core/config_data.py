@@ -310,7 +310,10 @@ class DataConfig(StrictModel):
 
     def resolved_local_dir(self) -> str | None:
         """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
-        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``."""
+        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``.
+        Under ``format: trl`` only ``local_dir``: the other two hold TL;DR rows."""
+        if self.format == "trl":
+            return self.local_dir or None
         if self.subset_in_use():
             from .subset_files import subset_dir
 

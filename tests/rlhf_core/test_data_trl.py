@@ -216,6 +216,8 @@ def test_trl_settings_left_at_their_defaults_keep_the_data_key():
     dumped = load_config("smoke").data.model_dump(mode="json")
     assert not {"format", "columns", "prompt_truncation", "max_query_length"} & set(dumped)
     assert load_config("smoke", ["data.format=trl"]).data.model_dump(mode="json")["format"] == "trl"
+    trl = load_config("smoke", ["data.format=trl"]).data  # $RLHF_TLDR_DIR and the subset hold TL;DR rows
+    assert trl.resolved_local_dir() is None and trl.resolved_source() == "hub"
     with pytest.raises(ConfigError, match=r"data\.columns\.question: not one of TRL's columns"):
         load_config("smoke", ["data.columns.question=prompt"])
 
