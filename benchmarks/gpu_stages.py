@@ -164,8 +164,8 @@ def base_overrides(args: argparse.Namespace, rows: dict[str, int]) -> list[str]:
     ]
     if not args.tiny:
         out.append(f"model.tokenizer={args.tokenizer}")
-        if not args.no_random_init:
-            out.append("model.random_init=" + json.dumps(LLAMA_1B_SHAPE))
+        if not args.no_random_init:  # a random model in place of the preset's model.base
+            out += ["model.base=null", "model.random_init=" + json.dumps(LLAMA_1B_SHAPE)]
     return out
 
 

@@ -146,7 +146,7 @@ def flatten_comparison(row: dict) -> dict:
         "subreddit": info.get("subreddit"),
         "title": info.get("title"),
         "post": post,
-        "site": info.get("site"),
+        **({"site": info["site"]} if info.get("site") is not None else {}),  # a CNN/DM article's news site
         "chosen": summaries[choice].get("text"),
         "rejected": summaries[1 - choice].get("text"),
         "chosen_policy": summaries[choice].get("policy"),

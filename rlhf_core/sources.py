@@ -150,8 +150,8 @@ def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> li
     if not files:
         present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*") if p.suffix in (".jsonl", ".parquet")))
         raise DataError(
-            f"no file {kind}_{split}.jsonl (or .parquet) in {root} for {kind} split {split!r} "
-            f"(present: {present or 'none'})"
+            f"no file {kind}_{split}.jsonl in {root} for {kind} split {split!r} "
+            f"(nor .parquet; present: {present or 'none'})"
         )
     return files
 
