@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="smoke", help="the configuration whose splits are converted")
     parser.add_argument("--form", choices=("standard", "conversational"), default="standard")
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE settings, as for rlhf run")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     written, _ = convert(args.out_dir, args.preset, args.overrides, args.form)
     for name, rows in written.items():
         print(f"{args.out_dir / name}: {rows} rows")

@@ -323,3 +323,11 @@ def test_parquet_files_are_read_as_jsonl_files_are(tmp_path):
         (f"Q{i}?", f" A{i}.", f"r{i}") for i in range(3)
     ]
     assert loaded.rows[2]["source_row"] == f"{tmp_path / 'sft_train.parquet'}:row 3"
+
+
+def test_the_converter_takes_settings_after_its_options(tmp_path, capsys):
+    cap = json.dumps({s: {"source": "test", "max_rows": 2} for s in ("train", "validation", "test")})
+    converter().main([str(tmp_path), "--preset", "smoke", "--form", "standard", f"data.sft_splits={cap}"])
+    assert f"{tmp_path / 'sft_train.jsonl'}: 2 rows" in capsys.readouterr().out
+    first = json.loads((tmp_path / "sft_train.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"id", "prompt", "completion"} and first["completion"].startswith(" ")
