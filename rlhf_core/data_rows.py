@@ -191,7 +191,7 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
             raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
         raw: Iterable[tuple[str, dict | BadRow]] = (
             item
-            for path in local_split_files(local_dir, kind, spec.source)
+            for path in local_split_files(local_dir, kind, spec.source, data_cfg.format == "trl")
             for item in iter_rows(path, result.repaired)
         )
     else:

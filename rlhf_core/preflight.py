@@ -168,7 +168,7 @@ def check_local_data(data: DataConfig) -> None:
     for kind in ("sft", "preference"):
         for name, spec in data.splits(kind).items():
             try:
-                local_split_files(local_dir, kind, spec.source)
+                local_split_files(local_dir, kind, spec.source, data.format == "trl")
             except DataError as exc:
                 key = "data.local_dir" if data.format == "trl" else f"data.{kind}_splits.{name}.source"
                 raise DataError(f"{key}: {exc}") from None

@@ -128,12 +128,14 @@ def gguf_cache_dir(source: Source) -> Path:
     return cache_root() / "gguf" / f"{source.gguf_path.stem}-{sha[:16]}-v{GGUF_CONVERSION}"
 
 
-def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> list[Path]:
+def local_split_files(local_dir: str | os.PathLike, kind: str, split: str, one_file: bool = False) -> list[Path]:
     """The files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``, then
     the same names in ``.parquet``.
 
     The second form lets one source split span several files, as the offline data's
-    ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split.
+    ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split. With
+    ``one_file`` (``data.format: trl``, where ``preference_validation_cnndm`` may be a split of
+    its own) only the first form is read.
 
     Raises:
         DataError: no such file.
@@ -144,7 +146,7 @@ def local_split_files(local_dir: str | os.PathLike, kind: str, split: str) -> li
     files = [
         path
         for suffix in ("jsonl", "parquet")
-        for pattern in (f"{kind}_{split}.{suffix}", f"{kind}_{split}_*.{suffix}")
+        for pattern in (f"{kind}_{split}.{suffix}",) + (() if one_file else (f"{kind}_{split}_*.{suffix}",))
         for path in sorted(root.glob(pattern))
     ]
     if not files:
@@ -183,7 +185,7 @@ def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
             path
             for kind in ("sft", "preference")
             for spec in data_cfg.splits(kind).values()
-            for path in local_split_files(local_dir, kind, spec.source)
+            for path in local_split_files(local_dir, kind, spec.source, data_cfg.format == "trl")
         }
         return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}
     hub: dict[str, Any] = {"source": "hub", "revision": data_cfg.revision}

@@ -331,3 +331,16 @@ def test_the_converter_takes_settings_after_its_options(tmp_path, capsys):
     assert f"{tmp_path / 'sft_train.jsonl'}: 2 rows" in capsys.readouterr().out
     first = json.loads((tmp_path / "sft_train.jsonl").read_text().splitlines()[0])
     assert set(first) == {"id", "prompt", "completion"} and first["completion"].startswith(" ")
+
+
+def test_a_split_reads_its_own_file_only(tmp_path):
+    """``preference_validation_cnndm.jsonl`` is a split of its own under ``trl``, not more rows of
+    ``validation`` (as the TL;DR format reads it)."""
+    from rlhf_core.config_data import SplitSpec
+    from rlhf_core.data_rows import load_split
+
+    write_jsonl(tmp_path / "preference_validation.jsonl", [{"prompt": "P", "chosen": " a", "rejected": " b"}])
+    write_jsonl(tmp_path / "preference_validation_cnndm.jsonl", [{"prompt": "Q", "chosen": " c", "rejected": " d"}])
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={tmp_path}"])
+    loaded = load_split(cfg.data, "preference", SplitSpec(source="validation", task="trl"), None)
+    assert [row["prompt"] for row in loaded.rows] == ["P"]
