@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data import load_prepared, prepare_data, tokenize_splits
 from rlhf_core.data_trl import normalise_trl_row, split_implicit_prompt, trl_query
 from rlhf_core.errors import BadRow, ConfigError, DataError
+from tests.stages import BITWISE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 USER, ASSISTANT = "user", "assistant"
@@ -21,6 +24,15 @@ def msg(role, content):
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def rlhf_stages(overrides: list[str], until: str, out: Path) -> Path:
+    """``rlhf stages --preset smoke OVERRIDES --until UNTIL --out OUT``, as a user runs it."""
+    exe = str(Path(sys.executable).with_name("rlhf"))
+    argv = [exe, "stages", "--preset", "smoke", *overrides, "--until", until, "--out", str(out)]
+    result = subprocess.run(argv, capture_output=True, text=True, env=BITWISE_ENV, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
 
 
 def converter():
@@ -229,7 +241,6 @@ def test_trl_settings_left_at_their_defaults_keep_the_data_key():
 def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder):
     """SFT, the reward model, its normalisation and evaluation, PPO, DPO and the evaluation on
     TRL conversational rows through SmolLM2's chat template; the judge reads the pairwise prompt."""
-    from rlhf_core.cli import run_stages
     from rlhf_core.judging import Comparison, prompt_sha256
     from rlhf_core.judging.prompt import PAIRWISE_PROMPT
 
@@ -244,9 +255,7 @@ def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder
     ]
     overrides += ["eval.max_samples=2", "eval.judge_human_comparisons=2", "eval.judge_orders=one"]
     overrides += ["eval.diversity_prompts=0", "eval.token_shift_samples=0"]
-    cfg = load_config("smoke", overrides)
-    root = tmp_path / "run"
-    run_stages(cfg, root, until="evaluation")
+    root = rlhf_stages(overrides, "evaluation", tmp_path / "run")
     for stage in ("data", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval", "evaluation"):
         assert (root / stage / "stage.json").is_file(), stage
     reward_eval = json.loads((root / "reward_eval" / "metrics.json").read_text())
@@ -277,16 +286,14 @@ def test_a_bad_judge_prompt_file_is_found_before_any_stage_runs(tmp_path):
 
 @pytest.mark.slow
 def test_a_reward_model_trains_and_is_evaluated_on_cnndm_comparisons_as_trl_rows(tmp_path):
-    from rlhf_core.cli import run_stages
-
     train = {"source": "validation", "batches": ["batch0_cnndm"], "task": "cnndm", "max_rows": 40}
     splits = {"train": train | {"holdout": {"split": "validation", "rows": 7, "seed": 0}}}  # 5 articles, by article
     folder = tmp_path / "cnndm"
     written, _ = converter().convert(folder, "smoke", [f"data.preference_splits={json.dumps(splits)}"], "standard")
     assert (written["preference_train.jsonl"], written["preference_validation.jsonl"]) == (33, 7)
-    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={folder}", "sft.max_steps=1"])
-    root = tmp_path / "run"
-    run_stages(cfg, root, until="reward_eval")
+    root = rlhf_stages(
+        ["data.format=trl", f"data.local_dir={folder}", "sft.max_steps=1"], "reward_eval", tmp_path / "run"
+    )
     _, preference, _ = load_prepared(root / "data")
     assert all(post.startswith("Article:\n") for post in preference["train"]["post"])
     assert set(preference["validation"]["batch"]) == {"batch0_cnndm"}
