@@ -28,7 +28,9 @@ published configuration (no weights, no download). Per rank, in bytes, with ``P`
   and 16 bytes per adapter parameter, ``r`` times the sum of in + out features over the
   backbone's linear layers; the reference policy is the policy with its adapters off (no copy);
 - PPO peaks in one of two phases. The update holds both trained models whole (weights,
-  gradients, AdamW state, as above), the frozen ones and one micro-batch's activations.
+  gradients, AdamW state, as above), the frozen ones and one micro-batch's activations. A
+  critic-free estimator (``ppo.advantage_estimator`` rloo or grpo) has no value model: one
+  trained model. ``batch_size`` counts episodes, so its micro-batches are the same size.
   Sampling holds no gradients (they are freed after each optimiser step) but the key/value
   cache, ``2 L b s h x 2`` bytes (bf16), and under FSDP2 the policy gathered whole
   (``rlhf_core.distributed.DataParallel.gathered``): its other shards, ``4P (1 - 1/N)``.
@@ -62,6 +64,10 @@ PYTHIA = {
 #: Tokens per row (Huang et al. 2024, Details 4 and 14).
 SEQ = {"sft": 565, "reward": 638, "dpo": 638, "ppo": 565}
 GB = 1e9
+#: PPO's advantage estimators without a value model (ppo.advantage_estimator).
+CRITIC_FREE = "rloo/grpo"
+#: The stages estimated, PPO once with GAE's value model and once without.
+STAGES = [("sft", "-"), ("reward", "-"), ("dpo", "-"), ("ppo", "gae"), ("ppo", CRITIC_FREE)]
 
 
 #: Llama-3.2-1B's published configuration (meta-llama/Llama-3.2-1B config.json).
@@ -154,8 +160,11 @@ def activations(m: Model, rows: int, seq: int) -> float:
     return 4 * m.layers * rows * seq * m.hidden + 34 * rows * seq * m.hidden
 
 
-def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placement: str, n: int) -> float:
-    """Bytes per rank of one stage: its trained and frozen models and one micro-batch's activations."""
+def stage_bytes(
+    stage: str, m: Model, micro: int, strategy: str, frozen_placement: str, n: int, value_model: bool = True
+) -> float:
+    """Bytes per rank of one stage: its trained and frozen models and one micro-batch's activations
+    (PPO's value model trained beside the policy unless ``value_model`` is false: rloo, grpo)."""
     seq = SEQ[stage]
     if stage == "sft":
         return trained(m, strategy, n) + activations(m, micro, seq)
@@ -167,25 +176,30 @@ def stage_bytes(stage: str, m: Model, micro: int, strategy: str, frozen_placemen
         return trained(m, strategy, n) + frozen(m, frozen_placement, n) + activations(m, 2 * micro, seq)
     # ppo: policy and value model train, reference and reward model frozen; the larger of the update
     # (activations) and sampling (no gradients; KV cache; under FSDP2 the policy's other shards gathered)
-    models = 2 * trained(m, strategy, n) + 2 * frozen(m, frozen_placement, n)
-    gradients = 2 * 4 * m.params / (1 if strategy == "ddp" else n)
+    trained_models = 2 if value_model else 1
+    models = trained_models * trained(m, strategy, n) + 2 * frozen(m, frozen_placement, n)
+    gradients = trained_models * 4 * m.params / (1 if strategy == "ddp" else n)
     kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
     gathered = 4 * m.params * (1 - 1 / n) if strategy == "fsdp" else 0.0
     return models + max(activations(m, micro, seq), kv_cache + gathered - gradients)
 
 
-def lora_stage_bytes(stage: str, m: Model, micro: int, r: int, reward_placement: str) -> float:
+def lora_stage_bytes(
+    stage: str, m: Model, micro: int, r: int, reward_placement: str, value_model: bool = True
+) -> float:
     """Bytes of one stage on one GPU with rank-``r`` adapters on every trained model: no
     reference copy (the policy with its adapters off), PPO's reward model ``whole`` or on the
-    ``cpu`` (``ppo.offload_frozen``: streamed to the GPU block by block for its passes);
-    activations as without adapters (the backward pass still runs through every layer)."""
+    ``cpu`` (``ppo.offload_frozen``: streamed to the GPU block by block for its passes), PPO's
+    value model unless ``value_model`` is false; activations as without adapters (the backward
+    pass still runs through every layer)."""
     seq = SEQ[stage]
     if stage == "sft":
         return adapted(m, r) + activations(m, micro, seq)
     if stage in ("reward", "dpo"):
         return adapted(m, r) + activations(m, 2 * micro, seq)
-    models = 2 * adapted(m, r) + frozen(m, reward_placement, 1)
-    gradients = 2 * 4 * r * m.linear_in_out
+    trained_models = 2 if value_model else 1
+    models = trained_models * adapted(m, r) + frozen(m, reward_placement, 1)
+    gradients = trained_models * 4 * r * m.linear_in_out
     kv_cache = 2 * m.layers * micro * seq * m.hidden * 2
     scoring = streamed(m) - gradients if reward_placement == "cpu" else 0.0  # the reward model's pass
     return models + max(activations(m, micro, seq), kv_cache - gradients, scoring)
@@ -199,17 +213,20 @@ def lora_rows() -> list[dict]:
     for preset, (model_name, capacities) in LORA_PRESETS.items():
         cfg = load_config(preset)
         m = pythia(model_name) if model_name in PYTHIA else llama_3_2_1b()
-        for stage in ("sft", "reward", "dpo", "ppo"):
+        for stage, estimator in STAGES:
             section = getattr(cfg, stage)
             for capacity in capacities:
                 for placement in ("whole", "cpu") if stage == "ppo" else ("-",):
-                    estimate = lora_stage_bytes(stage, m, section.micro_batch_size, section.lora.r, placement)
+                    estimate = lora_stage_bytes(
+                        stage, m, section.micro_batch_size, section.lora.r, placement, estimator != CRITIC_FREE
+                    )
                     rows.append(
                         {
                             "preset": preset,
                             "parameters": m.params,
                             "adapter parameters": section.lora.r * m.linear_in_out,
                             "stage": stage,
+                            "estimator": estimator,
                             "machine": f"1 x {capacity} GB",
                             "strategy": f"lora r={section.lora.r}",
                             "frozen models": "reward model " + placement if stage == "ppo" else "-",
@@ -233,7 +250,7 @@ def main() -> None:
     for preset in PYTHIA:
         cfg = load_config(preset)
         m = pythia(preset)
-        for stage in ("sft", "reward", "dpo", "ppo"):
+        for stage, estimator in STAGES:
             section = getattr(cfg, stage)
             preset_strategy = getattr(section, "strategy", "ddp")
             options = [("ddp", "whole"), ("zero2", "whole"), ("fsdp", "whole"), ("fsdp", "sharded"), ("fsdp", "cpu")]
@@ -244,12 +261,13 @@ def main() -> None:
                 for strategy, placement in options:
                     if n == 1 and strategy != "ddp" or n == 1 and placement == "sharded":
                         continue  # one rank: nothing to shard
-                    estimate = stage_bytes(stage, m, micro, strategy, placement, n)
+                    estimate = stage_bytes(stage, m, micro, strategy, placement, n, estimator != CRITIC_FREE)
                     rows.append(
                         {
                             "preset": preset,
                             "parameters": m.params,
                             "stage": stage,
+                            "estimator": estimator,
                             "machine": machine,
                             "strategy": strategy,
                             "frozen models": placement if stage in ("dpo", "ppo") else "-",
@@ -261,10 +279,13 @@ def main() -> None:
                     )
     rows += lora_rows()
     width = max(len(r["preset"]) for r in rows)
-    print(f"{'preset':<{width}}  {'params':>13}  stage   machine      strategy  frozen   micro  GB/GPU  fits")
+    print(
+        f"{'preset':<{width}}  {'params':>13}  stage   estimator  machine      strategy  frozen   micro  GB/GPU  fits"
+    )
     for r in rows:
         print(
-            f"{r['preset']:<{width}}  {r['parameters']:>13,}  {r['stage']:<6}  {r['machine']:<11}  {r['strategy']:<8}  "
+            f"{r['preset']:<{width}}  {r['parameters']:>13,}  {r['stage']:<6}  {r['estimator']:<9}  {r['machine']:<11}  "
+            f"{r['strategy']:<8}  "
             f"{r['frozen models']:<7}  {r['micro_batch_size']:>5}  {r['GB per GPU']:>6.1f}  {'yes' if r['fits'] else 'no'}"
         )
     Path(args.out).write_text(json.dumps({"what": __doc__.splitlines()[0], "rows": rows}, indent=1) + "\n")

@@ -249,6 +249,11 @@ class DPOConfig(EpochTrainerConfig):
         return self
 
 
+#: ppo.samples_per_prompt when unset under a critic-free estimator: k = 4, the larger of the two
+#: values Ahmadian et al. (2024, arXiv 2402.14740) run RLOO with on TL;DR.
+CRITIC_FREE_SAMPLES = 4
+
+
 class PPOConfig(TrainerConfig):
     """PPO against the normalised reward model (Details 20-25, Table 7).
 
@@ -294,6 +299,17 @@ class PPOConfig(TrainerConfig):
     #: whitened returns. Without a reward model on the policy's tokens (a rule reward, model:SOURCE)
     #: the start is always the SFT backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
     value_init: Literal["reward_model", "zero_head"] = "reward_model"
+    #: How step 3 turns rewards into advantages (rlhf_core.ppo_rollout.estimate_advantages):
+    #: gae, the paper's, with a value model trained beside the policy (Details 22, 25); rloo or
+    #: grpo, critic-free: a per-prompt baseline over the samples_per_prompt samples of each
+    #: prompt (rlhf_core.ppo.rloo_advantages, rlhf_core.ppo.grpo_advantages), and no value model
+    #: is loaded, trained or saved (value_init, vf_coef and cliprange_value then do nothing).
+    advantage_estimator: Literal["gae", "rloo", "grpo"] = "gae"
+    #: Responses sampled for each prompt in a rollout (k): at least 2 for rloo and grpo; with gae,
+    #: k rollouts of each prompt, GAE on each. batch_size counts episodes (prompts x k) and must
+    #: be a multiple of k; a prompt's k samples stay on one rank. Unset: 1 for gae (the paper's),
+    #: CRITIC_FREE_SAMPLES for rloo and grpo.
+    samples_per_prompt: int = Field(1, gt=0)
     eval_every: int = Field(10, gt=0)
     eval_temperature: float = Field(0.01, gt=0)
     #: Data parallelism under torchrun (rlhf_core.distributed.STRATEGIES): ddp, zero2 (policy and
@@ -315,6 +331,29 @@ class PPOConfig(TrainerConfig):
             raise ValueError(
                 f"ppo.offload_frozen has nothing to offload: with ppo.lora.r {self.lora.r} the reference is the "
                 f"policy itself, and ppo.reward {self.reward!r} needs no reward model; set ppo.offload_frozen=false"
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_samples_per_prompt(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("samples_per_prompt") is None:
+            critic_free = data.get("advantage_estimator", "gae") != "gae"
+            data = {**data, "samples_per_prompt": CRITIC_FREE_SAMPLES if critic_free else 1}
+        return data
+
+    @model_validator(mode="after")
+    def _groups_of_samples(self) -> PPOConfig:
+        k = self.samples_per_prompt
+        if self.advantage_estimator != "gae" and k < 2:
+            raise ValueError(
+                f"ppo.advantage_estimator {self.advantage_estimator} compares the samples of a prompt: "
+                f"ppo.samples_per_prompt must be at least 2, not {k}"
+            )
+        if self.batch_size % k:
+            raise ValueError(
+                f"ppo.batch_size {self.batch_size} counts episodes, prompts x ppo.samples_per_prompt {k}: "
+                "make it a multiple of ppo.samples_per_prompt"
             )
         return self
 

@@ -136,13 +136,13 @@ def mean_ignoring_missing(values: Iterable[float | None]) -> float:
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95) -> dict[str, float | int]:
-    """Mean of the paired differences ``a[i] - b[i]`` with a normal-approximation interval.
+    """Mean of the paired differences ``a[i] - b[i]`` with Student's t interval.
 
-    ``mean ± z * sd / sqrt(n)`` with ``sd`` the Bessel-corrected standard deviation of the
-    differences and ``z`` the standard normal quantile at ``(1 + confidence) / 2``; for
-    ``n >= 30`` this is within 2% of Student's t interval. Used for two policies scored on the
-    same prompts (e.g. PPO's and SFT's reward-model scores), where pairing removes the
-    prompt-to-prompt spread.
+    ``mean ± t * sd / sqrt(n)`` with ``sd`` the Bessel-corrected standard deviation of the
+    differences and ``t`` Student's t quantile at ``(1 + confidence) / 2`` with ``n - 1``
+    degrees of freedom (``scipy.stats.t``): at 8 prompts the normal quantile would make a 95%
+    interval 17% too narrow. Used for two policies scored on the same prompts (e.g. PPO's and
+    SFT's reward-model scores), where pairing removes the prompt-to-prompt spread.
 
     Args:
         a, b: equally long sequences of numbers, one pair per prompt.
@@ -165,8 +165,10 @@ def paired_difference(a: Sequence[float], b: Sequence[float], confidence: float 
     mean = float(d.mean())
     if n < 2:
         return {"mean": mean, "ci_low": NAN, "ci_high": NAN, "std": NAN, "n": n}
+    from scipy import stats  # imported here: the command line starts without it
+
     std = float(d.std(ddof=1))
-    half = NormalDist().inv_cdf((1.0 + confidence) / 2.0) * std / math.sqrt(n)
+    half = float(stats.t.ppf((1.0 + confidence) / 2.0, n - 1)) * std / math.sqrt(n)
     return {"mean": mean, "ci_low": mean - half, "ci_high": mean + half, "std": std, "n": n}
 
 

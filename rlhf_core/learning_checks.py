@@ -23,6 +23,18 @@ RM_SPLITS = {
     "eval": ("TL;DR validation comparisons", "out of distribution (other policies, Detail 6)"),
     "eval/validation_cnndm": ("CNN/DM comparisons", "another task (news articles)"),
 }
+#: The same under ``data.format: trl``: the data's own splits, of no known policies or task.
+TRL_RM_SPLITS = {
+    f"eval/{IN_DISTRIBUTION_SPLIT}": ("comparisons held out of train", "in distribution"),
+    "eval": ("the data's validation comparisons", "the validation split"),
+}
+
+
+def rm_splits(data_format: str = "tldr") -> dict[str, tuple[str, str]]:
+    """The reward-model evaluation splits the report names, ``{metric prefix: (name,
+    distribution)}``: :data:`RM_SPLITS` for TL;DR data, :data:`TRL_RM_SPLITS` for ``trl``."""
+    return TRL_RM_SPLITS if data_format == "trl" else RM_SPLITS
+
 
 Checks = tuple[list[dict], dict[str, float]]
 
@@ -35,6 +47,7 @@ def learning_checks(
     ppo: ResponseScores,
     sft: ResponseScores,
     texts: dict[str, list[str]] | None = None,
+    data_format: str = "tldr",
 ) -> Checks:
     """Whether each stage learned, measured on rows its training never saw: the report's first table.
 
@@ -59,7 +72,8 @@ def learning_checks(
             ``metrics.json``; ppo_last: the last PPO update's metrics (``objective/kl``,
             ``objective/kl_per_token``); ppo, sft: both policies' scores on the same prompts
             (``(n,)`` float tensors); texts: their summaries (``{"ppo": [...], "sft": [...]}``),
-            for the repetition check.
+            for the repetition check; data_format: ``data.format``, which names the
+            reward model's splits (:func:`rm_splits`).
 
     Returns:
         ``(rows, metrics)``: table rows (stage, check, result, 95% interval, n, target, met)
@@ -69,7 +83,7 @@ def learning_checks(
     metrics: dict[str, float] = {}
     for step_rows, step_metrics in (
         sft_checks(sft_metrics, sft_samples),
-        reward_model_checks(rm_metrics),
+        reward_model_checks(rm_metrics, data_format),
         ppo_checks(ppo, sft, texts, ppo_last),
     ):
         rows += step_rows
@@ -142,14 +156,14 @@ def sft_checks(sft_metrics: dict[str, float], sft_samples: list[dict]) -> Checks
     return rows, metrics
 
 
-def reward_model_checks(rm_metrics: dict[str, float]) -> Checks:
-    """The reward-model rows of :func:`learning_checks`, one per split of :data:`RM_SPLITS` it
+def reward_model_checks(rm_metrics: dict[str, float], data_format: str = "tldr") -> Checks:
+    """The reward-model rows of :func:`learning_checks`, one per split of :func:`rm_splits` it
     was evaluated on: the target is the in-distribution accuracy or, without held-out
     comparisons, the validation one; the others are reported. No metrics of their own."""
     rows = []
     in_dist = f"eval/{IN_DISTRIBUTION_SPLIT}"
     targeted = in_dist if f"{in_dist}/accuracy" in rm_metrics else "eval"
-    for prefix, (split_name, distribution) in RM_SPLITS.items():
+    for prefix, (split_name, distribution) in rm_splits(data_format).items():
         if f"{prefix}/accuracy" not in rm_metrics:
             continue
         target = "interval above 50%" if prefix == targeted else "reported"

@@ -99,6 +99,77 @@ def compute_advantages(
     return advantages, returns
 
 
+def sequence_returns(rewards: torch.Tensor) -> torch.Tensor:
+    """Each response's return ``R = sum_t rewards_t``: its score minus ``kl_coef`` times its summed
+    KL from the reference (the per-token rewards of :func:`per_token_rewards`, 0 outside the
+    response), the quantity the critic-free estimators compare within a group.
+
+    Args:
+        rewards: ``(batch, response_length)`` float, 0 outside the valid positions.
+
+    Returns:
+        ``(batch,)``, the dtype of ``rewards``.
+    """
+    return rewards.sum(1)
+
+
+def _groups(returns: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    if samples_per_prompt < 2 or returns.dim() != 1 or returns.numel() % samples_per_prompt:
+        raise ValueError(
+            f"a group baseline needs samples_per_prompt >= 2 dividing the batch: {returns.numel()} returns "
+            f"in groups of {samples_per_prompt}"
+        )
+    groups = returns.view(-1, samples_per_prompt)
+    # both advantages are unchanged by a shift of a group's returns; measured from its first
+    # return, a group of equal returns is exactly 0, so its advantages are exactly 0
+    return groups - groups[:, :1]
+
+
+def rloo_advantages(returns: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (Ahmadian et al. 2024, arXiv 2402.14740, eq. 5;
+    Kool et al. 2019): each sample's return minus the mean return of the other ``k - 1`` samples
+    of its prompt, ``A_i = R_i - (sum_j R_j - R_i) / (k - 1)``. A group's advantages sum to 0.
+
+    Args:
+        returns: ``(batch,)`` float, the ``k = samples_per_prompt`` samples of each prompt in
+            consecutive rows (``batch = prompts * k``).
+
+    Returns:
+        ``(batch,)``, one advantage per response (every one of its tokens gets it).
+
+    Raises:
+        ValueError: ``samples_per_prompt`` below 2 or not dividing ``batch``.
+    """
+    groups = _groups(returns, samples_per_prompt)
+    baseline = (groups.sum(1, keepdim=True) - groups) / (samples_per_prompt - 1)  # mean of the others
+    return (groups - baseline).reshape(-1)
+
+
+#: Added to a group's standard deviation in :func:`grpo_advantages` (TRL's GRPOTrainer), so a group
+#: of equal returns gets advantages 0, not NaN.
+GRPO_EPS = 1e-4
+
+
+def grpo_advantages(returns: torch.Tensor, samples_per_prompt: int, eps: float = GRPO_EPS) -> torch.Tensor:
+    """Group-relative advantages (Shao et al. 2024, arXiv 2402.03300, Section 4.1.2, outcome
+    supervision): ``A_i = (R_i - mean(R)) / (std(R) + eps)`` over the ``k`` samples of a prompt,
+    ``std`` Bessel-corrected as in TRL's ``GRPOTrainer``.
+
+    Args:
+        returns: ``(batch,)`` float, the ``k = samples_per_prompt`` samples of each prompt in
+            consecutive rows.
+
+    Returns:
+        ``(batch,)``; 0 for every sample of a group whose returns are all equal.
+
+    Raises:
+        ValueError: ``samples_per_prompt`` below 2 or not dividing ``batch``.
+    """
+    groups = _groups(returns, samples_per_prompt)
+    centred = groups - groups.mean(1, keepdim=True)
+    return (centred / (groups.std(1, keepdim=True) + eps)).reshape(-1)
+
+
 def sampling_logits(logits: torch.Tensor, temperature: float, pad_token_id: int | None) -> torch.Tensor:
     """The logits of the distribution responses are sampled from: ``logits / temperature`` in
     float32, with PAD's logit at the float32 minimum (Detail 23).

@@ -48,7 +48,7 @@ class PPOModels(Protocol):
     policy: PreTrainedModel
     policy_parallel: DataParallel
     ref_parallel: DataParallel | AdaptersDisabled
-    value_parallel: DataParallel
+    value_parallel: DataParallel | None
     reward_parallel: DataParallel | None
 
     def score(self, queries: torch.Tensor, responses: torch.Tensor) -> ResponseScores: ...
@@ -177,8 +177,11 @@ def value_vs_reward(
         :func:`rlhf_core.reward_eval.token_table` rows with ``row`` (the evaluation prompt's
         index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
         None on ranks other than 0, with a rule reward (no reward model) or an existing reward
-        model of its own tokenizer (``ppo.reward: model:SOURCE``), or before any evaluation.
+        model of its own tokenizer (``ppo.reward: model:SOURCE``), without a value model
+        (``ppo.advantage_estimator`` rloo or grpo), or before any evaluation.
     """
+    if models.value_parallel is None:
+        return None  # a critic-free estimator
     if models.reward_parallel is None or isinstance(models.reward_parallel.model, ExternalRewardModel):
         return None  # no reward model, or one that reads other tokens than the policy's
     pad, eos, bf16 = models.pad_id, models.eos_id, models.cfg.bf16

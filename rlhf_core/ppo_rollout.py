@@ -1,11 +1,12 @@
 """One PPO update's rollout as data, steps 2 and 3 on it, and the statistics logged of it.
 
 Huang et al. 2024 (arXiv 2403.17031), Details 21-25. Step 1 of an update is its prompts
-(:func:`prompt_indices`, Detail 21) and a :class:`Trajectory` (the sampled responses, their
+(:func:`prompt_indices`, Detail 21; each sampled ``ppo.samples_per_prompt`` times,
+:func:`rollout_rows`) and a :class:`Trajectory` (the sampled responses, their
 log-probabilities, values and scores; :func:`make_trajectory`); step 2 the per-token rewards
 (:func:`kl_penalised_rewards`, a :class:`Rewards`); step 3 the advantages and returns
-(:func:`whitened_advantages`). Both whiten with the global batch's statistics
-(:func:`masked_mean_var`). :func:`rollout_statistics` and :func:`throughput_statistics` are
+(:func:`estimate_advantages`: GAE, :func:`whitened_advantages`, or a critic-free group
+baseline). Steps 2 and 3 whiten with the global batch's statistics (:func:`masked_mean_var`). :func:`rollout_statistics` and :func:`throughput_statistics` are
 what each update logs of them (TRL's names); the trainer that produces them is
 :mod:`rlhf_core.ppo_trainer`.
 """
@@ -19,15 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from .config import PPOConfig
-from .distributed import all_gather_cat, all_reduce_sum, world
+from .distributed import World, all_gather_cat, all_reduce_sum, shard, world
 from .generation import last_token_indices, truncate_after_eos
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,
+    grpo_advantages,
     masked_mean,
     masked_var,
     per_token_rewards,
     response_mask,
+    rloo_advantages,
+    sequence_returns,
     whiten,
 )
 from .reward import ResponseScores
@@ -51,6 +55,27 @@ def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list
     return out
 
 
+def rollout_rows(n_rows: int, cfg: PPOConfig, update: int, w: World | None = None) -> list[int]:
+    """This rank's rows of update ``update``'s episodes: ``batch_size / samples_per_prompt``
+    prompts (:func:`prompt_indices`), this rank's contiguous share of them
+    (:func:`rlhf_core.distributed.shard`), each repeated ``samples_per_prompt`` times in
+    consecutive rows. A prompt's samples therefore lie on one rank, next to each other, as the
+    group baselines of :func:`estimate_advantages` need. With one sample per prompt, the
+    rows of :func:`prompt_indices` sharded, as before there were groups.
+
+    Raises:
+        ValueError: the prompts do not split evenly over the ranks (naming the settings).
+    """
+    k, w = cfg.samples_per_prompt, w or world()
+    prompts = prompt_indices(n_rows, cfg.batch_size // k, update, cfg.seed)
+    if len(prompts) % w.size:
+        raise ValueError(
+            f"ppo.batch_size {cfg.batch_size} / ppo.samples_per_prompt {k} = {len(prompts)} prompts per update "
+            f"do not split over {w.size} ranks: a prompt's samples must stay on one rank"
+        )
+    return [row for row in shard(prompts, w) for _ in range(k)]
+
+
 @dataclass
 class Trajectory:
     """One update's samples on this rank: step 1 of the update (Details 21, 23).
@@ -65,7 +90,8 @@ class Trajectory:
         logprobs, ref_logprobs: ``(B, R)`` float32 log-probabilities of the sampled tokens under
             the policy and the reference at the sampling temperature
             (:func:`rlhf_core.ppo.logprobs_from_logits`), ``INVALID_LOGPROB`` after the last token.
-        values: ``(B, R)`` float32, the value model's estimate before each token.
+        values: ``(B, R)`` float32, the value model's estimate before each token; ``None``
+            without a value model (``ppo.advantage_estimator`` rloo or grpo).
         raw_scores, scores: ``(B,)`` float32, the score of the truncated response without and with
             the EOS trick (:meth:`rlhf_core.ppo_trainer.PPOTrainer.score`).
         has_eos: ``(B,)`` bool, the truncated response ends with EOS.
@@ -79,7 +105,7 @@ class Trajectory:
     responses: torch.Tensor
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
     raw_scores: torch.Tensor
     scores: torch.Tensor
     has_eos: torch.Tensor
@@ -95,7 +121,7 @@ def make_trajectory(
     responses: torch.Tensor,
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
-    values: torch.Tensor,
+    values: torch.Tensor | None,
     scored: ResponseScores,
     context_length: int,
     eos_token_id: int,
@@ -107,7 +133,8 @@ def make_trajectory(
 
     Args:
         responses: ``(B, R)`` sampled token ids, not truncated.
-        logprobs, ref_logprobs, values: ``(B, R)`` float32, over every sampled position.
+        logprobs, ref_logprobs, values: ``(B, R)`` float32, over every sampled position
+            (``values`` ``None`` without a value model).
         scored: the scores of ``truncate_after_eos(responses)``, ``(B,)`` each.
     """
     truncated = truncate_after_eos(responses, eos_token_id, pad_token_id)
@@ -149,27 +176,33 @@ class Rewards:
 
 
 def rollout_statistics(
-    traj: Trajectory, rewards: Rewards, advantages: torch.Tensor, returns: torch.Tensor
+    traj: Trajectory, rewards: Rewards, advantages: torch.Tensor, returns: torch.Tensor | None
 ) -> dict[str, float]:
     """Statistics of the global batch (every rank's share gathered; the identity on one rank):
     score, KL to the reference (nats per response and per token), rewards, advantages,
-    returns, response length and EOS rate, under TRL's names."""
+    returns (with a value model), response length and EOS rate, under TRL's names."""
     gather = all_gather_cat
     token_mask, value_mask = gather(traj.token_mask), gather(rewards.value_mask)
     logprobs, ref_logprobs, scores = gather(traj.logprobs), gather(traj.ref_logprobs), gather(traj.scores)
-    returns, advantages, has_eos = gather(returns), gather(advantages), gather(traj.has_eos)
+    advantages, has_eos = gather(advantages), gather(traj.has_eos)
     kl = ((logprobs - ref_logprobs) * token_mask).sum(1)  # the "k1" estimator, http://joschu.net/blog/kl-approx.html
     non_score = gather(rewards.non_score_reward).sum(1)
     lengths = (gather(traj.last_token_indices) + 1).float()
-    return {
+    if returns is not None:
+        returns = gather(returns)
+        returns_stats = {
+            "returns/mean": masked_mean(returns, value_mask).item(),
+            "returns/var": masked_var(returns, value_mask).item(),
+        }
+    else:
+        returns_stats = {}
+    return returns_stats | {
         "objective/scores": scores.mean().item(),
         "objective/kl": kl.mean().item(),  # nats per response
         "objective/kl_per_token": (kl.sum() / token_mask.sum().clamp(min=1)).item(),
         "objective/entropy": (-logprobs * token_mask).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": (scores + non_score).mean().item(),
-        "returns/mean": masked_mean(returns, value_mask).item(),
-        "returns/var": masked_var(returns, value_mask).item(),
         "advantages/mean": masked_mean(advantages, token_mask).item(),
         "advantages/var": masked_var(advantages, token_mask).item(),
         "advantages/min": advantages[token_mask].min().item(),
@@ -262,3 +295,38 @@ def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> t
     advantages, returns = compute_advantages(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
     advantages = whiten(advantages, *masked_mean_var(advantages, traj.token_mask)) * traj.token_mask  # Detail 25
     return advantages, returns
+
+
+def estimate_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Step 3, by ``ppo.advantage_estimator``; the one place the estimator is chosen.
+
+    - ``gae`` (the paper's): :func:`whitened_advantages`, with the value model's returns.
+    - ``rloo``, ``grpo`` (critic-free): each response's return ``R``, its score minus
+      ``kl_coef`` times its summed KL (:func:`rlhf_core.ppo.sequence_returns` of step 2's
+      rewards), compared with the other samples of its prompt
+      (:func:`rlhf_core.ppo.rloo_advantages`, :func:`rlhf_core.ppo.grpo_advantages`) and given
+      to every token of the response; not whitened. The KL stays in the reward, as in the
+      paper's PPO, where GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3) puts it in the loss.
+      The ``samples_per_prompt`` samples of a prompt are consecutive rows of this rank
+      (:func:`rollout_rows`).
+
+    Returns:
+        ``(advantages, returns)``: ``(B, R)`` float32 advantages, 0 outside ``traj.token_mask``;
+        the returns ``(B, R)`` for the value loss, ``None`` without a value model.
+
+    Raises:
+        ValueError: a critic-free estimator's rows do not fall into groups of one query each
+            (they were not laid out by :func:`rollout_rows`).
+    """
+    if cfg.advantage_estimator == "gae":
+        return whitened_advantages(traj, rewards, cfg)
+    k, context, rows = cfg.samples_per_prompt, traj.context_length, traj.query_responses.size(0)
+    queries = traj.query_responses[:, :context]
+    grouped = queries.reshape(-1, k, context) if rows % k == 0 else None
+    if grouped is None or not bool((grouped == grouped[:, :1]).all()):  # one host sync per update
+        raise ValueError(
+            f"each group of ppo.samples_per_prompt {k} consecutive rows (of {rows}) must hold one prompt's samples"
+        )
+    estimator = {"rloo": rloo_advantages, "grpo": grpo_advantages}[cfg.advantage_estimator]
+    per_response = estimator(sequence_returns(rewards.rewards), cfg.samples_per_prompt)
+    return per_response.unsqueeze(1) * traj.token_mask, None

@@ -59,7 +59,6 @@ from .distributed import (
     all_gather_object,
     all_reduce_sum,
     gather_to_main,
-    shard,
     world,
 )
 from .external_reward import ExternalRewardModel
@@ -78,12 +77,12 @@ from .ppo import (
 from .ppo_eval import evaluate_policy, value_vs_reward, write_value_vs_reward
 from .ppo_rollout import (
     Trajectory,
+    estimate_advantages,
     kl_penalised_rewards,
     make_trajectory,
-    prompt_indices,
+    rollout_rows,
     rollout_statistics,
     throughput_statistics,
-    whitened_advantages,
 )
 from .reward import (
     ResponseScores,
@@ -151,17 +150,18 @@ class PPOStats:
     probability ratio over every trained token."""
 
     policy_loss: float
-    value_loss: float
     clipfrac: float
     approxkl: float
-    value_clipfrac: float
     entropy: float
     ratio_mean: float
     ratio_var: float
+    #: None without a value model (ppo.advantage_estimator rloo or grpo)
+    value_loss: float | None = None
+    value_clipfrac: float | None = None
 
     def metrics(self) -> dict[str, float]:
-        """The statistics under their logged names (TRL's)."""
-        return {
+        """The statistics under their logged names (TRL's); the value model's only when there is one."""
+        metrics = {
             "loss/policy": self.policy_loss,
             "loss/value": self.value_loss,
             "policy/clipfrac": self.clipfrac,
@@ -171,6 +171,7 @@ class PPOStats:
             "val/ratio": self.ratio_mean,
             "val/ratio_var": self.ratio_var,
         }
+        return {key: value for key, value in metrics.items() if value is not None}
 
 
 class PPOTrainer:
@@ -179,7 +180,8 @@ class PPOTrainer:
     With ``ppo.lora.r`` above 0 it holds three: the policy and the value model train low-rank
     adapters (:func:`rlhf_core.lora.add_lora`), and the reference policy is the policy with its
     adapters off (``ref_parallel`` is a :class:`rlhf_core.lora.AdaptersDisabled`; ``ref_policy``
-    is ``None``). With ``ppo.offload_frozen`` the frozen models (reference policy, reward model)
+    is ``None``). With a critic-free ``ppo.advantage_estimator`` (rloo, grpo) there is no value
+    model (``value_model``, ``value_parallel`` and ``value_adapted`` are ``None``). With ``ppo.offload_frozen`` the frozen models (reference policy, reward model)
     live in CPU memory between their forward passes (Detail 8, :mod:`rlhf_core.offload`)."""
 
     def __init__(
@@ -202,10 +204,12 @@ class PPOTrainer:
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
         self.queries = torch.tensor(sft["train"]["query_token"])
         self.world = world()
-        if cfg.batch_size % self.world.size or (cfg.batch_size // self.world.size) % cfg.num_minibatches:
+        prompts = cfg.batch_size // cfg.samples_per_prompt
+        if prompts % self.world.size or (cfg.batch_size // self.world.size) % cfg.num_minibatches:
             raise ValueError(
                 f"ppo.batch_size {cfg.batch_size} must split into {self.world.size} rank(s) x "
-                f"ppo.num_minibatches {cfg.num_minibatches} equal parts"
+                f"ppo.num_minibatches {cfg.num_minibatches} equal parts, with each prompt's "
+                f"ppo.samples_per_prompt {cfg.samples_per_prompt} samples on one rank"
             )
         torch.manual_seed(cfg.seed)
         self.sft_model_dir, self.reward_model_dir = sft_model_dir, reward_model_dir
@@ -220,24 +224,30 @@ class PPOTrainer:
             if self.reward_fn is not None
             else load_reward_model(reward_model_dir, self.tokenizer).to(frozen_home).eval().requires_grad_(False)  # type: ignore[arg-type]
         )
-        self.value_model = self.initial_value_model().to(self.device)
+        # the value model of GAE (Detail 22); none for a critic-free estimator (rloo, grpo)
+        critic = cfg.advantage_estimator == "gae"
+        self.value_model = self.initial_value_model().to(self.device) if critic else None
         # ppo.lora.r > 0: low-rank adapters on the policy and the value model (whose head trains in
         # full), and the reference policy is the policy with its adapters off, not a second copy
         self.policy_adapted = lora.add_lora(self.policy, cfg.lora, cfg.seed)
-        self.value_adapted = lora.add_lora(self.value_model, cfg.lora, cfg.seed, trained_in_full=["head"])
+        self.value_adapted = (
+            lora.add_lora(self.value_model, cfg.lora, cfg.seed, trained_in_full=["head"]) if critic else None
+        )
         self.ref_policy = (
             load_causal_lm(sft_model_dir).to(frozen_home).eval().requires_grad_(False)
             if self.policy_adapted is None
             else None
         )
         enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
-        enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
-        self.models = nn.ModuleDict({"policy": self.policy, "value": self.value_model})
+        self.models = nn.ModuleDict({"policy": self.policy})
+        if self.value_model is not None:
+            enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
+            self.models["value"] = self.value_model
         # One wrapper per model, before the optimiser (FSDP2 shards in place): the policy's and the
         # value model's losses are backpropagated one after the other; the frozen models are sharded
         # under fsdp only (DataParallel), and offloaded with ppo.offload_frozen.
         self.policy_parallel = DataParallel(self.policy, cfg.strategy)
-        self.value_parallel = DataParallel(self.value_model, cfg.strategy)
+        self.value_parallel = None if self.value_model is None else DataParallel(self.value_model, cfg.strategy)
         offload = {"offload": cfg.offload_frozen, "device": self.device}
         self.ref_parallel = (
             DataParallel(self.ref_policy, cfg.strategy, **offload)
@@ -318,7 +328,8 @@ class PPOTrainer:
         parts: dict[str, list[torch.Tensor]] = defaultdict(list)
         t_gen = t_score = 0.0
         self.policy.eval()  # KV cache in generation, no activation checkpointing
-        self.value_model.eval()
+        if self.value_model is not None:
+            self.value_model.eval()
         # A sharded policy is gathered once for all of this rank's samples; the other models'
         # forward passes, as many on every rank, gather block by block (DataParallel.inference).
         with self.policy_parallel.gathered():
@@ -337,7 +348,9 @@ class PPOTrainer:
                     ref_logits = self.ref_parallel.inference(response_logits, query_responses, pad, context)
                     ref_logprobs = logprobs_from_logits(ref_logits, responses, cfg.temperature, pad)
                     del ref_logits
-                    values = self.value_parallel.inference(response_values, query_responses, pad, context)
+                    if self.value_parallel is not None:
+                        values = self.value_parallel.inference(response_values, query_responses, pad, context)
+                        parts["values"].append(values.float())
                 scored = self.score(q, truncate_after_eos(responses, eos, pad))
                 t_gen += t1 - t0
                 t_score += device_clock(self.device) - t1
@@ -346,7 +359,6 @@ class PPOTrainer:
                     ("responses", responses),
                     ("logprobs", logprobs),
                     ("ref_logprobs", ref_logprobs),
-                    ("values", values.float()),
                     ("raw_scores", scored.raw_scores),
                     ("scores", scored.scores),
                     ("has_eos", scored.has_eos),
@@ -355,7 +367,7 @@ class PPOTrainer:
         batch = {k: torch.cat(v) for k, v in parts.items()}
         scored = ResponseScores(batch.pop("raw_scores"), batch.pop("scores"), batch.pop("has_eos"))
         return make_trajectory(
-            **batch,
+            **batch | {"values": batch.get("values")},
             scored=scored,
             context_length=context,
             eos_token_id=eos,
@@ -367,14 +379,20 @@ class PPOTrainer:
     # -------------------------------------------------------- step 4: optimise
 
     def optimise(
-        self, traj: Trajectory, value_mask: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor, update: int
+        self,
+        traj: Trajectory,
+        value_mask: torch.Tensor,
+        advantages: torch.Tensor,
+        returns: torch.Tensor | None,
+        update: int,
     ) -> PPOStats:
         """``ppo_epochs`` passes over this rank's share of the batch, each in ``num_minibatches``
         shuffled minibatches with one optimiser step per minibatch (Table 7).
 
         Args:
             traj: the update's :class:`Trajectory` (its log-probs and values are the old policy's).
-            value_mask, advantages, returns: ``(B, R)``, from steps 2 and 3.
+            value_mask, advantages, returns: ``(B, R)``, from steps 2 and 3 (``returns`` ``None``
+                without a value model).
             update: 0-based update number (seeds the minibatch order).
 
         Statistics stay on the device until the update ends, and the losses are checked once
@@ -395,8 +413,9 @@ class PPOTrainer:
         ratios: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
         steps = 0
-        self.policy.train()
-        self.value_model.train()
+        parallels = [p for p in (self.policy_parallel, self.value_parallel) if p is not None]
+        for model in self.models.values():
+            model.train()
         for epoch in range(cfg.ppo_epochs):
             perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100_003 + update * 101 + epoch))
             on_device = perm.to(self.device)  # sliced into each micro-batch's indices without a copy per micro-batch
@@ -406,7 +425,7 @@ class PPOTrainer:
                 micros = list(micro_batches(list(range(start, end)), cfg.micro_batch_size))  # positions in perm
                 # the last micro-batch's backward passes sum each model's gradients over the ranks:
                 # with the scale below, the global minibatch's mean gradient
-                for micro, _ in zip(self.policy_parallel.accumulate(micros), self.value_parallel.accumulate(micros)):
+                for micro, *_ in zip(*(parallel.accumulate(micros) for parallel in parallels)):
                     idx = on_device[micro[0] : micro[-1] + 1]
                     stats, ratio, token_mask = self._ppo_step(
                         traj, value_mask, advantages, returns, idx, scale=len(micro) / (end - start) / ranks
@@ -415,7 +434,9 @@ class PPOTrainer:
                         mb_sums[key] = mb_sums.get(key, 0.0) + value.detach().double() * len(micro) / (end - start)
                     ratios.append(ratio)
                     masks.append(token_mask)
-                _raise_if_non_finite(**{"loss (policy)": mb_sums["policy_loss"], "loss (value)": mb_sums["value_loss"]})
+                _raise_if_non_finite(
+                    **{"loss (policy)": mb_sums["policy_loss"], "loss (value)": mb_sums.get("value_loss")}
+                )
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)  # no gradients held while sampling
                 for key, value in mb_sums.items():
@@ -429,18 +450,18 @@ class PPOTrainer:
         traj: Trajectory,
         value_mask: torch.Tensor,
         advantages: torch.Tensor,
-        returns: torch.Tensor,
+        returns: torch.Tensor | None,
         idx: torch.Tensor,
         scale: float,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
-        surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus ``vf_coef`` times the
-        clipped value loss.
+        surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus, with a value model,
+        ``vf_coef`` times the clipped value loss.
 
         Returns:
             ``(stats, ratio, token_mask)``: its statistics as scalar tensors on the device
-            (``policy_loss``, ``value_loss``, ``clipfrac``, ``approxkl``, ``value_clipfrac``,
-            ``entropy``), and ``(len(idx), R)`` probability ratios and the response-token mask
+            (``policy_loss``, ``clipfrac``, ``approxkl``, ``entropy``, and with a value model
+            ``value_loss``, ``value_clipfrac``), and ``(len(idx), R)`` probability ratios and the response-token mask
             they count on. A non-finite loss is backpropagated like any other (every rank joins
             every gradient all-reduce); :meth:`optimise` checks the losses before stepping.
         """
@@ -462,19 +483,14 @@ class PPOTrainer:
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
         del logits, new_logprobs
-        with autocast(self.device, cfg.bf16):
-            vpred = self.value_parallel(response_values, qr, pad, context)
-        vpred = vpred.float() * vmask
-        vl = value_loss(vpred, traj.values[idx], returns[idx], vmask, cfg.cliprange_value)
-        (cfg.vf_coef * vl["loss"] * scale).backward()
-        stats = {
-            "policy_loss": pl["loss"],
-            "value_loss": vl["loss"],
-            "clipfrac": pl["clipfrac"],
-            "approxkl": pl["approxkl"],
-            "value_clipfrac": vl["clipfrac"],
-            "entropy": entropy,
-        }
+        stats = {"policy_loss": pl["loss"], "clipfrac": pl["clipfrac"], "approxkl": pl["approxkl"], "entropy": entropy}
+        if self.value_parallel is not None:
+            with autocast(self.device, cfg.bf16):
+                vpred = self.value_parallel(response_values, qr, pad, context)
+            vpred = vpred.float() * vmask
+            vl = value_loss(vpred, traj.values[idx], returns[idx], vmask, cfg.cliprange_value)  # type: ignore[index]
+            (cfg.vf_coef * vl["loss"] * scale).backward()
+            stats |= {"value_loss": vl["loss"], "value_clipfrac": vl["clipfrac"]}
         return stats, pl["ratio"].detach().float(), token_mask
 
     # --------------------------------------------------------------- evaluation
@@ -508,9 +524,10 @@ def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> P
     return PPOStats(**means, ratio_mean=ratio_mean, ratio_var=ratio_sq / (count - 1) if count > 1 else 0.0)
 
 
-def _raise_if_non_finite(**tensors: torch.Tensor) -> None:
-    """Raise :class:`_NonFinite` on every rank when any rank has a non-finite value in ``tensors``."""
-    bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
+def _raise_if_non_finite(**tensors: torch.Tensor | None) -> None:
+    """Raise :class:`_NonFinite` on every rank when any rank has a non-finite value in ``tensors``
+    (``None``, a value model's tensor without one, is skipped)."""
+    bad = [name for name, t in tensors.items() if t is not None and not torch.isfinite(t).all()]
     if all_reduce_sum([len(bad)])[0]:
         raise _NonFinite(f"non-finite {bad[0]}" if bad else "non-finite value on another rank")
 
@@ -536,10 +553,10 @@ def run_ppo(
     tracker: Tracker | None = None,
 ) -> dict[str, float]:
     """Run (or resume) PPO and write ``out_dir/model`` (the policy), ``out_dir/value_model``
-    (with ``ppo.lora.r`` above 0 both merged, their adapters in ``out_dir/adapter`` and
+    (``ppo.advantage_estimator: gae`` only; with ``ppo.lora.r`` above 0 both merged, their adapters in ``out_dir/adapter`` and
     ``out_dir/value_adapter``: :mod:`rlhf_core.lora`),
     ``out_dir/samples.jsonl`` (the last evaluation), ``out_dir/metrics.json`` and, with a reward
-    model, ``out_dir/value_vs_reward.json`` and ``.png``: the trained value model's and the
+    model and a value model, ``out_dir/value_vs_reward.json`` and ``.png``: the trained value model's and the
     reward model's outputs at every token of the first few evaluation summaries (Detail 22;
     :meth:`PPOTrainer.value_vs_reward`, :func:`rlhf_core.ppo_eval.write_value_vs_reward`).
 
@@ -571,15 +588,16 @@ def run_ppo(
     samples: list[dict] = []
     begin = time.perf_counter()
     for update in range(start, trainer.num_updates):
-        # step 1. generate the trajectory: this rank's prompts (Detail 21), their sampled responses,
-        #         the log-probs of policy and reference, the values, and the scores (Details 12, 23)
-        queries = trainer.queries[shard(prompt_indices(len(trainer.queries), cfg.batch_size, update, cfg.seed), w)]
-        traj = trainer.generate_trajectory(queries)
+        # step 1. generate the trajectory: this rank's prompts (Detail 21), each samples_per_prompt
+        #         times, their sampled responses, the log-probs of policy and reference, the
+        #         values, and the scores (Details 12, 23)
+        traj = trainer.generate_trajectory(trainer.queries[rollout_rows(len(trainer.queries), cfg, update, w)])
         # step 2. per-token rewards: the KL penalty on each token plus the score at the last one,
         #         optionally whitened (Detail 24)
         rewards = kl_penalised_rewards(traj, cfg)
-        # step 3. advantages and returns by GAE, advantages whitened (Detail 25)
-        advantages, returns = whitened_advantages(traj, rewards, cfg)
+        # step 3. advantages: GAE's with its returns, whitened (Detail 25), or a critic-free
+        #         group baseline over each prompt's samples (ppo.advantage_estimator)
+        advantages, returns = estimate_advantages(traj, rewards, cfg)
         # step 4. optimise: ppo_epochs passes of the clipped policy and value losses over minibatches
         t0 = device_clock(trainer.device)
         try:
@@ -671,18 +689,21 @@ def _finish_ppo(
     begin: float,
 ) -> dict[str, float]:
     """PPO's finish, after the last update: the value-vs-reward diagnostic and the policy and the
-    value model gathered whole to rank 0 (collective), which saves both (adapters saved and
+    value model (if any) gathered whole to rank 0 (collective), which saves both (adapters saved and
     merged: :func:`rlhf_core.trainer.save_trained`), ``samples.jsonl``, the diagnostic and
     ``metrics.json``: ``last`` with ``ppo/updates`` and ``ppo/seconds`` since ``begin`` (``time.perf_counter()``).
     Other ranks save nothing and return ``{}``."""
     value_rows = trainer.value_vs_reward()  # after training: a diagnostic, no effect on it (Detail 22)
     # sharded models are gathered whole to rank 0 (collective), which saves
     policy = gather_to_main(trainer.policy, lambda: load_causal_lm(sft_model_dir))
-    value_model = gather_to_main(trainer.value_model, trainer.initial_value_model)
+    value_model = (
+        None if trainer.value_model is None else gather_to_main(trainer.value_model, trainer.initial_value_model)
+    )
     if not trainer.world.is_main:
         return {}
     save_trained(policy, trainer.policy_adapted, out_dir, tokenizer=trainer.tokenizer)
-    save_trained(value_model, trainer.value_adapted, out_dir, name="value_model", adapter="value_adapter")
+    if value_model is not None:
+        save_trained(value_model, trainer.value_adapted, out_dir, name="value_model", adapter="value_adapter")
     write_jsonl_atomic(out_dir / "samples.jsonl", samples)
     if value_rows:
         tracker.log_artifact(write_value_vs_reward(value_rows, out_dir))

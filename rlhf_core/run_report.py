@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from . import diagnostics as diag
-from .config import EvalConfig, PipelineConfig
+from .config import EvalConfig, PipelineConfig, PPOConfig
 from .evaluation import POLICIES, Evaluation
 from .io import METRICS_FILE, METRICS_LOG, SAMPLES_FILE, atomic_file, write_json_atomic
 from .judging import win_counts
-from .learning_checks import RM_SPLITS, learning_checks
+from .learning_checks import learning_checks, rm_splits
 from .report import plot_training_curves, write_report
 from .reward_eval import CALIBRATION_PLOT, REWARD_LOGITS
 from .tracking import NullTracker, Tracker, read_metrics
@@ -109,14 +109,14 @@ def write_run_report(cfg: PipelineConfig, evaluation: Evaluation, stages: StageO
     rm_metrics = _read_json(stages.reward_eval / METRICS_FILE)
     tables = {
         "Reward model accuracy: the reward model (RM) and DPO's implicit one": reward_model_rows(
-            rm_metrics, _read_json(stages.dpo_eval / METRICS_FILE)
+            rm_metrics, _read_json(stages.dpo_eval / METRICS_FILE), cfg.data.format
         )
     }
-    checks, check_metrics = run_learning_checks(evaluation, stages, rm_metrics)
+    checks, check_metrics = run_learning_checks(evaluation, stages, rm_metrics, cfg.data.format)
     n = len(evaluation.prompts)
     write_report(
         out,
-        title=f"RLHF on TL;DR: {cfg.name}",
+        title=f"RLHF on TL;DR: {cfg.name}" if cfg.data.format == "tldr" else f"RLHF: {cfg.name}, TRL-format data",
         intro=f"Base model: {evaluation.base_name}; evaluation on {n} {ecfg.split} prompts at temperature {ecfg.temperature}.",
         summary=checks,
         headline=evaluation.headline,
@@ -186,7 +186,7 @@ def _metric_logs(stages: StageOutputs) -> dict[str, Path]:
 
 
 def run_learning_checks(
-    evaluation: Evaluation, stages: StageOutputs, rm_metrics: dict[str, float]
+    evaluation: Evaluation, stages: StageOutputs, rm_metrics: dict[str, float], data_format: str = "tldr"
 ) -> tuple[list[dict], dict[str, float]]:
     """:func:`rlhf_core.learning_checks.learning_checks` on the stages' outputs: SFT's
     ``metrics.json`` and ``samples.jsonl``, the reward model's evaluation metrics
@@ -202,6 +202,7 @@ def run_learning_checks(
         evaluation.scored["ppo"],
         evaluation.scored["sft"],
         texts={key: [r[key] for r in evaluation.rows] for key in ("ppo", "sft")},
+        data_format=data_format,
     )
 
 
@@ -264,7 +265,31 @@ def report_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
         "the reward model and the judge prefer the same summary, a tie counting half (Detail 17)."
     )
     notes.append(score_note(cfg.ppo.non_eos_penalty, evaluation.prompts.max_new))
+    notes.append(estimator_note(cfg.ppo))
     return notes
+
+
+def estimator_note(ppo: PPOConfig) -> str:
+    """The report's note on how PPO estimated its advantages (``ppo.advantage_estimator``)."""
+    k = ppo.samples_per_prompt
+    samples = (
+        f"{k} samples of each of {ppo.batch_size // k} prompts per update"
+        if k > 1
+        else (f"one sample of each of {ppo.batch_size} prompts per update")
+    )
+    if ppo.advantage_estimator == "gae":
+        return (
+            f"PPO's advantages: GAE (gamma {ppo.gamma}, lambda {ppo.lam}) with a value model, whitened (the paper's, "
+            f"Detail 25); {samples}."
+        )
+    baseline = {
+        "rloo": "its return minus the mean return of the prompt's other samples (RLOO, arXiv 2402.14740)",
+        "grpo": "its return's distance from the prompt's mean in standard deviations (GRPO, arXiv 2402.03300)",
+    }[ppo.advantage_estimator]
+    return (
+        f"PPO's advantages: critic-free, no value model; {samples}, each response's advantage {baseline}, "
+        "the return being its score minus kl_coef times its KL from SFT."
+    )
 
 
 def score_note(non_eos_penalty: float | None, max_new: int) -> str:
@@ -337,9 +362,12 @@ def judge_at_chance(figures: dict[str, Any]) -> bool:
     return not (math.isfinite(low) and math.isfinite(high)) or low <= 0.5 <= high
 
 
-def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float]) -> list[dict[str, str]]:
+def reward_model_rows(
+    rm_metrics: dict[str, float], dpo_metrics: dict[str, float], data_format: str = "tldr"
+) -> list[dict[str, str]]:
     """The report's reward-model table (Detail 19, Figure 6): per evaluation split of
-    :data:`RM_SPLITS` (held out of train, validation, CNN/DM), the accuracy of the reward model
+    :func:`rlhf_core.learning_checks.rm_splits` (held out of train, validation, CNN/DM; under
+    ``data.format: trl`` the data's own), the accuracy of the reward model
     and of DPO's implicit reward model on the same pairs (``reward_eval`` and ``dpo_eval``
     metrics), with 95% Wilson intervals, the pair count, and the split's distribution (in or
     out of distribution); "-" where a stage did not evaluate the split."""
@@ -353,7 +381,7 @@ def reward_model_rows(rm_metrics: dict[str, float], dpo_metrics: dict[str, float
         return text
 
     rows = []
-    for prefix, (name, distribution) in RM_SPLITS.items():
+    for prefix, (name, distribution) in rm_splits(data_format).items():
         if f"{prefix}/accuracy" in rm_metrics or f"{prefix}/accuracy" in dpo_metrics:
             count = rm_metrics.get(f"{prefix}/count", dpo_metrics.get(f"{prefix}/count", float("nan")))
             rows.append(

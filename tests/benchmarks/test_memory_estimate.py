@@ -36,6 +36,10 @@ def test_per_rank_bytes_of_weights_gradients_and_adam_under_each_strategy():
     sharded = memory_estimate.stage_bytes("ppo", m, 2, "fsdp", "sharded", 8)
     trained, frozen = 16 * 1_000 + 800, 4_000 + 800
     assert sharded == pytest.approx(2 * trained + 2 * frozen + max(acts, kv + 4 * 7_000 - 2 * 4 * 1_000))
+    # rloo and grpo train no value model: one trained model, its gradients alone freed while sampling
+    critic_free = memory_estimate.stage_bytes("ppo", m, 2, "ddp", "whole", 8, value_model=False)
+    assert critic_free == 16 * 8_000 + 2 * 32_000 + max(acts, kv - 4 * 8_000)
+    assert ppo - critic_free == 16 * 8_000  # when the activations decide the peak
 
 
 def test_llama_3_2_1b_and_its_adapter_parameters_are_counted_exactly():
@@ -65,12 +69,14 @@ def test_lora_presets_hold_no_reference_copy_and_no_optimiser_state_for_frozen_w
     for placement, frozen in (("whole", 32_000), ("cpu", 0)):
         expected = 2 * memory_estimate.adapted(m, 4) + frozen + max(acts, kv - 2 * 4 * 4 * 50)
         assert memory_estimate.lora_stage_bytes("ppo", m, 2, 4, placement) == expected
+        without_value = memory_estimate.adapted(m, 4) + frozen + max(acts, kv - 4 * 4 * 50)
+        assert memory_estimate.lora_stage_bytes("ppo", m, 2, 4, placement, value_model=False) == without_value
 
 
 def test_every_stage_of_the_one_gpu_presets_fits_by_the_estimate():
     rows = memory_estimate.lora_rows()
     assert {r["preset"] for r in rows} == {"pythia-6.9b-1gpu", "llama-3.2-1b-lora"}
-    assert {r["stage"] for r in rows} == {"sft", "reward", "dpo", "ppo"}
+    assert {(r["stage"], r["estimator"]) for r in rows} == set(memory_estimate.STAGES)
     assert all(r["fits"] for r in rows), [r for r in rows if not r["fits"]]
 
 

@@ -358,3 +358,21 @@ def test_the_config_checks_stage_settings_against_the_stage_table_s_names():
     from rlhf_core.stage_names import STAGE_NAMES
 
     assert tuple(STAGES) == STAGE_NAMES
+
+
+def test_critic_free_estimators_need_groups_that_divide_the_batch():
+    cfg = load_config("smoke", ["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=4", "ppo.batch_size=8"])
+    assert cfg.ppo.advantage_estimator == "rloo" and cfg.ppo.samples_per_prompt == 4
+    assert load_config("smoke").ppo.advantage_estimator == "gae" and load_config("smoke").ppo.samples_per_prompt == 1
+    with pytest.raises(ConfigError, match="ppo.samples_per_prompt must be at least 2, not 1"):
+        load_config("smoke", ["ppo.advantage_estimator=grpo", "ppo.samples_per_prompt=1"])
+    # unset: one sample per prompt for gae, four for the critic-free estimators
+    assert load_config("smoke", ["ppo.advantage_estimator=grpo"]).ppo.samples_per_prompt == 4
+    assert (
+        load_config("smoke", ["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=null"]).ppo.samples_per_prompt
+        == 4
+    )
+    with pytest.raises(ConfigError, match="ppo.batch_size 6 counts episodes, prompts x ppo.samples_per_prompt 4"):
+        load_config("smoke", ["ppo.samples_per_prompt=4", "ppo.batch_size=6"])
+    with pytest.raises(ConfigError, match="advantage_estimator"):
+        load_config("smoke", ["ppo.advantage_estimator=vtrace"])

@@ -302,6 +302,25 @@ def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(ppo_ddp):
     assert len(rngs) == 2 and not torch.equal(rngs[0], rngs[1])  # each rank's own sampling stream
 
 
+@pytest.mark.slow
+def test_rloo_on_two_ranks_keeps_each_prompts_samples_on_one_rank(inputs, tmp_path):
+    """RLOO under torchrun with 2 gloo ranks: 8 episodes per update are 4 prompts x 2 samples, 2
+    prompts per rank, and each rank's baselines are over whole groups (the trainer refuses a group
+    that holds two prompts, rlhf_core.ppo_rollout.estimate_advantages); no value model is held,
+    checkpointed or saved."""
+    out = tmp_path / "ppo"
+    rloo = ("ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=2")
+    metrics = launch("ppo", [inputs / "data", inputs / "sft", inputs / "reward"], out, 2, *PPO_TWO_RANKS, *rloo)
+    updates = [m for step, m in metrics if "loss/policy" in m]
+    assert len(updates) == 2 and [m["episodes"] for m in updates] == [8.0, 16.0]
+    assert updates[0]["loss/policy"] != updates[1]["loss/policy"]
+    assert not any("loss/value" in m or "returns/mean" in m for m in updates)
+    assert all(v == v for m in updates for v in m.values())  # no NaN
+    assert (out / "model" / "config.json").is_file() and not (out / "value_model").exists()
+    state = torch.load(out / "checkpoints" / "step-000001" / "state.pt", weights_only=False)
+    assert state["model"] and all(name.startswith("policy.") for name in state["model"])
+
+
 def _safetensors(directory) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -12,7 +12,7 @@ from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import paired_difference
 from rlhf_core.evaluation import judge_human_metrics, response_token_ranks
 from rlhf_core.generation import summarize, trim_left_padding, truncate_after_eos
-from rlhf_core.learning_checks import learning_checks
+from rlhf_core.learning_checks import learning_checks, reward_model_checks
 from rlhf_core.models import load_causal_lm, save_pretrained_atomic
 from rlhf_core.pipeline import STAGES
 from rlhf_core.plots import plot_reward_logits, plot_value_vs_reward
@@ -22,6 +22,7 @@ from rlhf_core.run_report import (
     REPORT_FILES,
     REWARD_LOGITS_HEADING,
     VALUE_VS_REWARD_HEADING,
+    estimator_note,
     judge_at_chance,
     judge_note,
     per_token_sections,
@@ -206,9 +207,12 @@ def test_paired_difference():
     d = paired_difference([1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 1.0])  # differences 1, 2, 3, 3
     assert d["mean"] == pytest.approx(2.25) and d["n"] == 4
     assert d["std"] == pytest.approx(0.957427, abs=1e-6)
+    # Student's t with 3 degrees of freedom: 3.182446 (the normal's 1.959964 is 38% narrower)
     assert (d["ci_low"], d["ci_high"]) == pytest.approx(
-        (2.25 - 1.959964 * 0.957427 / 2, 2.25 + 1.959964 * 0.957427 / 2), abs=1e-5
+        (2.25 - 3.182446 * 0.957427 / 2, 2.25 + 3.182446 * 0.957427 / 2), abs=1e-5
     )
+    wide = paired_difference([float(i % 3) for i in range(8)], [0.0] * 8)  # n = 8: t 2.364624
+    assert wide["ci_high"] - wide["mean"] == pytest.approx(2.364624 * wide["std"] / 8**0.5, rel=1e-6)
     with pytest.raises(ValueError):
         paired_difference([1.0], [1.0, 2.0])
 
@@ -314,6 +318,18 @@ def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
             "distribution": "out of distribution (other policies, Detail 6)",
         },
     ]
+    # TRL-format data: the data's own splits, with no TL;DR policies or task to speak of
+    trl = reward_model_rows(rm, dpo, "trl")
+    assert [(r["split"], r["distribution"]) for r in trl] == [
+        ("comparisons held out of train", "in distribution"),
+        ("the data's validation comparisons", "the validation split"),
+    ]
+    assert [r["RM"] for r in trl] == ["70.0% [63.3%, 75.9%]", "53.5% [46.6%, 60.3%]"]
+    checks, _ = reward_model_checks(rm, "trl")
+    assert [r["check"] for r in checks] == [
+        "accuracy, comparisons held out of train, in distribution",
+        "accuracy, the data's validation comparisons, the validation split",
+    ]
 
 
 def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(tmp_path):
@@ -357,3 +373,13 @@ def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(
     assert md.index("](reward_logits.png)") < md.index(rm_table) < md.index("](value_vs_reward.png)")
     assert md.index("](value_vs_reward.png)") < md.index(value_table)
     assert "Detail 13, Figure 3" in html and "Detail 22" in html and html.count("<img") == 2
+
+
+def test_the_report_names_ppos_advantage_estimator():
+    gae = estimator_note(load_config("cpu-demo").ppo)
+    assert gae.startswith("PPO's advantages: GAE (gamma 1.0, lambda 1.0) with a value model")
+    assert "one sample of each of 16 prompts" in gae
+    rloo = estimator_note(load_config("cpu-demo", ["ppo.advantage_estimator=rloo"]).ppo)
+    assert "critic-free, no value model; 4 samples of each of 4 prompts" in rloo and "RLOO" in rloo
+    grpo = estimator_note(load_config("cpu-demo", ["ppo.advantage_estimator=grpo"]).ppo)
+    assert "GRPO" in grpo and "standard deviations" in grpo

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from rlhf_core.ppo import (
+    INVALID_LOGPROB,
     apply_eos_trick,
     compute_advantages,
     entropy_from_logits,
+    grpo_advantages,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -17,7 +19,9 @@ from rlhf_core.ppo import (
     per_token_rewards,
     policy_loss,
     response_mask,
+    rloo_advantages,
     sampling_logits,
+    sequence_returns,
     value_loss,
 )
 from rlhf_core.ppo_rollout import prompt_indices
@@ -199,3 +203,49 @@ def test_prompts_are_drawn_without_replacement_and_reshuffled():
     assert sorted(first) == list(range(5)) and sorted(second) == list(range(5))
     assert first != second
     assert prompt_indices(n, b, 2, seed=3) == [first[4], second[0]]
+
+
+def test_rloo_hand_worked_example():
+    """Two prompts, k = 3: each return minus the mean of the other two of its prompt."""
+    returns = torch.tensor([1.0, 2.0, 6.0, -1.0, -1.0, 2.0])
+    # prompt 0: 1 - (2+6)/2 = -3, 2 - (1+6)/2 = -1.5, 6 - (1+2)/2 = 4.5
+    # prompt 1: -1 - (-1+2)/2 = -1.5, the same, 2 - (-1-1)/2 = 3
+    expected = [-3.0, -1.5, 4.5, -1.5, -1.5, 3.0]
+    assert rloo_advantages(returns, 3).tolist() == pytest.approx(expected)
+    assert rloo_advantages(returns, 3).view(2, 3).sum(1).tolist() == pytest.approx([0.0, 0.0])
+    # k = 2: the other sample is the baseline
+    assert rloo_advantages(torch.tensor([0.5, 0.25]), 2).tolist() == [0.25, -0.25]
+
+
+def test_grpo_hand_worked_example():
+    """(R - mean) / (std + 1e-4) within each prompt's k samples, std with Bessel's correction."""
+    returns = torch.tensor([1.0, 2.0, 6.0, 0.0, 4.0, 8.0], dtype=torch.float64)
+    # prompt 0: mean 3, std sqrt((4 + 1 + 9) / 2) = sqrt(7); prompt 1: mean 4, std 4
+    s7 = math.sqrt(7.0)
+    expected = [-2 / (s7 + 1e-4), -1 / (s7 + 1e-4), 3 / (s7 + 1e-4), -4 / 4.0001, 0.0, 4 / 4.0001]
+    assert grpo_advantages(returns, 3).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("estimator", [rloo_advantages, grpo_advantages], ids=["rloo", "grpo"])
+def test_a_group_of_equal_returns_has_advantages_exactly_0(estimator):
+    """No signal within a prompt's samples: no update from them, and no NaN (grpo's std is 0)."""
+    returns = torch.tensor([0.1, 0.1, 0.1, 0.3, 0.7, 0.1])  # 0.1 has no exact float
+    advantages = estimator(returns, 3)
+    assert advantages[:3].tolist() == [0.0] * 3  # (0.1 + 0.1 + 0.1 - 0.1) / 2 is not 0.1 in float32
+    assert torch.isfinite(advantages).all() and advantages[3:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("estimator", [rloo_advantages, grpo_advantages], ids=["rloo", "grpo"])
+def test_group_estimators_refuse_groups_of_one_or_a_batch_they_do_not_divide(estimator):
+    with pytest.raises(ValueError, match="samples_per_prompt >= 2"):
+        estimator(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match="5 returns in groups of 2"):
+        estimator(torch.zeros(5), 2)
+
+
+def test_sequence_return_is_the_score_minus_kl_coef_times_the_summed_kl():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, INVALID_LOGPROB, INVALID_LOGPROB]])
+    ref_logprobs = torch.tensor([[-1.5, -1.0, -0.5], [-3.0, INVALID_LOGPROB, INVALID_LOGPROB]])
+    rewards, _, _ = per_token_rewards(logprobs, ref_logprobs, torch.tensor([2.0, -1.0]), torch.tensor([2, 0]), 0.1)
+    # KL sums 0.5 - 1 + 0 = -0.5 and 2: returns 2 + 0.05 and -1 - 0.2
+    assert sequence_returns(rewards).tolist() == pytest.approx([2.05, -1.2])

@@ -1,8 +1,20 @@
 import pytest
 import torch
 
+from rlhf_core.config import load_config
+from rlhf_core.distributed import World, shard
 from rlhf_core.ppo import INVALID_LOGPROB
-from rlhf_core.ppo_rollout import Rewards, make_trajectory, rollout_statistics, throughput_statistics
+from rlhf_core.ppo_rollout import (
+    Rewards,
+    estimate_advantages,
+    kl_penalised_rewards,
+    make_trajectory,
+    prompt_indices,
+    rollout_rows,
+    rollout_statistics,
+    throughput_statistics,
+    whitened_advantages,
+)
 from rlhf_core.reward import ResponseScores
 
 PAD, EOS = 0, 2
@@ -75,3 +87,90 @@ def test_throughput_counts_sampled_and_trained_tokens_per_second():
     assert stats["time/generate_tokens_per_s"] == pytest.approx(8 / 2.0)  # every sampled token
     assert stats["time/train_tokens_per_s"] == pytest.approx(2 * 6 / 3.0)  # response tokens, each epoch
     assert stats["memory/peak_mb"] > 0
+
+
+def ppo_cfg(*overrides: str):
+    return load_config("smoke", list(overrides)).ppo
+
+
+def test_rollout_rows_sample_each_prompt_k_times_in_consecutive_rows_on_one_rank():
+    """batch_size counts episodes: 12 = 3 prompts x 4 samples on one rank, 6 prompts x 2 over
+    two ranks, each rank holding whole groups of its contiguous share of the prompts."""
+    cfg = ppo_cfg("ppo.batch_size=12", "ppo.samples_per_prompt=4", "ppo.advantage_estimator=rloo")
+    prompts = prompt_indices(50, 3, update=2, seed=cfg.seed)
+    assert rollout_rows(50, cfg, 2) == [p for p in prompts for _ in range(4)]
+    cfg = ppo_cfg("ppo.batch_size=12", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=rloo")
+    prompts = prompt_indices(50, 6, update=2, seed=cfg.seed)
+    ranks = [rollout_rows(50, cfg, 2, World(rank, 2)) for rank in (0, 1)]
+    assert ranks[0] == [p for p in prompts[:3] for _ in range(2)]
+    assert ranks[1] == [p for p in prompts[3:] for _ in range(2)]
+    with pytest.raises(ValueError, match="6 prompts per update do not split over 4 ranks"):
+        rollout_rows(50, cfg, 2, World(0, 4))
+
+
+def test_one_sample_per_prompt_draws_the_rows_it_drew_before_groups():
+    cfg = ppo_cfg("ppo.batch_size=8")
+    for update in range(3):
+        for rank in (0, 1):
+            w = World(rank, 2)
+            assert rollout_rows(20, cfg, update, w) == shard(prompt_indices(20, 8, update, cfg.seed), w)
+
+
+def grouped_trajectory(queries: list[int], scores: list[float], lengths: list[int]):
+    """One response per row, of ``lengths[i]`` tokens (EOS last) out of 4, after a 2-token query
+    ``[q, q]``; policy log-probability -1.0 per token, the reference's -1.5 (KL 0.5 per token)."""
+    rows, R = len(queries), 4
+    responses = torch.full((rows, R), 7)
+    for i, n in enumerate(lengths):
+        responses[i, n - 1] = EOS
+    query = torch.tensor(queries).unsqueeze(1).repeat(1, 2)
+    scores_t = torch.tensor(scores)
+    return make_trajectory(
+        query_responses=torch.cat([query, responses], dim=1),
+        responses=responses,
+        logprobs=torch.full((rows, R), -1.0),
+        ref_logprobs=torch.full((rows, R), -1.5),
+        values=None,
+        scored=ResponseScores(raw_scores=scores_t, scores=scores_t, has_eos=torch.ones(rows, dtype=torch.bool)),
+        context_length=2,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+
+
+def test_rloo_gives_every_token_of_a_response_its_kl_penalised_return_minus_the_others_mean():
+    cfg = ppo_cfg("ppo.batch_size=4", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=rloo", "ppo.kl_coef=0.1")
+    traj = grouped_trajectory([11, 11, 12, 12], scores=[1.0, 0.0, 0.5, 0.5], lengths=[1, 3, 2, 2])
+    rewards = kl_penalised_rewards(traj, cfg)
+    advantages, returns = estimate_advantages(traj, rewards, cfg)
+    # returns: 1 - 0.05 x 1 token, 0 - 0.05 x 3, and 0.5 - 0.1 twice: 0.95, -0.15; 0.4, 0.4
+    assert returns is None
+    expected = torch.tensor([[1.1, 0.0, 0.0, 0.0], [-1.1, -1.1, -1.1, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+    grpo = ppo_cfg("ppo.batch_size=4", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=grpo", "ppo.kl_coef=0.1")
+    advantages, _ = estimate_advantages(traj, kl_penalised_rewards(traj, grpo), grpo)
+    # a group of two: (R - mean) / (std + 1e-4) is +-0.55 / (0.55 sqrt 2 + 1e-4), nearly +-1/sqrt 2
+    torch.testing.assert_close(advantages[0, 0], torch.tensor(0.55 / (0.55 * 2**0.5 + 1e-4)))
+    assert advantages[2:].abs().sum() == 0
+
+
+def test_a_group_that_holds_two_prompts_is_refused():
+    cfg = ppo_cfg("ppo.batch_size=4", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=rloo")
+    traj = grouped_trajectory([11, 12, 11, 12], scores=[1.0, 0.0, 0.5, 0.5], lengths=[1, 3, 2, 2])
+    with pytest.raises(ValueError, match="must hold one prompt's samples"):
+        estimate_advantages(traj, kl_penalised_rewards(traj, cfg), cfg)
+
+
+def test_gae_is_the_whitened_gae_of_before():
+    cfg = ppo_cfg()
+    traj = two_responses()
+    rewards = kl_penalised_rewards(traj, cfg)
+    got, want = estimate_advantages(traj, rewards, cfg), whitened_advantages(traj, rewards, cfg)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rollout_statistics_leave_out_returns_without_a_value_model():
+    traj = two_responses()
+    rewards = Rewards(rewards=torch.zeros(2, 4), non_score_reward=torch.zeros(2, 4), value_mask=traj.token_mask)
+    stats = rollout_statistics(traj, rewards, torch.ones(2, 4) * traj.token_mask, None)
+    assert "returns/mean" not in stats and "returns/var" not in stats and stats["advantages/mean"] == 1.0

@@ -28,7 +28,14 @@ SHIPPED = sorted(p.stem for p in SWEEP_DIR.glob("*.yaml"))
 
 
 def test_the_shipped_specs_are_the_papers_experiments_and_the_test_specs():
-    assert SHIPPED == ["cpu-seeds", "paper-figure1", "score-position", "smoke-seeds", "whitening-ablation"]
+    assert SHIPPED == [
+        "cpu-seeds",
+        "estimators",
+        "paper-figure1",
+        "score-position",
+        "smoke-seeds",
+        "whitening-ablation",
+    ]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -216,3 +223,22 @@ def test_the_summary_gives_reward_model_and_dpo_accuracy_in_and_out_of_distribut
     ood_only.stages["reward_eval"] = {"eval/accuracy": 0.55}
     md = summary_markdown(SweepSpec(name="t", presets=["p"]), [ood_only], {})
     assert "| RM accuracy |" in md and "out of distribution" in md and "in-distribution" not in md
+
+
+def test_the_estimators_cells_of_a_seed_share_every_stage_before_ppo():
+    """gae and rloo on cpu-demo: the same 16 episodes per update (16 prompts x 1, 4 x 4), and the
+    same data, SFT and reward-model stages for a seed, so the sweep trains those once a seed."""
+    from rlhf_core.pipeline import STAGES, stage_key
+
+    spec = load_sweep("estimators")
+    cells = expand(spec)
+    configs = cell_configs(spec, cells)
+    assert len(cells) == 6
+    for seed in spec.seeds:
+        gae, rloo = (configs[c.name] for c in cells if c.seed == seed)
+        assert (gae.ppo.advantage_estimator, gae.ppo.samples_per_prompt) == ("gae", 1)
+        assert (rloo.ppo.advantage_estimator, rloo.ppo.samples_per_prompt) == ("rloo", 4)
+        assert gae.ppo.batch_size == rloo.ppo.batch_size == 16
+        for stage in STAGES:  # by their own settings; the stages after PPO differ through its output
+            same = stage_key(stage, gae, [], store="s") == stage_key(stage, rloo, [], store="s")
+            assert same == (stage != "ppo"), stage
