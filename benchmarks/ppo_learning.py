@@ -23,6 +23,7 @@ Usage::
         --sft-steps 1 --sft-batch-size 4 --sft-eval-samples 1 --eval-samples 1   # does it run?
     .venv/bin/python benchmarks/ppo_learning.py --lora-r 16 --lr 5e-4 ...   # low-rank adapters (ppo.lora)
     .venv/bin/python benchmarks/ppo_learning.py --offload-frozen ...        # the reference offloaded (Detail 8)
+    .venv/bin/python benchmarks/ppo_learning.py --advantage-estimator rloo ...  # RLOO, no value model
 
 Prints the CPU features that decide the precision (``avx512_bf16``, ``amx_bf16``: native bf16)
 and the resolved precision, then per update the mean score, the KL to the SFT policy (nats
@@ -102,6 +103,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kl-coef", type=float, default=0.05)
     p.add_argument(
+        "--advantage-estimator",
+        choices=["gae", "rloo", "grpo"],
+        default="gae",
+        help="ppo.advantage_estimator (rloo, grpo: 4 samples of each of batch-size / 4 prompts, no value model)",
+    )
+    p.add_argument(
         "--lora-r",
         type=int,
         default=0,
@@ -158,6 +165,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
         f"ppo.scheduler={args.scheduler}",
         f"ppo.kl_coef={args.kl_coef}",
         f"ppo.lam={args.lam}",
+        f"ppo.advantage_estimator={args.advantage_estimator}",
         f"ppo.temperature={args.temperature}",
         f"ppo.non_eos_penalty={args.non_eos_penalty}",
         f"ppo.response_length={args.response_length}",

@@ -15,3 +15,13 @@ def test_the_rows_folder_is_passed_only_when_there_is_one():
     assert "ppo.total_episodes=12" in built
     args.tldr_dir = Path("rows")
     assert overrides(args)[0] == f"data.local_dir={Path('rows').resolve()}"
+
+
+def test_the_advantage_estimator_is_passed_and_its_settings_validate():
+    from rlhf_core.config import load_config
+
+    built = overrides(parse_args(["--advantage-estimator", "rloo"]))
+    assert "ppo.advantage_estimator=rloo" in built
+    ppo = load_config("cpu-demo", built).ppo
+    assert (ppo.advantage_estimator, ppo.samples_per_prompt, ppo.batch_size) == ("rloo", 4, 16)
+    assert "ppo.advantage_estimator=gae" in overrides(parse_args([]))
