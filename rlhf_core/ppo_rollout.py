@@ -6,9 +6,9 @@ Huang et al. 2024 (arXiv 2403.17031), Details 21-25. Step 1 of an update is its 
 log-probabilities, values and scores; :func:`make_trajectory`); step 2 the per-token rewards
 (:func:`kl_penalised_rewards`, a :class:`Rewards`); step 3 the advantages and returns
 (:func:`estimate_advantages`: GAE, :func:`whitened_advantages`, or a critic-free group
-baseline). Steps 2 and 3 whiten with the global batch's statistics (:func:`masked_mean_var`). :func:`rollout_statistics` and :func:`throughput_statistics` are
-what each update logs of them (TRL's names); the trainer that produces them is
-:mod:`rlhf_core.ppo_trainer`.
+baseline). Steps 2 and 3 whiten with the global batch's statistics (:func:`masked_mean_var`).
+:func:`rollout_statistics` and :func:`throughput_statistics` are what each update logs of them
+(TRL's names); the trainer that produces them is :mod:`rlhf_core.ppo_trainer`.
 """
 
 from __future__ import annotations

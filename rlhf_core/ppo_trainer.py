@@ -18,7 +18,9 @@ one call in :func:`run_ppo`'s loop:
 2. per-token rewards, the KL penalty plus the score, optionally whitened (Detail 24;
    :func:`rlhf_core.ppo_rollout.kl_penalised_rewards`);
 3. GAE advantages and returns, the advantages whitened (Detail 25;
-   :func:`rlhf_core.ppo_rollout.whitened_advantages`);
+   :func:`rlhf_core.ppo_rollout.whitened_advantages`), or with ``ppo.advantage_estimator`` rloo or
+   grpo a baseline over each prompt's ``samples_per_prompt`` samples and no value model
+   (:func:`rlhf_core.ppo_rollout.estimate_advantages`);
 4. ``ppo_epochs`` passes of clipped policy and value updates over minibatches
    (:meth:`PPOTrainer.optimise`, a :class:`PPOStats`).
 
@@ -181,8 +183,9 @@ class PPOTrainer:
     adapters (:func:`rlhf_core.lora.add_lora`), and the reference policy is the policy with its
     adapters off (``ref_parallel`` is a :class:`rlhf_core.lora.AdaptersDisabled`; ``ref_policy``
     is ``None``). With a critic-free ``ppo.advantage_estimator`` (rloo, grpo) there is no value
-    model (``value_model``, ``value_parallel`` and ``value_adapted`` are ``None``). With ``ppo.offload_frozen`` the frozen models (reference policy, reward model)
-    live in CPU memory between their forward passes (Detail 8, :mod:`rlhf_core.offload`)."""
+    model (``value_model``, ``value_parallel`` and ``value_adapted`` are ``None``). With
+    ``ppo.offload_frozen`` the frozen models (reference policy, reward model) live in CPU memory
+    between their forward passes (Detail 8, :mod:`rlhf_core.offload`)."""
 
     def __init__(
         self,
