@@ -7,8 +7,9 @@ log-probabilities, values and scores; :func:`make_trajectory`); step 2 the per-t
 (:func:`kl_penalised_rewards`, a :class:`Rewards`); step 3 the advantages and returns
 (:func:`estimate_advantages`: GAE, :func:`whitened_advantages`, or a critic-free group
 baseline). Steps 2 and 3 whiten with the global batch's statistics (:func:`masked_mean_var`).
-:func:`rollout_statistics` and :func:`throughput_statistics` are what each update logs of them
-(TRL's names); the trainer that produces them is :mod:`rlhf_core.ppo_trainer`.
+:func:`rollout_statistics`, :func:`throughput_statistics` and step 4's :class:`PPOStats`
+(:func:`reduce_stats`) are what each update logs (TRL's names); the trainer that produces them
+is :mod:`rlhf_core.ppo_trainer`.
 """
 
 from __future__ import annotations
@@ -330,3 +331,45 @@ def estimate_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> t
     estimator = {"rloo": rloo_advantages, "grpo": grpo_advantages}[cfg.advantage_estimator]
     per_response = estimator(sequence_returns(rewards.rewards), cfg.samples_per_prompt)
     return per_response.unsqueeze(1) * traj.token_mask, None
+
+
+@dataclass
+class PPOStats:
+    """Step 4's statistics: means over an update's minibatches (and ranks) of the clipped PPO
+    losses (:func:`rlhf_core.ppo.policy_loss`, :func:`rlhf_core.ppo.value_loss`), and the
+    probability ratio over every trained token."""
+
+    policy_loss: float
+    clipfrac: float
+    approxkl: float
+    entropy: float
+    ratio_mean: float
+    ratio_var: float
+    #: None without a value model (ppo.advantage_estimator rloo or grpo)
+    value_loss: float | None = None
+    value_clipfrac: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """The statistics under their logged names (TRL's); the value model's only when there is one."""
+        metrics = {
+            "loss/policy": self.policy_loss,
+            "loss/value": self.value_loss,
+            "policy/clipfrac": self.clipfrac,
+            "policy/approxkl": self.approxkl,
+            "val/clipfrac": self.value_clipfrac,
+            "policy/entropy": self.entropy,
+            "val/ratio": self.ratio_mean,
+            "val/ratio_var": self.ratio_var,
+        }
+        return {key: value for key, value in metrics.items() if value is not None}
+
+
+def reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> PPOStats:
+    """:class:`PPOStats` from this rank's per-minibatch sums and token ratios, averaged over the ranks."""
+    keys = sorted(sums)
+    ranks = world().size
+    reduced = all_reduce_sum([sums[k] for k in keys] + [ratios.sum().item(), ratios.numel()])
+    means = {k: v / (steps * ranks) for k, v in zip(keys, reduced)}
+    ratio_mean, count = reduced[-2] / reduced[-1], reduced[-1]
+    (ratio_sq,) = all_reduce_sum([((ratios - ratio_mean) ** 2).sum().item()])
+    return PPOStats(**means, ratio_mean=ratio_mean, ratio_var=ratio_sq / (count - 1) if count > 1 else 0.0)

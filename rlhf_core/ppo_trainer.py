@@ -22,7 +22,7 @@ one call in :func:`run_ppo`'s loop:
    grpo a baseline over each prompt's ``samples_per_prompt`` samples and no value model
    (:func:`rlhf_core.ppo_rollout.estimate_advantages`);
 4. ``ppo_epochs`` passes of clipped policy and value updates over minibatches
-   (:meth:`PPOTrainer.optimise`, a :class:`PPOStats`).
+   (:meth:`PPOTrainer.optimise`, a :class:`rlhf_core.ppo_rollout.PPOStats`).
 
 Under ``torchrun`` (:mod:`rlhf_core.launch`) each rank samples, scores and trains on its own
 contiguous share of every update's prompts. What defines the algorithm is global: reward and
@@ -46,7 +46,6 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -78,10 +77,12 @@ from .ppo import (
 )
 from .ppo_eval import evaluate_policy, value_vs_reward, write_value_vs_reward
 from .ppo_rollout import (
+    PPOStats,
     Trajectory,
     estimate_advantages,
     kl_penalised_rewards,
     make_trajectory,
+    reduce_stats,
     rollout_rows,
     rollout_statistics,
     throughput_statistics,
@@ -143,37 +144,6 @@ def response_values(
         pad_token_id,
     )
     return values[:, context_length - 1 : -1]
-
-
-@dataclass
-class PPOStats:
-    """Step 4's statistics: means over an update's minibatches (and ranks) of the clipped PPO
-    losses (:func:`rlhf_core.ppo.policy_loss`, :func:`rlhf_core.ppo.value_loss`), and the
-    probability ratio over every trained token."""
-
-    policy_loss: float
-    clipfrac: float
-    approxkl: float
-    entropy: float
-    ratio_mean: float
-    ratio_var: float
-    #: None without a value model (ppo.advantage_estimator rloo or grpo)
-    value_loss: float | None = None
-    value_clipfrac: float | None = None
-
-    def metrics(self) -> dict[str, float]:
-        """The statistics under their logged names (TRL's); the value model's only when there is one."""
-        metrics = {
-            "loss/policy": self.policy_loss,
-            "loss/value": self.value_loss,
-            "policy/clipfrac": self.clipfrac,
-            "policy/approxkl": self.approxkl,
-            "val/clipfrac": self.value_clipfrac,
-            "policy/entropy": self.entropy,
-            "val/ratio": self.ratio_mean,
-            "val/ratio_var": self.ratio_var,
-        }
-        return {key: value for key, value in metrics.items() if value is not None}
 
 
 class PPOTrainer:
@@ -403,7 +373,7 @@ class PPOTrainer:
         minibatch, not in every micro-batch.
 
         Returns:
-            :class:`PPOStats`, averaged over the minibatches and the ranks.
+            :class:`rlhf_core.ppo_rollout.PPOStats`, averaged over the minibatches and the ranks.
 
         Raises:
             _NonFinite: a loss was not finite on some rank (every rank raises together, before
@@ -446,7 +416,7 @@ class PPOTrainer:
                     sums[key] = sums.get(key, 0.0) + value
                 steps += 1
         ratios_on_tokens = torch.cat(ratios)[torch.cat(masks)].double().cpu()
-        return _reduce_stats({k: v.item() for k, v in sums.items()}, steps, ratios_on_tokens)
+        return reduce_stats({k: v.item() for k, v in sums.items()}, steps, ratios_on_tokens)
 
     def _ppo_step(
         self,
@@ -514,17 +484,6 @@ class PPOTrainer:
 
 class _NonFinite(RuntimeError):
     pass
-
-
-def _reduce_stats(sums: dict[str, float], steps: int, ratios: torch.Tensor) -> PPOStats:
-    """:class:`PPOStats` from this rank's per-minibatch sums and token ratios, averaged over the ranks."""
-    keys = sorted(sums)
-    ranks = world().size
-    reduced = all_reduce_sum([sums[k] for k in keys] + [ratios.sum().item(), ratios.numel()])
-    means = {k: v / (steps * ranks) for k, v in zip(keys, reduced)}
-    ratio_mean, count = reduced[-2] / reduced[-1], reduced[-1]
-    (ratio_sq,) = all_reduce_sum([((ratios - ratio_mean) ** 2).sum().item()])
-    return PPOStats(**means, ratio_mean=ratio_mean, ratio_var=ratio_sq / (count - 1) if count > 1 else 0.0)
 
 
 def _raise_if_non_finite(**tensors: torch.Tensor | None) -> None:
