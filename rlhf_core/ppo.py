@@ -126,8 +126,8 @@ def _groups(returns: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
 
 
 def rloo_advantages(returns: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
-    """REINFORCE leave-one-out advantages (Ahmadian et al. 2024, arXiv 2402.14740, eq. 5;
-    Kool et al. 2019): each sample's return minus the mean return of the other ``k - 1`` samples
+    """REINFORCE leave-one-out advantages (Ahmadian et al. 2024, arXiv 2402.14740; Kool et al.
+    2019): each sample's return minus the mean return of the other ``k - 1`` samples
     of its prompt, ``A_i = R_i - (sum_j R_j - R_i) / (k - 1)``. A group's advantages sum to 0.
 
     Args:
