@@ -339,8 +339,10 @@ class PPOTrainer:
                     parts[name].append(value)
         batch = {k: torch.cat(v) for k, v in parts.items()}
         scored = ResponseScores(batch.pop("raw_scores"), batch.pop("scores"), batch.pop("has_eos"))
+        values = batch.pop("values", None)  # none without a value model
         return make_trajectory(
-            **batch | {"values": batch.get("values")},
+            **batch,
+            values=values,
             scored=scored,
             context_length=context,
             eos_token_id=eos,

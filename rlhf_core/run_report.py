@@ -272,11 +272,9 @@ def report_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
 def estimator_note(ppo: PPOConfig) -> str:
     """The report's note on how PPO estimated its advantages (``ppo.advantage_estimator``)."""
     k = ppo.samples_per_prompt
-    samples = (
-        f"{k} samples of each of {ppo.batch_size // k} prompts per update"
-        if k > 1
-        else (f"one sample of each of {ppo.batch_size} prompts per update")
-    )
+    prompts = ppo.batch_size // k
+    samples = f"{k} samples of each of {prompts}" if k > 1 else f"one sample of each of {prompts}"
+    samples += " prompts per update"
     if ppo.advantage_estimator == "gae":
         return (
             f"PPO's advantages: GAE (gamma {ppo.gamma}, lambda {ppo.lam}) with a value model, whitened (the paper's, "
