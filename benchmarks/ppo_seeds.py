@@ -1,18 +1,24 @@
 """PPO's learning check per seed, from a sweep's ``cells.json`` or from ``rlhf stages`` run directories.
 
 The check is the one the PPO stage measures against the SFT policy on its evaluation prompts
-(:func:`rlhf_core.ppo_eval.learning_check_metrics`): the reward-model score gain over SFT
-with its 95% interval above 0, and an EOS rate of at least 90%; beside it the KL of the last
-update and both policies' repetition rates (share of greedy summaries caught in a loop, which
-must be no higher for PPO than for SFT). From a sweep, the KL must also be bounded: a cell the
-sweep's seed-health rule flags (final KL or response length outside 2x / 1.5x of its sibling
-seeds' median, docs/operations/sweeps.md "Seed health") fails. Writes one object per cell: ``seed``,
-``ppo_score_gain``, ``ppo_score_gain_ci`` ``[low, high]``, ``ppo_eos_rate``, ``ppo_kl``,
-``repetition_rate``, ``sft_repetition_rate``, ``flagged`` (``None`` outside a sweep),
-``passed``, with the machine and the commit.
+(:func:`rlhf_core.ppo_eval.learning_check_metrics`), as Huang et al. 2024 state it for every run
+("our PPO implementation at least optimizes the RLHF objective"):
+  (a) the RLHF objective's gain over SFT, the reward-model score minus ``kl_coef`` times the
+      summary's KL from SFT, minus SFT's score, with its 95% t interval above 0;
+  (b) an EOS rate of at least 90%;
+  (c) greedy summaries in a repetition loop at most 5 points more often than SFT's
+      (:data:`rlhf_core.learning_checks.REPETITION_TOLERANCE`);
+  (d) the score gain over SFT with its interval, reported.
+From a sweep, a cell its seed-health rule flags (final KL or response length outside 2x / 1.5x of
+its sibling seeds' median, docs/operations/sweeps.md "Seed health") is marked, not failed. Writes
+one object per cell: ``seed``, ``estimator`` (``ppo.advantage_estimator``), ``objective_gain``,
+``objective_gain_ci`` ``[low, high]``, ``ppo_score_gain``, ``ppo_score_gain_ci``,
+``ppo_eos_rate``, ``ppo_eos_rate_ci``, ``ppo_kl`` (the last update's samples),
+``ppo_kl_vs_sft`` (the evaluation summaries'), ``repetition_rate``, ``sft_repetition_rate``,
+``flagged`` (``None`` outside a sweep), ``passed``, with the machine and the commit.
 
 Usage:
-  .venv/bin/python benchmarks/ppo_seeds.py --cells runs/sweeps/cpu-seeds/summary/cells.json \\
+  .venv/bin/python benchmarks/ppo_seeds.py --cells runs/sweep-estimators/summary/cells.json \\
       --out benchmarks/results/cpu-seeds.json
   .venv/bin/python benchmarks/ppo_seeds.py --run 1=runs/s1 --run 2=runs/s2 --out FILE
 """
@@ -30,35 +36,49 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cell(seed: int, metrics: dict[str, float], flagged: bool | None = None) -> dict:
+def cell(seed: int, metrics: dict[str, float], flagged: bool | None = None, estimator: str = "gae") -> dict:
     """One cell's check from the PPO stage's final metrics (``eval/...`` and ``objective/kl``) and
     the sweep's seed-health flag (``None``: not from a sweep)."""
-    gain = metrics.get("eval/score_gain_vs_sft", math.nan)
-    low = metrics.get("eval/score_gain_vs_sft_ci_low", math.nan)
-    high = metrics.get("eval/score_gain_vs_sft_ci_high", math.nan)
+    from rlhf_core.learning_checks import REPETITION_TOLERANCE
+
+    objective = metrics.get("eval/objective_gain_vs_sft", math.nan)
+    objective_low = metrics.get("eval/objective_gain_vs_sft_ci_low", math.nan)
     eos = metrics.get("eval/eos_rate_policy", math.nan)
     repetition = metrics.get("eval/repetition_rate_policy", math.nan)
     sft_repetition = metrics.get("eval/repetition_rate_sft", math.nan)
     return {
         "seed": seed,
-        "ppo_score_gain": gain,
-        "ppo_score_gain_ci": [low, high],
+        "estimator": estimator,
+        "objective_gain": objective,
+        "objective_gain_ci": [objective_low, metrics.get("eval/objective_gain_vs_sft_ci_high", math.nan)],
+        "ppo_score_gain": metrics.get("eval/score_gain_vs_sft", math.nan),
+        "ppo_score_gain_ci": [
+            metrics.get("eval/score_gain_vs_sft_ci_low", math.nan),
+            metrics.get("eval/score_gain_vs_sft_ci_high", math.nan),
+        ],
         "ppo_eos_rate": eos,
         "ppo_eos_rate_ci": [
             metrics.get("eval/eos_rate_policy_ci_low", math.nan),
             metrics.get("eval/eos_rate_policy_ci_high", math.nan),
         ],
         "ppo_kl": metrics.get("objective/kl", math.nan),
+        "ppo_kl_vs_sft": metrics.get("eval/kl_vs_sft", math.nan),
         "repetition_rate": repetition,
         "sft_repetition_rate": sft_repetition,
         "flagged": flagged,
-        "passed": bool(low > 0 and eos >= 0.9 and repetition <= sft_repetition and not flagged),
+        "passed": bool(
+            objective_low > 0 and eos >= 0.9 and repetition <= sft_repetition + REPETITION_TOLERANCE + 1e-12
+        ),
     }
 
 
 def from_cells(path: Path) -> list[dict]:
     """Cells of a sweep's ``cells.json`` (:func:`rlhf_core.sweep.summary_rows`)."""
     names = {
+        "eval/objective_gain_vs_sft": "PPO objective gain vs SFT",
+        "eval/objective_gain_vs_sft_ci_low": "PPO objective gain vs SFT ci_low",
+        "eval/objective_gain_vs_sft_ci_high": "PPO objective gain vs SFT ci_high",
+        "eval/kl_vs_sft": "PPO KL vs SFT",
         "eval/score_gain_vs_sft": "PPO score gain vs SFT",
         "eval/score_gain_vs_sft_ci_low": "PPO score gain vs SFT ci_low",
         "eval/score_gain_vs_sft_ci_high": "PPO score gain vs SFT ci_high",
@@ -73,7 +93,10 @@ def from_cells(path: Path) -> list[dict]:
     for row in json.loads(path.read_text())["cells"]:
         metrics = {key: row[column] for key, column in names.items() if row.get(column) is not None}
         flagged = bool(row.get("flagged"))
-        out.append(cell(int(row["seed"]), metrics, flagged) | {"cell": row["cell"], "error": row.get("error")})
+        estimator = row.get("ppo.advantage_estimator", "gae")
+        out.append(
+            cell(int(row["seed"]), metrics, flagged, estimator) | {"cell": row["cell"], "error": row.get("error")}
+        )
     return out
 
 
@@ -105,8 +128,8 @@ def main() -> None:
         "commit": commit,
         "preset": args.preset,
         "check": (
-            "PPO minus SFT score: 95% interval above 0; PPO EOS rate >= 0.9; PPO repetition rate <= SFT's; "
-            "from a sweep, not flagged by its seed-health rule (KL and length within 2x / 1.5x of the siblings)"
+            "(a) RLHF objective (RM score - kl_coef x KL from SFT) minus SFT's score: 95% t interval above 0; "
+            "(b) PPO EOS rate >= 0.9; (c) PPO repetition rate <= SFT's + 5 points; (d) score gain reported"
         ),
         "passed": f"{sum(c['passed'] for c in cells)}/{len(cells)}",
         "cells": cells,

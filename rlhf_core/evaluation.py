@@ -31,9 +31,10 @@ from .io import write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
 from .models import ModelSourceError, load_causal_lm, resolve_source
+from .ppo_rollout import summary_logprobs
 from .reward import ResponseScores, load_reward_model, score_responses
 from .tracking import NullTracker, Tracker
-from .training import pick_device, precision_name
+from .training import autocast, pick_device, precision_name
 
 log = logging.getLogger(__name__)
 
@@ -189,6 +190,49 @@ def sample_policies(
         model = None
         _free()
     return summaries, diverse
+
+
+#: The policies whose summaries' KL from the SFT policy is measured (:func:`kl_from_sft`).
+KL_POLICIES = ("ppo", "dpo")
+
+
+@torch.no_grad()
+def kl_from_sft(
+    model_dirs: dict[str, Path],
+    tokenizer,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    temperature: float,
+    device: torch.device,
+) -> dict[str, list[float]]:
+    """The KL of each PPO and DPO summary from the SFT policy: ``log pi(y|x) - log pi_sft(y|x)``
+    at the sampling temperature PPO trains with (:func:`rlhf_core.ppo_rollout.summary_logprobs`,
+    the k1 estimate of PPO's KL penalty for that summary), in nats. One model in memory at a time.
+
+    Returns:
+        ``{"ppo": [n floats], "dpo": [n floats]}``, in prompt order.
+    """
+    pad = tokenizer.pad_token_id
+
+    def logprobs(key: str, of: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        model = load_causal_lm(model_dirs[key]).to(device).eval()
+        out = {}
+        for policy in of:
+            parts = []
+            for start in range(0, len(prompts), ecfg.batch_size):
+                end = start + ecfg.batch_size
+                with autocast(device, ecfg.bf16):
+                    queries, responses = prompts.queries[start:end], summaries[policy].responses[start:end]
+                    parts.append(summary_logprobs(model, queries, responses, pad, temperature))
+            out[policy] = torch.cat(parts) if parts else torch.zeros(0)
+        model = None
+        _free()
+        return out
+
+    sft = logprobs("sft", KL_POLICIES)
+    log.info("evaluation: KL from the SFT policy of the %s summaries", " and ".join(KL_POLICIES))
+    return {key: (logprobs(key, (key,))[key] - sft[key]).tolist() for key in KL_POLICIES}
 
 
 def score_policies(
@@ -457,10 +501,15 @@ def policy_measurements(
 
 
 def summary_rows(
-    prompts: EvalPrompts, summaries: dict[str, Summaries], scored: dict[str, ResponseScores], verdicts: JudgedPolicies
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    scored: dict[str, ResponseScores],
+    verdicts: JudgedPolicies,
+    kl: dict[str, list[float]] | None = None,
 ) -> list[dict]:
     """One row per prompt for ``summaries.jsonl``: the post, the reference and each policy's
-    summary with its scores (with and without the EOS trick), EOS and judgement."""
+    summary with its scores (with and without the EOS trick), EOS and judgement, and the KL
+    from SFT of PPO's and DPO's (``{policy}_kl_vs_sft``, :func:`kl_from_sft`)."""
     rows = []
     for i in range(len(prompts)):
         row = {
@@ -480,6 +529,8 @@ def summary_rows(
                     f"{key}_wins": verdicts.wins[key][i],
                 }
             )
+            if kl and key in kl:
+                row[f"{key}_kl_vs_sft"] = kl[key][i]
         rows.append(row)
     return rows
 
@@ -496,6 +547,7 @@ class Evaluation:
             the length-control plot (both from :func:`policy_measurements`).
         shift_blocks: HTML of the token-shift page (:func:`token_shift_blocks`).
         scored: each policy's and the references' reward-model scores (:func:`score_policies`).
+        kl: PPO's and DPO's summaries' KL from the SFT policy (:func:`kl_from_sft`).
         verdicts: the judge's verdicts; judge_human: the judge on human labels
             (:func:`judge_human_labels`' figures, ``{}`` when not measured).
         base_name: the base model's name in the report.
@@ -509,6 +561,7 @@ class Evaluation:
     curves: dict[str, tuple[list[float], list]]
     shift_blocks: list[str]
     scored: dict[str, ResponseScores]
+    kl: dict[str, list[float]]
     verdicts: JudgedPolicies
     judge_human: dict[str, Any]
     base_name: str
@@ -549,7 +602,8 @@ def run_evaluation(
         summaries ending with EOS), ``eval/{policy}/title_copy_rate``,
         ``eval/{policy}/diversity``, ``eval/{policy}/agreement``, ``eval/{policy}/repetition_rate``
         (share of summaries with a :func:`rlhf_core.diagnostics.repetition_loop`),
-        ``eval/{policy}/win_rate_ties`` for base, sft, ppo and dpo; ``eval/reference/score``,
+        ``eval/{policy}/win_rate_ties`` for base, sft, ppo and dpo; ``eval/ppo/kl_vs_sft`` and
+        ``eval/dpo/kl_vs_sft`` (mean KL from SFT per summary, nats); ``eval/reference/score``,
         ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``; with
         ``eval.judge_human_comparisons`` > 0, the judge on human labels:
         ``eval/judge/human_agreement`` (``_ci_low``, ``_ci_high``), ``eval/judge/human_n``,
@@ -578,6 +632,8 @@ def run_evaluation(
     scored = score_policies(
         Path(reward_model_dir), tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
     )
+    # 2b. The KL of PPO's and DPO's summaries from the SFT policy, for the RLHF objective.
+    kl = kl_from_sft(model_dirs, tokenizer, prompts, summaries, ecfg, cfg.ppo.temperature, device)
     # 3. Token ranks of SFT, PPO and DPO summaries under the base model (Table 8).
     shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
     # 4. The judge: each policy's summary against the reference.
@@ -593,10 +649,11 @@ def run_evaluation(
     # 5. Measurements per policy.
     metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, verdicts, ecfg)
     # 6. Files: summaries and judgements.
-    rows = summary_rows(prompts, summaries, scored, verdicts)
+    metrics |= {f"eval/{key}/kl_vs_sft": sum(values) / max(len(values), 1) for key, values in kl.items()}
+    rows = summary_rows(prompts, summaries, scored, verdicts, kl)
     write_jsonl_atomic(out / "summaries.jsonl", rows)
     write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements + human_judgements))
     metrics |= judge_human_metrics(judge_human)
     return Evaluation(
-        prompts, rows, headline, curves, shift_blocks, scored, verdicts, judge_human, base_name, metrics, t0
+        prompts, rows, headline, curves, shift_blocks, scored, kl, verdicts, judge_human, base_name, metrics, t0
     )

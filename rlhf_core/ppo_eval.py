@@ -27,8 +27,10 @@ from .generation import summarize
 from .io import write_json_atomic
 from .lora import AdaptersDisabled
 from .plots import plot_value_vs_reward
+from .ppo_rollout import summary_logprobs
 from .reward import ResponseScores, response_reward_logits
 from .reward_eval import TOKEN_TABLE_RESPONSES, token_table
+from .training import autocast, micro_batches
 
 
 class PPOModels(Protocol):
@@ -71,23 +73,26 @@ def evaluate_policy(
     With ``against_sft`` (the last evaluation), the SFT policy (the frozen reference) also
     summarises the same prompts with the same seeds, and the stage's learning check is
     measured here, so that a run stopped after PPO has it: ``eval/score_gain_vs_sft`` (the
-    mean paired difference of the scores, with ``_ci_low``/``_ci_high``, a 95% normal
-    interval), ``eval/eos_rate_policy_ci_low``/``_ci_high`` (95% Wilson), ``eval/score_sft``,
+    mean paired difference of the scores, with ``_ci_low``/``_ci_high``, a 95% Student's
+    t interval), the RLHF objective's gain ``eval/objective_gain_vs_sft`` (score minus
+    ``kl_coef`` times the summary's KL from SFT, ``eval/kl_vs_sft``, both with the policy's
+    summaries' log-probabilities under both models at the training temperature),
+    ``eval/eos_rate_policy_ci_low``/``_ci_high`` (95% Wilson), ``eval/score_sft``,
     ``eval/eos_rate_sft``, and ``eval/repetition_rate_policy``/``_sft`` (share of summaries
     with a :func:`rlhf_core.diagnostics.repetition_loop`; :func:`learning_check_metrics`).
 
     Returns:
         ``(metrics, samples, responses)``: the metrics above (floats, equal on every rank); one
         record per prompt (``post``, ``reference``, ``policy`` and their scores, with
-        ``against_sft`` also ``sft`` and ``score_sft``), in the split's order; and this rank's
-        ``(queries, summaries)``, ``(n, query_length)`` and ``(n, response_length)`` long token
+        ``against_sft`` also ``sft``, ``score_sft`` and ``kl_vs_sft``), in the split's order;
+        and this rank's ``(queries, summaries)``, ``(n, query_length)`` and ``(n, response_length)`` long token
         ids, for :func:`value_vs_reward` (None on a rank without prompts).
     """
     cfg = models.cfg
     ds = models.sft[split]
     ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
     mine = ds.select(split_range(len(ds), models.world))
-    rows: list[tuple[float, float, bool, float, str, float, bool, str | None]] = []
+    rows: list[tuple[float, float, bool, float, str, float, bool, str | None, float]] = []
     models.policy.eval()
 
     def sample(parallel):  # the same samples every time, training's RNG untouched
@@ -110,8 +115,10 @@ def evaluate_policy(
 
     queries = torch.tensor(mine["query_token"]) if len(mine) else None
     summaries = sample(models.policy_parallel)
-    # the SFT policy (the frozen reference) on the same prompts, with the same seeds
+    # the SFT policy (the frozen reference) on the same prompts, with the same seeds, and the
+    # KL of the policy's summaries from it: log pi(y|x) - log pi_sft(y|x)
     sft_summaries = sample(models.ref_parallel) if against_sft else None
+    kl = policy_kl_from_sft(models, queries, summaries.responses if len(mine) else None) if against_sft else None
     with models.reward_parallel.gathered() if models.reward_parallel is not None else nullcontext():
         if len(mine):
             policy = models.score(queries, summaries.responses)
@@ -130,6 +137,7 @@ def evaluate_policy(
                 sft.scores.tolist() if sft is not None else [math.nan] * len(mine),
                 sft.has_eos.tolist() if sft is not None else [False] * len(mine),
                 sft_summaries.texts if against_sft else [None] * len(mine),
+                kl.tolist() if kl is not None else [math.nan] * len(mine),
             )
         )
     rows = [row for rank_rows in all_gather_object(rows) for row in rank_rows]
@@ -142,7 +150,7 @@ def evaluate_policy(
         "eval/rm_win_rate_vs_reference": (sp > sr).double().mean().item(),
     }
     if against_sft:
-        metrics |= learning_check_metrics(rows)
+        metrics |= learning_check_metrics(rows, cfg.kl_coef)
     samples = [
         {
             "post": p,
@@ -151,11 +159,43 @@ def evaluate_policy(
             "score_policy": row[0],
             "raw_score_policy": row[1],
             "score_reference": row[3],
-            **({"sft": row[7], "score_sft": row[5]} if against_sft else {}),
+            **({"sft": row[7], "score_sft": row[5], "kl_vs_sft": row[8]} if against_sft else {}),
         }
         for p, r, row in zip(ds["post"], ds["reference_response"], rows)
     ]
     return metrics, samples, responses
+
+
+def policy_kl_from_sft(
+    models: PPOModels, queries: torch.Tensor | None, responses: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Each of this rank's policy summaries' KL from the SFT policy (the frozen reference),
+    ``log pi(y|x) - log pi_sft(y|x)`` at the training temperature
+    (:func:`rlhf_core.ppo_rollout.summary_logprobs`), in micro-batches of ``ppo.micro_batch_size``.
+    Collective (each model is gathered whole first): every rank calls it, a rank without
+    prompts with ``None``.
+
+    Args:
+        queries: ``(n, query_length)`` long, left-padded; responses: ``(n, response_length)``.
+
+    Returns:
+        ``(n,)`` float32 nats on the CPU; None on a rank without prompts.
+    """
+    cfg = models.cfg
+
+    def logprobs(parallel) -> torch.Tensor | None:
+        with parallel.gathered():
+            if queries is None or responses is None:
+                return None
+            parts = []
+            for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+                with autocast(models.device, cfg.bf16):
+                    args = (queries[mb], responses[mb], models.pad_id, cfg.temperature)
+                    parts.append(parallel.inference(summary_logprobs, *args))
+            return torch.cat(parts)
+
+    policy, sft = logprobs(models.policy_parallel), logprobs(models.ref_parallel)
+    return policy - sft if policy is not None and sft is not None else None
 
 
 @torch.no_grad()
@@ -203,13 +243,27 @@ def value_vs_reward(
     ]
 
 
-def learning_check_metrics(rows: list[tuple]) -> dict[str, float]:
+def learning_check_metrics(rows: list[tuple], kl_coef: float) -> dict[str, float]:
     """PPO's learning check on the evaluation prompts, from :func:`evaluate_policy`'s rows
     ``(score_policy, raw_score_policy, has_eos_policy, score_reference, text_policy, score_sft,
-    has_eos_sft, text_sft)``: the paired score gain over SFT with its 95% interval, PPO's EOS rate
-    with its Wilson interval, SFT's, and both policies' repetition rates."""
+    has_eos_sft, text_sft, kl_vs_sft)``.
+
+    - ``eval/objective_gain_vs_sft`` (with ``_ci_low``/``_ci_high``): the RLHF objective that
+      PPO maximises, ``score - kl_coef * KL`` per summary (Huang et al. 2024, arXiv 2403.17031:
+      "our PPO implementation at least optimizes the RLHF objective"), the policy's minus SFT's
+      on the same prompt; SFT's KL from itself is 0. The KL of a summary is its log-ratio
+      ``log pi(y|x) - log pi_sft(y|x)`` at the training temperature
+      (:func:`rlhf_core.ppo_rollout.summary_logprobs`), ``eval/kl_vs_sft`` its mean, in nats.
+    - ``eval/score_gain_vs_sft``: the paired score gain alone.
+    - PPO's EOS rate with its Wilson interval, SFT's, and both policies' repetition rates.
+
+    Intervals are 95%, Student's t for the paired differences
+    (:func:`rlhf_core.diagnostics.paired_difference`).
+    """
     policy, sft = [row[0] for row in rows], [row[5] for row in rows]
+    kl = [row[8] for row in rows]
     gain = diag.paired_difference(policy, sft)
+    objective = diag.paired_difference([s - kl_coef * k for s, k in zip(policy, kl)], sft)
     eos = sum(bool(row[2]) for row in rows)
     low, high = diag.wilson_interval(eos, len(rows))
     return {
@@ -218,6 +272,10 @@ def learning_check_metrics(rows: list[tuple]) -> dict[str, float]:
         "eval/score_gain_vs_sft": gain["mean"],
         "eval/score_gain_vs_sft_ci_low": gain["ci_low"],
         "eval/score_gain_vs_sft_ci_high": gain["ci_high"],
+        "eval/kl_vs_sft": sum(kl) / len(kl),
+        "eval/objective_gain_vs_sft": objective["mean"],
+        "eval/objective_gain_vs_sft_ci_low": objective["ci_low"],
+        "eval/objective_gain_vs_sft_ci_high": objective["ci_high"],
         "eval/eos_rate_policy_ci_low": low,
         "eval/eos_rate_policy_ci_high": high,
         "eval/repetition_rate_policy": diag.repetition_rate([row[4] for row in rows])["rate"],

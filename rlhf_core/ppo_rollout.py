@@ -19,14 +19,17 @@ import resource
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from .config import PPOConfig
 from .distributed import World, all_gather_cat, all_reduce_sum, shard, world
-from .generation import last_token_indices, truncate_after_eos
+from .generation import last_token_indices, trim_left_padding, truncate_after_eos
+from .models import causal_forward
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,
     grpo_advantages,
+    logprobs_from_logits,
     masked_mean,
     masked_var,
     per_token_rewards,
@@ -36,6 +39,54 @@ from .ppo import (
     whiten,
 )
 from .reward import ResponseScores
+
+
+def response_logits(
+    model: PreTrainedModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
+    """Language-model logits at the positions that predict the response tokens only.
+
+    Args:
+        query_responses: ``(batch, context_length + response_length)``, query left-padded.
+
+    Returns:
+        ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
+    """
+    hidden = causal_forward(
+        lambda ids, mask, pos: (
+            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        ),
+        query_responses,
+        pad_token_id,
+    )
+    return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
+
+
+@torch.no_grad()
+def summary_logprobs(
+    model: PreTrainedModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int, temperature: float
+) -> torch.Tensor:
+    """``log pi(y|x)`` of each summary under the sampling distribution at ``temperature``, as a
+    rollout's ``logprobs`` are (:func:`rlhf_core.ppo.logprobs_from_logits`, Detail 23), summed
+    over the response through its EOS (or all of it, without one).
+
+    The difference of two models' values is the "k1" KL estimate of the rollouts
+    (:func:`rollout_statistics`) for one summary: ``log pi(y|x) - log pi_sft(y|x)``.
+
+    Args:
+        queries: ``(n, query_length)`` long, left-padded; responses: ``(n, response_length)``
+            long, truncated after their EOS and right-padded (:func:`rlhf_core.generation.summarize`).
+
+    Returns:
+        ``(n,)`` float32, in nats, on the CPU.
+    """
+    device = next(model.parameters()).device
+    queries = trim_left_padding(queries, pad_token_id).to(device)
+    responses = responses.to(device)
+    logits = response_logits(model, torch.cat([queries, responses], 1), pad_token_id, queries.size(1))
+    logprobs = logprobs_from_logits(logits, responses, temperature, pad_token_id).float()
+    mask = response_mask(last_token_indices(responses, pad_token_id), responses.size(1))
+    return (logprobs * mask).sum(1).cpu()
 
 
 def prompt_indices(n_rows: int, batch_size: int, update: int, seed: int) -> list[int]:

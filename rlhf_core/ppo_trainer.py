@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel, get_scheduler
+from transformers import get_scheduler
 
 from . import lora
 from .config import PPOConfig
@@ -83,6 +83,7 @@ from .ppo_rollout import (
     kl_penalised_rewards,
     make_trajectory,
     reduce_stats,
+    response_logits,
     rollout_rows,
     rollout_statistics,
     throughput_statistics,
@@ -111,27 +112,6 @@ from .training import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def response_logits(
-    model: PreTrainedModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
-) -> torch.Tensor:
-    """Language-model logits at the positions that predict the response tokens only.
-
-    Args:
-        query_responses: ``(batch, context_length + response_length)``, query left-padded.
-
-    Returns:
-        ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
-    """
-    hidden = causal_forward(
-        lambda ids, mask, pos: (
-            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
-        ),
-        query_responses,
-        pad_token_id,
-    )
-    return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
 
 
 def response_values(

@@ -1,7 +1,10 @@
 """Evaluation of a reward model on preference pairs (Huang et al. 2024, Details 16-18).
 
-Accuracy per batch, confidence and split with Wilson intervals, reward statistics (Table 5), and
-calibration (Figure 5).
+Accuracy per batch, confidence and split with Wilson intervals, reward statistics (Table 5),
+calibration (Figure 5), and the accuracy of two baselines that learn no preference on the same
+pairs (:func:`baseline_accuracies`): "longer wins", and "the policy the training split's
+labellers preferred more often wins". A reward model that does no better than these learned a
+style or which policy wrote a summary, not what the labellers preferred.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .config import RewardConfig
 from .data import load_data_tokenizer, load_prepared
-from .diagnostics import wilson_interval
+from .diagnostics import wilson_interval, words
 from .external_reward import ExternalRewardModel
 from .generation import ends_with_eos
 from .io import METRICS_FILE, write_json_atomic
@@ -132,6 +135,86 @@ def calibration_table(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
     return rows
 
 
+#: The baselines of :func:`baseline_accuracies` as the report names them, by metric name
+#: (``{prefix}/baseline/{name}/accuracy``).
+BASELINES = {"longer_wins": "longer wins", "policy_prior": "the preferred policy wins"}
+
+
+def longer_wins(chosen: Sequence[str], rejected: Sequence[str]) -> list[float]:
+    """The "longer wins" baseline per pair: 1.0 where the chosen summary has more words than the
+    rejected one (:func:`rlhf_core.diagnostics.words`), 0.0 where it has fewer, 0.5 (a coin)
+    where they have as many."""
+    return [
+        0.5 if len(words(c)) == len(words(r)) else float(len(words(c)) > len(words(r)))
+        for c, r in zip(chosen, rejected)
+    ]
+
+
+def policy_win_rates(
+    chosen_policies: Sequence[str | None], rejected_policies: Sequence[str | None]
+) -> dict[str, float]:
+    """The share of its comparisons each policy won, over pairs of two different known policies
+    (a training split's ``chosen_policy``/``rejected_policy``): ``{policy: wins / comparisons}``."""
+    wins: dict[str, int] = defaultdict(int)
+    seen: dict[str, int] = defaultdict(int)
+    for c, r in zip(chosen_policies, rejected_policies):
+        if c is None or r is None or c == r:
+            continue
+        wins[c] += 1
+        seen[c] += 1
+        seen[r] += 1
+    return {policy: wins[policy] / n for policy, n in seen.items()}
+
+
+def policy_prior_wins(
+    rates: dict[str, float], chosen_policies: Sequence[str | None], rejected_policies: Sequence[str | None]
+) -> list[float] | None:
+    """The "preferred policy wins" baseline per pair: 1.0 where the chosen summary's policy won a
+    larger share of its training comparisons (``rates``, :func:`policy_win_rates`) than the
+    rejected one's, 0.0 where a smaller, 0.5 (a coin) where as large or where either policy is
+    unknown to ``rates``. None when no pair has two policies known to ``rates``: then there is
+    no such baseline."""
+    out, known = [], False
+    for c, r in zip(chosen_policies, rejected_policies):
+        if c in rates and r in rates:
+            known = True
+            out.append(0.5 if rates[c] == rates[r] else float(rates[c] > rates[r]))
+        else:
+            out.append(0.5)
+    return out if known else None
+
+
+def baseline_accuracies(
+    split_rows: dict[str, list], train_rows: dict[str, list] | None, prefix: str
+) -> dict[str, float]:
+    """The accuracy of the :data:`BASELINES` on one split's pairs, with 95% Wilson intervals as
+    the model's (a tie counts half a success).
+
+    Args:
+        split_rows: the split's ``chosen``, ``rejected``, ``chosen_policy`` and
+            ``rejected_policy`` columns; train_rows: the training split's policy columns, which
+            the policy prior is learned from (None: no training split, no policy prior).
+        prefix: key prefix, e.g. ``"eval"``.
+
+    Returns:
+        ``{f"{prefix}/baseline/{name}/accuracy": a, ..._ci_low, ..._ci_high}`` for
+        ``longer_wins`` and, where the split has pairs of two policies the training split knows,
+        ``policy_prior``.
+    """
+    predictions = {"longer_wins": longer_wins(split_rows["chosen"], split_rows["rejected"])}
+    if train_rows is not None:
+        rates = policy_win_rates(train_rows["chosen_policy"], train_rows["rejected_policy"])
+        prior = policy_prior_wins(rates, split_rows["chosen_policy"], split_rows["rejected_policy"])
+        if prior is not None:
+            predictions["policy_prior"] = prior
+    out = {}
+    for name, correct in predictions.items():
+        low, high = wilson_interval(sum(correct), len(correct))
+        key = f"{prefix}/baseline/{name}/accuracy"
+        out |= {key: sum(correct) / len(correct), f"{key}_ci_low": low, f"{key}_ci_high": high}
+    return out
+
+
 def evaluate_reward_model(
     cfg: RewardConfig,
     data_dir: str | os.PathLike,
@@ -190,7 +273,9 @@ def evaluate_pairs(
     and ``eval/validation_in_dist/accuracy`` for the comparisons held out of ``train``, in
     distribution: :data:`rlhf_core.config.IN_DISTRIBUTION_SPLIT`). Each split's accuracy comes
     with its pair count and 95% Wilson interval (``.../count``, ``.../accuracy_ci_low``,
-    ``.../accuracy_ci_high``: :func:`accuracy_by_group`).
+    ``.../accuracy_ci_high``: :func:`accuracy_by_group`), and beside it the baselines' on the
+    same pairs (``.../baseline/longer_wins/accuracy``, ``.../baseline/policy_prior/accuracy``,
+    the policy prior learned on the ``train`` split: :func:`baseline_accuracies`).
     Writes ``metrics.json``, ``calibration.json`` and ``calibration.png`` to ``out_dir``.
 
     Args:
@@ -208,6 +293,7 @@ def evaluate_pairs(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _, pref, _ = load_prepared(data_dir)
+    train_rows = pref["train"].select_columns(["chosen_policy", "rejected_policy"])[:] if "train" in pref else None
     metrics: dict[str, float] = {}
     tables: dict[str, list] = {}
     t0 = time.perf_counter()
@@ -222,6 +308,8 @@ def evaluate_pairs(
         prefix = "eval" if split == "validation" else f"eval/{split}"
         groups = {"batch": list(ds["batch"]), "confidence": list(ds["confidence"]), "split": list(ds["split"])}
         metrics.update(accuracy_by_group(chosen, rejected, groups, prefix))
+        columns = ["chosen", "rejected", "chosen_policy", "rejected_policy"]
+        metrics.update(baseline_accuracies(ds.select_columns(columns)[:], train_rows, prefix))
         metrics.update(reward_statistics(chosen, rejected, prefix))
         tables[split] = calibration_table(chosen, rejected, cfg.calibration_bins)
     metrics["eval/seconds"] = time.perf_counter() - t0

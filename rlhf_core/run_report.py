@@ -26,7 +26,7 @@ from .io import METRICS_FILE, METRICS_LOG, SAMPLES_FILE, atomic_file, write_json
 from .judging import win_counts
 from .learning_checks import learning_checks, rm_splits
 from .report import plot_training_curves, write_report
-from .reward_eval import CALIBRATION_PLOT, REWARD_LOGITS
+from .reward_eval import BASELINES, CALIBRATION_PLOT, REWARD_LOGITS
 from .tracking import NullTracker, Tracker, read_metrics
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def write_run_report(cfg: PipelineConfig, evaluation: Evaluation, stages: StageO
             rm_metrics, _read_json(stages.dpo_eval / METRICS_FILE), cfg.data.format
         )
     }
-    checks, check_metrics = run_learning_checks(evaluation, stages, rm_metrics, cfg.data.format)
+    checks, check_metrics = run_learning_checks(cfg, evaluation, stages, rm_metrics)
     n = len(evaluation.prompts)
     write_report(
         out,
@@ -186,12 +186,12 @@ def _metric_logs(stages: StageOutputs) -> dict[str, Path]:
 
 
 def run_learning_checks(
-    evaluation: Evaluation, stages: StageOutputs, rm_metrics: dict[str, float], data_format: str = "tldr"
+    cfg: PipelineConfig, evaluation: Evaluation, stages: StageOutputs, rm_metrics: dict[str, float]
 ) -> tuple[list[dict], dict[str, float]]:
     """:func:`rlhf_core.learning_checks.learning_checks` on the stages' outputs: SFT's
     ``metrics.json`` and ``samples.jsonl``, the reward model's evaluation metrics
-    ``rm_metrics``, PPO's last update with a KL, and the evaluation's PPO and SFT scores and
-    summaries."""
+    ``rm_metrics`` and DPO's implicit one's, PPO's last update with a KL, and the evaluation's
+    SFT, PPO and DPO scores, summaries and KLs from SFT (with ``ppo.kl_coef``)."""
     sft_samples_file = stages.sft / SAMPLES_FILE
     sft_samples = [json.loads(line) for line in sft_samples_file.open()] if sft_samples_file.is_file() else []
     return learning_checks(
@@ -201,8 +201,12 @@ def run_learning_checks(
         _last_record_with(stages.ppo / METRICS_LOG, "objective/kl"),
         evaluation.scored["ppo"],
         evaluation.scored["sft"],
-        texts={key: [r[key] for r in evaluation.rows] for key in ("ppo", "sft")},
-        data_format=data_format,
+        texts={key: [r[key] for r in evaluation.rows] for key in ("ppo", "sft", "dpo")},
+        data_format=cfg.data.format,
+        dpo=evaluation.scored["dpo"],
+        kl=evaluation.kl,
+        kl_coef=cfg.ppo.kl_coef,
+        dpo_metrics=_read_json(stages.dpo_eval / METRICS_FILE),
     )
 
 
@@ -367,15 +371,17 @@ def reward_model_rows(
     :func:`rlhf_core.learning_checks.rm_splits` (held out of train, validation, CNN/DM; under
     ``data.format: trl`` the data's own), the accuracy of the reward model
     and of DPO's implicit reward model on the same pairs (``reward_eval`` and ``dpo_eval``
-    metrics), with 95% Wilson intervals, the pair count, and the split's distribution (in or
-    out of distribution); "-" where a stage did not evaluate the split."""
+    metrics), with 95% Wilson intervals, the pair count, the split's distribution (in or
+    out of distribution) and the baselines' accuracies on the same pairs ("longer wins", "the
+    preferred policy wins": :func:`rlhf_core.reward_eval.baseline_accuracies`); "-" where a
+    stage did not evaluate the split or a baseline does not apply."""
 
-    def cell(m: dict[str, float], prefix: str) -> str:
-        if f"{prefix}/accuracy" not in m:
+    def cell(m: dict[str, float], prefix: str, key: str = "accuracy") -> str:
+        if f"{prefix}/{key}" not in m:
             return "-"
-        text = f"{m[f'{prefix}/accuracy']:.1%}"
-        if f"{prefix}/accuracy_ci_low" in m and f"{prefix}/accuracy_ci_high" in m:
-            text += f" [{m[f'{prefix}/accuracy_ci_low']:.1%}, {m[f'{prefix}/accuracy_ci_high']:.1%}]"
+        text = f"{m[f'{prefix}/{key}']:.1%}"
+        if f"{prefix}/{key}_ci_low" in m and f"{prefix}/{key}_ci_high" in m:
+            text += f" [{m[f'{prefix}/{key}_ci_low']:.1%}, {m[f'{prefix}/{key}_ci_high']:.1%}]"
         return text
 
     rows = []
@@ -389,6 +395,10 @@ def reward_model_rows(
                     "RM": cell(rm_metrics, prefix),
                     "DPO": cell(dpo_metrics, prefix),
                     "distribution": distribution,
+                }
+                | {
+                    label: cell(rm_metrics or dpo_metrics, prefix, f"baseline/{name}/accuracy")
+                    for name, label in BASELINES.items()
                 }
             )
     return rows

@@ -187,6 +187,14 @@ COLUMNS: tuple[tuple[str, str, str, tuple[str, str] | None], ...] = (
         f"{_IN_DIST}/accuracy",
         (f"{_IN_DIST}/accuracy_ci_low", f"{_IN_DIST}/accuracy_ci_high"),
     ),
+    # the baselines on the same pairs (rlhf_core.reward_eval.baseline_accuracies)
+    ("RM in-distribution baseline: longer wins", "reward_eval", f"{_IN_DIST}/baseline/longer_wins/accuracy", None),
+    (
+        "RM in-distribution baseline: preferred policy wins",
+        "reward_eval",
+        f"{_IN_DIST}/baseline/policy_prior/accuracy",
+        None,
+    ),
     ("RM accuracy", "reward_eval", "eval/accuracy", ("eval/accuracy_ci_low", "eval/accuracy_ci_high")),
     (
         "DPO in-distribution accuracy",
@@ -201,6 +209,13 @@ COLUMNS: tuple[tuple[str, str, str, tuple[str, str] | None], ...] = (
     ("PPO response length", "ppo", "response/length_mean", None),
     # PPO's learning check, measured by the PPO stage itself against the SFT policy on the same
     # evaluation prompts (rlhf_core.ppo_eval.learning_check_metrics), so that `until: ppo` has it
+    (
+        "PPO objective gain vs SFT",
+        "ppo",
+        "eval/objective_gain_vs_sft",
+        ("eval/objective_gain_vs_sft_ci_low", "eval/objective_gain_vs_sft_ci_high"),
+    ),
+    ("PPO KL vs SFT", "ppo", "eval/kl_vs_sft", None),
     (
         "PPO score gain vs SFT",
         "ppo",

@@ -1,6 +1,7 @@
 """Data parallelism on CPU: 2 ranks (gloo) with half the micro-batch each train exactly like
 1 rank with the same global batch (Huang et al. 2024 keep the global batch sizes)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -371,8 +372,13 @@ def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, offload, expect, expec
             if key in want:
                 assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
     assert updates[0][0]["loss/value"] != updates[0][1]["loss/value"]  # it trained
-    samples = [(run / "samples.jsonl").read_text() for run in (ddp_out, out)]
-    assert samples[1] == samples[0] and len(samples[0].splitlines()) == 5
+    samples = [
+        [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()] for run in (ddp_out, out)
+    ]
+    # the KL from SFT of each summary: log-probabilities of gathered shards, equal up to rounding
+    kls = [[row.pop("kl_vs_sft") for row in rows] for rows in samples]
+    assert kls[1] == pytest.approx(kls[0], rel=1e-4, abs=1e-4)
+    assert samples[1] == samples[0] and len(samples[0]) == 5
     states = [
         torch.load(run / "checkpoints" / "step-000001" / "state.pt", weights_only=False) for run in (ddp_out, out)
     ]

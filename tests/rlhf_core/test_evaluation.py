@@ -153,7 +153,16 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
             <= sum(diffs) / 4
             <= metrics["eval/checks/ppo_minus_sft_score_ci_high"]
         )
+        # (a) the RLHF objective: score - kl_coef * the summary's KL from SFT, minus SFT's score
+        objective = [r["ppo_score"] - cfg.ppo.kl_coef * r["ppo_kl_vs_sft"] - r["sft_score"] for r in rows]
+        assert metrics["eval/checks/ppo_objective_gain"] == pytest.approx(sum(objective) / 4)
+        for policy in ("ppo", "dpo"):  # both trained away from SFT: a KL on every summary
+            assert metrics[f"eval/{policy}/kl_vs_sft"] == pytest.approx(sum(r[f"{policy}_kl_vs_sft"] for r in rows) / 4)
+            assert all(r[f"{policy}_kl_vs_sft"] != 0 for r in rows)
+        assert metrics["eval/checks/dpo_kl_vs_sft"] == metrics["eval/dpo/kl_vs_sft"]
         report = (tmp_path / "out" / "report.html").read_text()
+        assert "RLHF objective (RM score - 0.05 x KL from SFT) minus SFT" in report
+        assert "implicit reward model accuracy" in report  # DPO's, against the same baselines
         assert report.index("Does it learn?") < report.index("Headline")
         assert "RM score of PPO minus SFT summaries" in report and "accuracy, TL;DR validation comparisons" in report
         assert "claude-test-judge" in report and "sk-test-secret" not in report
@@ -247,10 +256,26 @@ def test_learning_checks_state_each_target_with_its_interval():
     assert by_check[("reward model", OOD_CHECK)]["met"] is True
     assert by_check[("reward model", OOD_CHECK)]["target"] == "interval above 50%"
     assert by_check[("reward model", "accuracy, CNN/DM comparisons, another task (news articles)")]["met"] is None
+    # (d) the score gain is reported, not a target
     better = by_check[("PPO", "RM score of PPO minus SFT summaries, same prompts")]
-    assert better["met"] is True and metrics["eval/checks/ppo_minus_sft_score"] == pytest.approx(0.3)
-    assert by_check[("PPO", "greedy summaries that end with EOS")]["met"] is False
+    assert better["met"] is None and metrics["eval/checks/ppo_minus_sft_score"] == pytest.approx(0.3)
+    assert by_check[("PPO", "greedy summaries that end with EOS")]["met"] is False  # (b)
     assert metrics["eval/checks/ppo_kl_per_token"] == 0.05
+    # (a) the RLHF objective: score - kl_coef * KL from SFT, minus SFT's score, t interval above 0
+    objective = "RLHF objective (RM score - 0.2 x KL from SFT) minus SFT's, same prompts"
+    small_kl = {"ppo": [0.5] * 64}  # 0.3 - 0.2 * 0.5 = +0.2 a prompt, on average
+    rows, metrics = learning_checks({}, [], {}, {}, ppo, sft, kl=small_kl, kl_coef=0.2)
+    row = {r["check"]: r for r in rows}[objective]
+    assert row["met"] is True and row["target"] == "interval above 0" and row["n"] == 64
+    assert metrics["eval/checks/ppo_objective_gain"] == pytest.approx(0.2)
+    expected = paired_difference([s - 0.1 for s in ppo_scores.tolist()], [0.0] * 64)
+    assert (metrics["eval/checks/ppo_objective_gain_ci_low"], metrics["eval/checks/ppo_objective_gain_ci_high"]) == (
+        pytest.approx((expected["ci_low"], expected["ci_high"]))
+    )
+    # the same scores bought with a large KL: the objective fell, though the score rose
+    rows, metrics = learning_checks({}, [], {}, {}, ppo, sft, kl={"ppo": [2.0] * 64}, kl_coef=0.2)
+    assert {r["check"]: r["met"] for r in rows}[objective] is False
+    assert metrics["eval/checks/ppo_objective_gain"] == pytest.approx(-0.1)
     # a reward model at chance: its interval includes 0.5
     rows, _ = learning_checks({}, [], rm_metrics | {"eval/accuracy_ci_low": 0.46}, {}, ppo, sft)
     assert [r["met"] for r in rows if r["check"] == OOD_CHECK] == [False]
@@ -260,9 +285,16 @@ def test_learning_checks_state_each_target_with_its_interval():
     rows, metrics = learning_checks({}, [], {}, {}, ppo, sft, texts=texts)
     [row] = [r for r in rows if r["check"] == "greedy summaries caught in a repetition loop"]
     assert row["met"] is False and row["result"] == "50.0% (SFT 25.0%)" and row["n"] == 4
+    assert row["target"] == "≤ SFT's + 5% points"
     assert (metrics["eval/checks/ppo_repetition_rate"], metrics["eval/checks/sft_repetition_rate"]) == (0.5, 0.25)
     rows, _ = learning_checks({}, [], {}, {}, ppo, sft, texts={"ppo": texts["sft"], "sft": texts["ppo"]})
     assert [r["met"] for r in rows if r["check"] == "greedy summaries caught in a repetition loop"] == [True]
+    # the tolerance: 5 points more than SFT's passes, more than that fails (20 prompts: 1 is 5 points)
+    sft_texts = [loop] * 2 + [f"summary {i}" for i in range(18)]
+    for extra, met in ((1, True), (2, False)):
+        own = [loop] * (2 + extra) + [f"summary {i}" for i in range(18 - extra)]
+        rows, _ = learning_checks({}, [], {}, {}, ppo, sft, texts={"ppo": own, "sft": sft_texts})
+        assert [r["met"] for r in rows if r["check"] == "greedy summaries caught in a repetition loop"] == [met]
 
 
 OOD_CHECK = "accuracy, TL;DR validation comparisons, out of distribution (other policies, Detail 6)"
@@ -296,10 +328,64 @@ def test_the_reward_models_learning_check_is_its_in_distribution_accuracy_beside
     assert [r["met"] for r in rows] == [False, None]
 
 
+def test_the_reward_models_check_must_beat_its_best_baseline_on_the_same_pairs():
+    """Issue: a reward model at the "longer wins" or "preferred policy wins" accuracy learned a
+    style or an author, not a preference: its interval must lie above the best baseline."""
+    ppo = sft = ResponseScores(raw_scores=torch.zeros(0), scores=torch.zeros(0), has_eos=torch.zeros(0, dtype=bool))
+    held = "eval/validation_in_dist"
+    rm = {f"{held}/accuracy": 0.69, f"{held}/count": 200.0}
+    rm |= {f"{held}/accuracy_ci_low": 0.623, f"{held}/accuracy_ci_high": 0.750}
+    rm |= {f"{held}/baseline/longer_wins/accuracy": 0.66, f"{held}/baseline/policy_prior/accuracy": 0.72}
+    [row], _ = learning_checks({}, [], rm, {}, ppo, sft)
+    assert row["target"] == "interval above 50% and 'the preferred policy wins' (72.0%)" and row["met"] is False
+    assert row["result"] == (
+        "69.0% (longer wins: 66.0%, the preferred policy wins: 72.0%); no better than 'the preferred policy wins' here"
+    )
+    weak = rm | {f"{held}/baseline/policy_prior/accuracy": 0.55, f"{held}/baseline/longer_wins/accuracy": 0.6}
+    [row], _ = learning_checks({}, [], weak, {}, ppo, sft)
+    assert row["target"] == "interval above 50% and 'longer wins' (60.0%)" and row["met"] is True
+    # baselines below chance: 50% stays the bar
+    below = rm | {f"{held}/baseline/policy_prior/accuracy": 0.3, f"{held}/baseline/longer_wins/accuracy": 0.45}
+    [row], _ = learning_checks({}, [], below, {}, ppo, sft)
+    assert row["target"] == "interval above 50%" and row["met"] is True
+    # DPO's implicit reward model on the same pairs, against the same baselines
+    rows, _ = learning_checks({}, [], weak, {}, ppo, sft, dpo_metrics=rm)
+    dpo = [r for r in rows if r["stage"] == "DPO"]
+    assert [(r["check"], r["met"]) for r in dpo] == [(f"implicit reward model {IN_DIST_CHECK}", False)]
+
+
+def test_dpo_is_checked_as_ppo_is_against_sft_with_its_objective_reported():
+    n = 20
+    sft = ResponseScores(raw_scores=torch.zeros(n), scores=torch.zeros(n), has_eos=torch.ones(n, dtype=torch.bool))
+    dpo = ResponseScores(
+        raw_scores=torch.full((n,), 0.4), scores=torch.linspace(0.3, 0.5, n), has_eos=torch.ones(n, dtype=torch.bool)
+    )
+    loop = "I am not sure if I should eat it. I am not sure if I should eat it."
+    texts = {
+        "ppo": ["a"] * n,
+        "sft": [f"s {i}" for i in range(n)],
+        "dpo": [loop] * 3 + [f"d {i}" for i in range(n - 3)],
+    }
+    rows, metrics = learning_checks(
+        {}, [], {}, {}, sft, sft, texts=texts, dpo=dpo, kl={"ppo": [0.0] * n, "dpo": [1.0] * n}, kl_coef=0.2
+    )
+    dpo_rows = {r["check"]: r for r in rows if r["stage"] == "DPO"}
+    objective = dpo_rows["RLHF objective (RM score - 0.2 x KL from SFT) minus SFT's, same prompts"]
+    assert objective["met"] is None and objective["result"] == "+0.200 (KL 1.00 nats a summary)"  # reported
+    assert metrics["eval/checks/dpo_objective_gain"] == pytest.approx(0.2)
+    assert metrics["eval/checks/dpo_kl_vs_sft"] == 1.0
+    assert dpo_rows["greedy summaries that end with EOS"]["met"] is True
+    loops = dpo_rows["greedy summaries caught in a repetition loop"]
+    assert loops["met"] is False and loops["result"] == "15.0% (SFT 0.0%)"
+    assert metrics["eval/checks/dpo_repetition_rate"] == 0.15
+
+
 def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
     rm = {"eval/accuracy": 0.535, "eval/count": 200.0, "eval/accuracy_ci_low": 0.466, "eval/accuracy_ci_high": 0.603}
     rm |= {f"eval/validation_in_dist/{k}": v for k, v in (("accuracy", 0.7), ("count", 200.0))}
     rm |= {"eval/validation_in_dist/accuracy_ci_low": 0.633, "eval/validation_in_dist/accuracy_ci_high": 0.759}
+    longer = "eval/validation_in_dist/baseline/longer_wins/accuracy"
+    rm |= {longer: 0.66, f"{longer}_ci_low": 0.6, f"{longer}_ci_high": 0.72, "eval/baseline/longer_wins/accuracy": 0.5}
     dpo = {"eval/validation_in_dist/accuracy": 0.655, "eval/validation_in_dist/count": 200.0}
     dpo |= {"eval/validation_in_dist/accuracy_ci_low": 0.587, "eval/validation_in_dist/accuracy_ci_high": 0.718}
     assert reward_model_rows(rm, dpo) == [
@@ -309,6 +395,8 @@ def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
             "RM": "70.0% [63.3%, 75.9%]",
             "DPO": "65.5% [58.7%, 71.8%]",
             "distribution": "in distribution",
+            "longer wins": "66.0% [60.0%, 72.0%]",
+            "the preferred policy wins": "-",
         },
         {
             "split": "TL;DR validation comparisons",
@@ -316,6 +404,8 @@ def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
             "RM": "53.5% [46.6%, 60.3%]",
             "DPO": "-",
             "distribution": "out of distribution (other policies, Detail 6)",
+            "longer wins": "50.0%",
+            "the preferred policy wins": "-",
         },
     ]
     # TRL-format data: the data's own splits, with no TL;DR policies or task to speak of

@@ -12,6 +12,7 @@ from rlhf_core.ppo_rollout import (
     prompt_indices,
     rollout_rows,
     rollout_statistics,
+    summary_logprobs,
     throughput_statistics,
     whitened_advantages,
 )
@@ -174,3 +175,22 @@ def test_rollout_statistics_leave_out_returns_without_a_value_model():
     rewards = Rewards(rewards=torch.zeros(2, 4), non_score_reward=torch.zeros(2, 4), value_mask=traj.token_mask)
     stats = rollout_statistics(traj, rewards, torch.ones(2, 4) * traj.token_mask, None)
     assert "returns/mean" not in stats and "returns/var" not in stats and stats["advantages/mean"] == 1.0
+
+
+def test_summary_logprobs_sums_the_tempered_logprobs_through_eos_ignoring_padding(tiny_llama):
+    """By hand, one unpadded row at a time: log_softmax(logits / T) without PAD (never sampled,
+    Detail 23) of each response token up to and including its EOS; the left padding of the queries and the PAD after EOS change nothing,
+    and a summary without EOS counts every token."""
+    queries = torch.tensor([[PAD, PAD, 11, 12, 13], [21, 22, 23, 24, 25]])
+    responses = torch.tensor([[30, 31, EOS, PAD], [32, 33, 34, 35]])
+    temperature = 0.7
+    got = summary_logprobs(tiny_llama, queries, responses, PAD, temperature)
+    for row, (query, response, keep) in enumerate(zip(queries, responses, (3, 4))):
+        query = query[query != PAD]
+        ids = torch.cat([query, response[:keep]])[None]
+        with torch.no_grad():
+            logits = tiny_llama(input_ids=ids).logits[0, len(query) - 1 : -1].float() / temperature
+        logits[:, PAD] = -float("inf")
+        expected = torch.log_softmax(logits, -1).gather(1, response[:keep, None]).sum()
+        assert got[row].item() == pytest.approx(expected.item(), abs=1e-4)
+    assert got.shape == (2,) and got.dtype == torch.float32

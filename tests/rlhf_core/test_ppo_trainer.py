@@ -12,7 +12,13 @@ from rlhf_core.data import load_data_tokenizer, load_prepared
 from rlhf_core.diagnostics import repetition_loop, wilson_interval
 from rlhf_core.generation import trim_left_padding, truncate_after_eos
 from rlhf_core.ppo import INVALID_LOGPROB, logprobs_from_logits, whiten
-from rlhf_core.ppo_rollout import kl_penalised_rewards, make_trajectory, masked_mean_var, whitened_advantages
+from rlhf_core.ppo_rollout import (
+    kl_penalised_rewards,
+    make_trajectory,
+    masked_mean_var,
+    summary_logprobs,
+    whitened_advantages,
+)
 from rlhf_core.ppo_trainer import PPOTrainer, response_logits, response_values, run_ppo
 from rlhf_core.reward import ScalarModel, response_scores, score_responses
 from rlhf_core.reward_eval import TOKEN_TABLE_RESPONSES
@@ -349,6 +355,9 @@ def test_the_check_against_sft_summarises_with_the_sft_policy_on_the_same_prompt
     assert [s["sft"] for s in samples] == [s["policy"] for s in samples]
     assert metrics["eval/score_gain_vs_sft"] == 0.0 and metrics["eval/score_sft"] == metrics["eval/score_policy"]
     assert metrics["eval/repetition_rate_sft"] == metrics["eval/repetition_rate_policy"]
+    # the same model: every summary's KL from SFT is 0, and so is the objective's gain
+    assert [s["kl_vs_sft"] for s in samples] == [0.0] * 4
+    assert metrics["eval/kl_vs_sft"] == metrics["eval/objective_gain_vs_sft"] == 0.0
     with torch.no_grad():  # a different policy: the SFT side must not follow it
         for p in trainer.policy.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -357,6 +366,18 @@ def test_the_check_against_sft_summarises_with_the_sft_policy_on_the_same_prompt
     assert [s["policy"] for s in moved_samples] != [s["policy"] for s in samples]
     assert moved["eval/score_sft"] == metrics["eval/score_sft"]
     assert moved["eval/score_gain_vs_sft"] == pytest.approx(moved["eval/score_policy"] - moved["eval/score_sft"])
+    # the KL of each policy summary, log pi - log pi_sft at the training temperature, and the
+    # RLHF objective's gain: score - kl_coef * KL, minus SFT's score
+    queries = torch.tensor(trainer.sft["validation"]["query_token"][:4])
+    responses = trainer.eval_responses[1]
+    pad, temperature = trainer.pad_id, ppo_cfg.temperature
+    kl = summary_logprobs(trainer.policy, queries, responses, pad, temperature)
+    kl -= summary_logprobs(trainer.ref_policy, queries, responses, pad, temperature)
+    assert [s["kl_vs_sft"] for s in moved_samples] == pytest.approx(kl.tolist(), abs=1e-4)
+    assert kl.abs().min() > 0
+    objective = [s["score_policy"] - ppo_cfg.kl_coef * s["kl_vs_sft"] - s["score_sft"] for s in moved_samples]
+    assert moved["eval/objective_gain_vs_sft"] == pytest.approx(sum(objective) / 4)
+    assert moved["eval/objective_gain_vs_sft"] != pytest.approx(moved["eval/score_gain_vs_sft"])
     plain, _ = trainer.evaluate()
     assert "eval/score_gain_vs_sft" not in plain
 

@@ -10,11 +10,47 @@ from rlhf_core.reward import ScalarModel, get_reward
 from rlhf_core.reward_eval import (
     TOKEN_TABLE_RESPONSES,
     accuracy_by_group,
+    baseline_accuracies,
     calibration_table,
     evaluate_reward_model,
+    longer_wins,
     non_eos_negative_share,
+    policy_prior_wins,
+    policy_win_rates,
     token_table,
 )
+
+
+def test_longer_wins_counts_words_and_a_tie_as_a_coin():
+    assert longer_wins(["a b c", "a", "a b"], ["a b", "a b c", "c d"]) == [1.0, 0.0, 0.5]
+
+
+def test_the_policy_prior_is_learned_on_train_and_a_coin_where_unknown_or_equal():
+    # ppo won 3 of its 4 comparisons, sup 1 of 4 (sup against sup says nothing), human none seen
+    rates = policy_win_rates(["ppo", "ppo", "ppo", "sup", "sup"], ["sup", "sup", "sup", "ppo", "sup"])
+    assert rates == {"ppo": 0.75, "sup": 0.25}
+    prior = policy_prior_wins(rates, ["ppo", "sup", "ppo", "human", None], ["sup", "ppo", "ppo", "ppo", "sup"])
+    assert prior == [1.0, 0.0, 0.5, 0.5, 0.5]
+    assert policy_prior_wins(rates, ["human", None], ["ref", "ppo"]) is None  # no pair of two known policies
+
+
+def test_baseline_accuracies_with_wilson_intervals_of_half_counted_ties():
+    from rlhf_core.diagnostics import wilson_interval
+
+    split = {
+        "chosen": ["a b c", "a", "a b", "a b c d"],
+        "rejected": ["a", "a b", "a c", "a"],  # longer wins: 1, 0, 0.5, 1
+        "chosen_policy": ["ppo", "sup", "ppo", "sup"],
+        "rejected_policy": ["sup", "ppo", "sup", "ppo"],  # prior (ppo better): 1, 0, 1, 0
+    }
+    train = {"chosen_policy": ["ppo", "ppo", "sup"], "rejected_policy": ["sup", "sup", "ppo"]}
+    out = baseline_accuracies(split, train, "eval/x")
+    assert out["eval/x/baseline/longer_wins/accuracy"] == pytest.approx(2.5 / 4)
+    low, high = wilson_interval(2.5, 4)
+    assert out["eval/x/baseline/longer_wins/accuracy_ci_low"] == pytest.approx(low)
+    assert out["eval/x/baseline/longer_wins/accuracy_ci_high"] == pytest.approx(high)
+    assert out["eval/x/baseline/policy_prior/accuracy"] == pytest.approx(0.5)
+    assert "eval/x/baseline/policy_prior/accuracy" not in baseline_accuracies(split, None, "eval/x")
 
 
 def test_accuracy_by_group():
@@ -147,6 +183,14 @@ def test_the_reward_model_and_dpo_are_evaluated_in_and_out_of_distribution_with_
     ) == pytest.approx(wilson_interval(correct, 6))
     assert metrics["eval/count"] == 8 and metrics["eval/validation_cnndm/count"] == 8  # out of distribution
     assert json.loads((tmp_path / "pairs" / "metrics.json").read_text()) == pytest.approx(metrics)
+    # the baselines on the same pairs: longer wins (words), and the policy prior learned on train
+    in_dist = pref["validation_in_dist"]
+    longer = longer_wins(in_dist["chosen"], in_dist["rejected"])
+    assert metrics["eval/validation_in_dist/baseline/longer_wins/accuracy"] == pytest.approx(sum(longer) / 6)
+    rates = policy_win_rates(pref["train"]["chosen_policy"], pref["train"]["rejected_policy"])
+    prior = policy_prior_wins(rates, in_dist["chosen_policy"], in_dist["rejected_policy"])
+    assert prior is not None  # the held-out comparisons are of the training split's policies
+    assert metrics["eval/validation_in_dist/baseline/policy_prior/accuracy"] == pytest.approx(sum(prior) / 6)
 
     # the reward model's and DPO's implicit one's evaluation stages: the same keys, intervals included
     rm = evaluate_reward_model(cfg.reward, data, smoke_stages / "rm", tmp_path / "rm")
