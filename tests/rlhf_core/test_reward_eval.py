@@ -191,6 +191,21 @@ def test_the_reward_model_and_dpo_are_evaluated_in_and_out_of_distribution_with_
     prior = policy_prior_wins(rates, in_dist["chosen_policy"], in_dist["rejected_policy"])
     assert prior is not None  # the held-out comparisons are of the training split's policies
     assert metrics["eval/validation_in_dist/baseline/policy_prior/accuracy"] == pytest.approx(sum(prior) / 6)
+    # learned on train alone: with train's labels reversed, every policy's share is 1 - its share,
+    # so the prior's accuracy on the same held-out pairs becomes 1 - its accuracy
+    import shutil
+
+    from datasets import DatasetDict
+
+    reversed_data = tmp_path / "reversed"
+    shutil.copytree(data, reversed_data)
+    train = pref["train"].rename_column("chosen_policy", "was_chosen")
+    train = train.rename_column("rejected_policy", "chosen_policy").rename_column("was_chosen", "rejected_policy")
+    shutil.rmtree(reversed_data / "preference")
+    DatasetDict({**pref, "train": train}).save_to_disk(str(reversed_data / "preference"))
+    again = evaluate_pairs(by_length, cfg.reward, reversed_data, tmp_path / "reversed_pairs")
+    key = "eval/validation_in_dist/baseline/policy_prior/accuracy"
+    assert again[key] == pytest.approx(1 - metrics[key]) and metrics[key] != 0.5
 
     # the reward model's and DPO's implicit one's evaluation stages: the same keys, intervals included
     rm = evaluate_reward_model(cfg.reward, data, smoke_stages / "rm", tmp_path / "rm")
