@@ -20,7 +20,7 @@ one object per cell: ``seed``, ``estimator`` (``ppo.advantage_estimator``), ``ob
 Usage:
   .venv/bin/python benchmarks/ppo_seeds.py --cells runs/sweep-estimators/summary/cells.json \\
       --out benchmarks/results/cpu-seeds.json
-  .venv/bin/python benchmarks/ppo_seeds.py --run 1=runs/s1 --run 2=runs/s2 --out FILE
+  .venv/bin/python benchmarks/ppo_seeds.py --run 1=runs/s1 --run 2:rloo=runs/s2 --out FILE
 """
 
 from __future__ import annotations
@@ -100,10 +100,21 @@ def from_cells(path: Path) -> list[dict]:
     return out
 
 
+def from_run(item: str) -> dict:
+    """A cell from ``SEED[:ESTIMATOR]=DIR``: an ``rlhf stages`` run directory (its
+    ``ppo/metrics.json``) and the estimator it ran with (default ``gae``)."""
+    label, _, directory = item.partition("=")
+    seed, _, estimator = label.partition(":")
+    metrics = json.loads((Path(directory) / "ppo" / "metrics.json").read_text())
+    return cell(int(seed), metrics, estimator=estimator or "gae") | {"run": directory}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=Path, help="a sweep's summary cells.json")
-    parser.add_argument("--run", action="append", default=[], help="SEED=DIR: an `rlhf stages` run directory")
+    parser.add_argument(
+        "--run", action="append", default=[], help="SEED[:ESTIMATOR]=DIR: an `rlhf stages` run directory"
+    )
     parser.add_argument("--preset", default="cpu-demo")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit", default=None, help="the commit the runs were made with (default: HEAD)")
@@ -114,9 +125,7 @@ def main() -> None:
 
     cells = from_cells(args.cells) if args.cells else []
     for item in args.run:
-        seed, _, directory = item.partition("=")
-        metrics = json.loads((Path(directory) / "ppo" / "metrics.json").read_text())
-        cells.append(cell(int(seed), metrics) | {"run": directory})
+        cells.append(from_run(item))
     if not cells:
         parser.error("give --cells or at least one --run")
     commit = (

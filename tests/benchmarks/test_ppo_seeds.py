@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks.ppo_seeds import cell, from_cells
+from benchmarks.ppo_seeds import cell, from_cells, from_run
 from rlhf_core.sweep import COLUMNS
 
 METRICS = {
@@ -57,3 +57,10 @@ def test_cells_of_a_sweep_summary_read_the_columns_the_sweep_writes(tmp_path):
     expected = cell(3, METRICS, flagged=True, estimator="rloo")
     assert out == expected | {"cell": "cpu-demo/seed=3/ppo.advantage_estimator=rloo", "error": None}
     assert out["estimator"] == "rloo" and out["objective_gain_ci"] == [0.05, 0.35]
+
+
+def test_a_run_directory_names_its_seed_and_estimator(tmp_path):
+    (tmp_path / "ppo").mkdir()
+    (tmp_path / "ppo" / "metrics.json").write_text(json.dumps(METRICS))
+    assert from_run(f"3:rloo={tmp_path}") == cell(3, METRICS, estimator="rloo") | {"run": str(tmp_path)}
+    assert from_run(f"1={tmp_path}")["estimator"] == "gae"
