@@ -93,7 +93,9 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
     measured |= {"PPO score gain vs SFT": "ppo/eval/score_gain_vs_sft", "PPO EOS rate": "ppo/eval/eos_rate_policy"}
     measured |= {"PPO repetition rate": "ppo/eval/repetition_rate_policy"}
     measured |= {"SFT repetition rate": "ppo/eval/repetition_rate_sft"}
+    measured |= {"PPO objective gain vs SFT": "ppo/eval/objective_gain_vs_sft", "PPO KL vs SFT": "ppo/eval/kl_vs_sft"}
     in_dist = {"RM in-distribution accuracy", "DPO in-distribution accuracy"}  # smoke holds out no comparisons
+    in_dist |= {"RM in-distribution baseline: longer wins", "RM in-distribution baseline: preferred policy wins"}
     assert set(measured) | in_dist == {c for c, *_ in COLUMNS}
     assert all(row[column] != row[column] for row in rows for column in in_dist)  # NaN: not measured
     losses = set()
