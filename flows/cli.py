@@ -132,22 +132,13 @@ def summary(result: dict, tracking_uri: str) -> str:
     return "\n".join(lines)
 
 
-def sweep_main(argv: list[str]) -> int:
-    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--max-concurrent N] [--check] [--json]``: the sweep flow
-    (:func:`flows.sweep.sweep`) in this process, stores under ``--out`` as ``rlhf run``'s (default
-    ``runs/sweep-<spec>``); ``--check`` loads and validates the spec and every cell's
-    configuration, prints the cells and runs nothing."""
-    from pydantic import ValidationError
+#: ``rlhf sweep``'s line in ``rlhf --help``.
+SWEEP_HELP = "run a sweep spec's cells (presets x seeds x grid) and summarise them"
 
-    from rlhf_core.config import ConfigError
-    from rlhf_core.errors import DataError, ModelSourceError
-    from rlhf_core.pipeline import stages_until
-    from rlhf_core.sweep import SweepSpec, cell_configs, expand, load_sweep
-    from tasks.storage import ArtifactError
 
-    parser = argparse.ArgumentParser(
-        prog="rlhf sweep", description="run a sweep spec's cells (presets x seeds x grid) and summarise them"
-    )
+def sweep_parser() -> core.ArgumentParser:
+    """``rlhf sweep``'s parser (its options and overrides in any order, errors redacted)."""
+    parser = core.ArgumentParser(prog="rlhf sweep", description=SWEEP_HELP)
     parser.add_argument("spec", help="a spec in configs/sweeps/ (e.g. cpu-seeds) or a YAML path")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every cell")
     parser.add_argument("--out", type=Path, default=None, help="run directory (default runs/sweep-<spec>)")
@@ -160,7 +151,25 @@ def sweep_main(argv: list[str]) -> int:
     )
     parser.add_argument("--check", action="store_true", help="validate the spec and its cells; run nothing")
     parser.add_argument("--json", action="store_true", help="print the sweep's record as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def sweep_main(argv: list[str]) -> int:
+    """``rlhf sweep SPEC [key=value ...] [--out DIR] [--max-concurrent N] [--check] [--json]``: the sweep flow
+    (:func:`flows.sweep.sweep`) in this process, stores under ``--out`` as ``rlhf run``'s (default
+    ``runs/sweep-<spec>``); ``--check`` loads and validates the spec and every cell's
+    configuration, prints the cells and runs nothing. The arguments are parsed before Prefect is
+    imported (:func:`prefect_settings`), so that ``--help`` and argument errors answer at once."""
+    args = sweep_parser().parse_intermixed_args(argv)
+    prefect_settings()
+    from pydantic import ValidationError
+
+    from rlhf_core.config import ConfigError
+    from rlhf_core.errors import DataError, ModelSourceError
+    from rlhf_core.pipeline import stages_until
+    from rlhf_core.sweep import SweepSpec, cell_configs, expand, load_sweep
+    from tasks.storage import ArtifactError
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         spec = load_sweep(args.spec)
@@ -230,28 +239,33 @@ COMMANDS: dict[str, core.Command] = {
 }
 
 
+def prefect_settings() -> None:
+    """Settings Prefect reads on import, then Prefect imported (with the flows): nothing phones
+    home, and the ephemeral server, which migrates its database on a first start, gets time to
+    start on a small, busy machine. Prefect sets up its log handlers on import, so this comes
+    before the command's own logging is set up."""
+    for key, value in (
+        ("DO_NOT_TRACK", "1"),
+        ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+        ("MLFLOW_DISABLE_TELEMETRY", "true"),
+        ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"),
+    ):
+        os.environ.setdefault(key, value)
+    import flows.pipeline  # noqa: F401  (imports Prefect)
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``rlhf`` console script; returns the process exit code."""
     from tasks.storage import ArtifactError
 
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] == ["sweep"] or (args[:1] == ["run"] and not {"-h", "--help"} & set(args)):
-        # Settings Prefect reads on import: nothing phones home, and the ephemeral server, which
-        # migrates its database on a first start, gets time to start on a small, busy machine.
-        # Prefect also sets up its log handlers on import, before ours.
-        for key, value in (
-            ("DO_NOT_TRACK", "1"),
-            ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-            ("MLFLOW_DISABLE_TELEMETRY", "true"),
-            ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180"),
-        ):
-            os.environ.setdefault(key, value)
-        import flows.pipeline  # noqa: F401  (imports Prefect)
-
-        logging.getLogger("httpx").setLevel(logging.WARNING)
     if args[:1] == ["sweep"]:
         return sweep_main(args[1:])
-    return core.main(argv, COMMANDS, user_errors=(ArtifactError,))
+    if args[:1] == ["run"] and not {"-h", "--help"} & set(args):
+        prefect_settings()
+    return core.main(argv, COMMANDS, user_errors=(ArtifactError,), listed={"sweep": SWEEP_HELP})
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
+from . import __version__
 from .config import ConfigError, PipelineConfig, load_config
+from .credentials import redact
 from .errors import DataError, ForeignFilesError, ModelSourceError, TrainingError
 from .pipeline import STAGES, stage_keys
 from .presets import available_presets
@@ -535,14 +537,30 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def build_parser(commands: dict[str, Command] | None = None) -> argparse.ArgumentParser:
-    """The argument parser for ``commands`` (default :data:`COMMANDS`)."""
-    parser = argparse.ArgumentParser(
-        prog="rlhf", description="RLHF with PPO for Reddit TL;DR: one sub-command per stage."
-    )
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, whose error messages never show a credential that was typed
+    (:func:`rlhf_core.credentials.redact`: ``rlhf config --preset smoke eval.api_key=sk-...``
+    reaching "unrecognized arguments"), and which keeps its sub-commands' parsers by name
+    (aliases included) in ``subcommands``, for :func:`parse_arguments`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.subcommands: dict[str, argparse.ArgumentParser] = {}
+
+    def error(self, message: str):  # noqa: D102  (argparse's, with the message redacted)
+        super().error(redact(message))
+
+
+def build_parser(commands: dict[str, Command] | None = None, listed: dict[str, str] | None = None) -> ArgumentParser:
+    """The argument parser for ``commands`` (default :data:`COMMANDS`), with ``--version``;
+    ``listed`` names further sub-commands (``{name: help}``) that another parser reads, shown in
+    ``--help`` only (``rlhf sweep``)."""
+    parser = ArgumentParser(prog="rlhf", description="RLHF with PPO for Reddit TL;DR: one sub-command per stage.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in (commands or COMMANDS).items():
         p = sub.add_parser(name, help=command.help, description=command.help, aliases=list(command.aliases))
+        parser.subcommands |= {n: p for n in (name, *command.aliases)}
         for path, text in command.paths:
             p.add_argument(path, type=Path, help=text)
         if command.config:
@@ -571,7 +589,23 @@ def build_parser(commands: dict[str, Command] | None = None) -> argparse.Argumen
             p.add_argument("--until", choices=list(STAGES), default=None, help="last stage to run")
         for flag, text in command.flags:
             p.add_argument(flag, action="store_true", help=text)
+    for name, text in (listed or {}).items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
+
+
+def parse_arguments(parser: ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``argv`` (default ``sys.argv[1:]``) parsed by ``parser`` (:func:`build_parser`), each
+    sub-command's options and ``key=value`` overrides in any order
+    (``rlhf config ppo.kl_coef=0.1 --preset smoke sft.max_steps=2``:
+    :meth:`argparse.ArgumentParser.parse_intermixed_args`). ``args.command`` is the name as
+    typed (an alias stays an alias). Errors exit with code 2, as argparse's."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in parser.subcommands:
+        args = parser.subcommands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)
 
 
 #: Errors reported as one line (exit code 2) instead of a traceback.
@@ -612,10 +646,12 @@ def main(
     argv: list[str] | None = None,
     commands: dict[str, Command] | None = None,
     user_errors: tuple[type[BaseException], ...] = (),
+    listed: dict[str, str] | None = None,
 ) -> int:
-    """Entry point of the ``rlhf`` commands; returns the process exit code."""
+    """Entry point of the ``rlhf`` commands; returns the process exit code. ``listed``: sub-commands
+    read elsewhere, named in ``--help`` (:func:`build_parser`)."""
     commands = commands or COMMANDS
-    args = build_parser(commands).parse_args(argv)
+    args = parse_arguments(build_parser(commands, listed), argv)
     args.command = next((name for name, c in commands.items() if args.command in c.aliases), args.command)
     command = commands[args.command]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -542,7 +542,7 @@ def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, origin)) from None
+        raise ConfigError(format_validation_error(exc, origin, PipelineConfig)) from None
 
 
 def load_config(

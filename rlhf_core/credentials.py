@@ -19,10 +19,12 @@ Hub ids, paths and URLs in the other fields (``model.base``, ``model.tokenizer``
 
 from __future__ import annotations
 
+import difflib
 import re
-from typing import Any
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import ConfigError
 
@@ -135,25 +137,124 @@ def check_no_credentials(settings: dict[str, Any], origin: str) -> None:
             )
 
 
-def format_validation_error(exc: ValidationError, origin: str) -> str:
-    """``invalid configuration (ORIGIN):`` and one line per error of ``exc``, naming its dotted key;
-    the value is shown unless it may be a credential (:func:`holds_credential`, or a field named
-    like one), whose value is replaced by ``<not shown>`` even where pydantic's message quotes it."""
-    lines = []
+_ASSIGNMENT = re.compile(r"(?P<key>[A-Za-z_][\w.\-]*)=(?P<value>\S+)")
+
+
+def redact(text: str) -> str:
+    """``text`` with every credential it holds replaced by ``<not shown>``: a known key shape or
+    a URL's password anywhere (:func:`holds_key`), and the value of a ``key=value`` whose value
+    is a credential for its key (:func:`holds_credential`). For messages made of what a user
+    typed, such as argparse's "unrecognized arguments"."""
+
+    def assignment(match: re.Match) -> str:
+        key, value = match["key"], match["value"]
+        return f"{key}=<not shown>" if holds_credential(value, key.rsplit(".", 1)[-1]) else match[0]
+
+    text = _ASSIGNMENT.sub(assignment, text)
+    text = _URL_PASSWORD.sub(lambda m: m[0].split("://")[0] + "://<not shown>@", text)
+    return _KEY_SHAPE.sub(lambda m: "<not shown>" if holds_key(m[0]) else m[0], text)
+
+
+def _walk(model: type[BaseModel] | None, loc: tuple) -> tuple[list[str], type[BaseModel] | None, Any, bool]:
+    """Follow an error's ``loc`` through ``model``'s fields: ``(key parts, the model whose field the
+    last part names, the annotation reached, whether a union member's tag was dropped)``. pydantic
+    puts a union member's name in ``loc`` (``sft.bf16.bool``); it is no key."""
+    parts: list[str] = []
+    parent, annotation, tagged = None, model, False
+    for part in loc:
+        while get_origin(annotation) in (Annotated, Union, UnionType):  # X | None is no union here
+            args = [a for a in get_args(annotation) if a is not type(None)]
+            if get_origin(annotation) is not Annotated and len(args) > 1:
+                break
+            annotation = args[0]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            parent = annotation
+            field = annotation.model_fields.get(part) if isinstance(part, str) else None
+            annotation = field.annotation if field is not None else None
+        elif get_origin(annotation) in (Union, UnionType) and isinstance(part, str):
+            members = [m for m in get_args(annotation) if m is not type(None)]
+            annotation = next((m for m in members if getattr(m, "__name__", None) == part), None)
+            tagged = True
+            continue
+        else:
+            args = get_args(annotation)
+            annotation = args[-1] if get_origin(annotation) in (list, dict) and args else None
+        parts.append(str(part))
+    return parts, parent, annotation, tagged
+
+
+def _qualify(message: str, section: list[str], model: Any) -> str:
+    """A rule's ``message`` with the bare keys of ``model`` (the section ``section``) it names
+    written as dotted keys: ``lora.r`` in ``sft`` is ``sft.lora.r``."""
+    if not section or not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return message
+    prefix = ".".join(section)
+    if f"{prefix}." in message:
+        return message
+    names = "|".join(sorted(map(re.escape, model.model_fields), key=len, reverse=True))
+    return re.sub(rf"(?<![\w.'\"])({names})(?![\w'\"])", rf"{prefix}.\1", message)
+
+
+def _suggestion(name: str, parent: type[BaseModel] | None, key: str, model: type[BaseModel] | None) -> str:
+    """``; did you mean ...?`` naming the known keys nearest an unknown one (:mod:`difflib`): the
+    section's own, else any dotted key of ``model``."""
+    near = difflib.get_close_matches(name, list(parent.model_fields), n=3, cutoff=0.6) if parent else []
+    if near:
+        head = key.rpartition(".")[0]
+        near = [f"{head}.{n}" if head else n for n in near]
+    elif model is not None:
+        near = difflib.get_close_matches(key, list(_dotted_keys(model)), n=3, cutoff=0.7)
+    return f"; did you mean {' or '.join(near)}?" if near else ""
+
+
+def _dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys += _dotted_keys(annotation, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def format_validation_error(exc: ValidationError, origin: str, model: type[BaseModel] | None = None) -> str:
+    """``invalid configuration (ORIGIN):`` and one line per bad key of ``exc``, naming its dotted
+    key: an unknown key with the known keys nearest it (``did you mean``); the alternatives of a
+    union (``sft.bf16``: a boolean or ``'auto'``) on one line; a section given where a value is
+    expected (``ppo.kl_coef.x=1``) as such; a rule across keys with the keys it names dotted from
+    the root. ``model`` is the validated class (:class:`rlhf_core.config.PipelineConfig`), for the
+    names; without it the keys are as pydantic gives them. The value is shown unless it may be a
+    credential (:func:`holds_credential`, or a field named like one), whose value is replaced by
+    ``<not shown>`` even where pydantic's message quotes it."""
+    lines: dict[str, list[str]] = {}  # key -> messages (a union's members: several)
+    shown: dict[str, str] = {}
     for err in exc.errors():
-        key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        name = next((str(p) for p in reversed(err["loc"]) if not isinstance(p, int)), "")
+        parts, parent, annotation, _ = _walk(model, tuple(err["loc"]))
+        key = ".".join(parts) or "<root>"
+        name = next((p for p in reversed(parts) if not p.isdigit()), "")
+        value = err.get("input")
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key")
+            lines.setdefault(key, []).append("unknown key" + _suggestion(parts[-1], parent, key, model))
         elif err["type"] == "missing":  # its input is the mapping that lacks the key
-            lines.append(f"  {key}: required")
-        elif not err["loc"] or isinstance(err.get("input"), dict):  # a rule across keys: it names them
-            lines.append(f"  {msg}")
-        elif holds_credential(err.get("input"), name) or credential_name(name):
-            if isinstance(err.get("input"), str) and err["input"]:
-                msg = msg.replace(err["input"], "<not shown>")
-            lines.append(f"  {key}: {msg}")  # the value may be a credential: never echoed
+            lines.setdefault(key, []).append("required")
+        elif not err["loc"] or (isinstance(value, dict) and err["type"] == "value_error"):
+            # a rule across keys: it names them
+            lines.setdefault(f"<rule {len(lines)}>", []).append(_qualify(msg, parts, annotation))
+        elif isinstance(value, dict):  # a value was expected: an override made a section of it
+            given = ", ".join(f"{key}.{k}" for k in list(value)[:3])
+            lines.setdefault(key, []).append(f"{msg}, not a section ({given} given)")
+        elif holds_credential(value, name) or credential_name(name):
+            if isinstance(value, str) and value:
+                msg = msg.replace(value, "<not shown>")
+            lines.setdefault(key, []).append(msg)  # the value may be a credential: never echoed
         else:
-            lines.append(f"  {key}: {msg} (got {err.get('input')!r})")
-    return f"invalid configuration ({origin}):\n" + "\n".join(lines)
+            lines.setdefault(key, []).append(msg)
+            shown[key] = f" (got {value!r})"
+    out = []
+    for key, messages in lines.items():
+        first, *rest = dict.fromkeys(messages)  # a union's members, in order, once each
+        text = first + "".join(f", or {m.removeprefix('Input should be ')}" for m in rest)
+        out.append(f"  {text}" if key.startswith("<rule") else f"  {key}: {text}{shown.get(key, '')}")
+    return f"invalid configuration ({origin}):\n" + "\n".join(out)

@@ -49,10 +49,19 @@ def read_yaml_mapping(name: str | os.PathLike, directory: Path, what: str) -> tu
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{what} {path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{what} {path}: not valid YAML: {yaml_problem(exc)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{what} {path}: the top level must be a mapping")
     return path, tree
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML parser's error in one line: what is wrong and where (``expected ',' or ']', but got
+    '<stream end>' at line 1, column 5``), 1-based as editors count."""
+    problem = ": ".join(str(p) for p in (getattr(exc, "context", None), getattr(exc, "problem", None)) if p)
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return (problem or str(exc).splitlines()[0]) + where
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -72,7 +81,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     except yaml.YAMLError as exc:
         if holds_key(raw) or credential_name(key.rsplit(".", 1)[-1]):  # the error quotes the value
             raise ConfigError(f"override {key}: the value (not shown) is not valid YAML") from None
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {exc}") from exc
+        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {yaml_problem(exc)}") from None
     return key.split("."), value
 
 

@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .config import ConfigError, PipelineConfig, load_config
 from .config_data import IN_DISTRIBUTION_SPLIT
-from .credentials import format_validation_error
-from .presets import PRESET_DIR, read_yaml_mapping
+from .credentials import check_no_credentials, format_validation_error, holds_credential
+from .presets import PRESET_DIR, parse_override, read_yaml_mapping
 
 SWEEP_DIR = PRESET_DIR / "sweeps"
 
@@ -105,17 +105,22 @@ class Cell:
 
     @property
     def name(self) -> str:
-        """``preset/seed=S`` then ``key=value`` per grid setting, e.g. ``smoke/seed=2/ppo.whiten_rewards=true``."""
-        return "/".join([self.preset, f"seed={self.seed}", *(f"{k}={_yaml_scalar(v)}" for k, v in self.settings)])
+        """``preset/seed=S`` then ``key=value`` per grid setting, e.g. ``smoke/seed=2/ppo.whiten_rewards=true``;
+        a value that may be a credential is ``<not shown>`` (:func:`expand` refuses such a spec)."""
+        return "/".join([self.preset, f"seed={self.seed}", *(_shown(k, v) for k, v in self.settings)])
 
     @property
     def group(self) -> str:
         """The cell's name without its seed: cells of one group are siblings (seeds of one setting)."""
-        return "/".join([self.preset, *(f"{k}={_yaml_scalar(v)}" for k, v in self.settings)])
+        return "/".join([self.preset, *(_shown(k, v) for k, v in self.settings)])
 
 
 def _yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def _shown(key: str, value: Any) -> str:
+    return f"{key}=<not shown>" if holds_credential(value, key.rsplit(".", 1)[-1]) else f"{key}={_yaml_scalar(value)}"
 
 
 def load_sweep(spec: str | os.PathLike, sweep_dir: Path = SWEEP_DIR) -> SweepSpec:
@@ -128,15 +133,22 @@ def load_sweep(spec: str | os.PathLike, sweep_dir: Path = SWEEP_DIR) -> SweepSpe
     try:
         return SweepSpec.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, f"sweep {path.name}")) from None
+        raise ConfigError(format_validation_error(exc, f"sweep {path.name}", SweepSpec)) from None
 
 
 def expand(spec: SweepSpec) -> list[Cell]:
     """The spec's cells, presets outermost, then grid settings, then seeds.
 
     Raises:
-        ConfigError: two cells would have the same name.
+        ConfigError: a grid value or an override looks like a credential (naming its key, before
+            any cell is named: cell names are flow-run names, MLflow tags and log lines), or two
+            cells would have the same name.
     """
+    origin = f"sweep {spec.name}"
+    check_no_credentials({f"grid.{key}": values for key, values in spec.grid.items()}, origin)
+    for text in spec.overrides:
+        path, value = parse_override(text)
+        check_no_credentials({".".join(path): value}, origin)
     keys = list(spec.grid)
     cells = []
     for preset in spec.presets:

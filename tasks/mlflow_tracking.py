@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import posixpath
 import re
 import tempfile
 import time
@@ -29,6 +30,23 @@ MAX_PARAM_LENGTH = 6000
 #: Config key names (last dotted part) whose values are never sent to MLflow.
 SECRET_NAMES = {"api_key", "secret", "password", "hf_token", "access_token", "aws_secret_access_key"}
 SECRET_SUFFIXES = ("_api_key", "_secret", "_password", "_access_token")
+
+
+#: MLflow's characters for metric and parameter names (those of every platform it runs on: no
+#: colon on Windows) and its limit on their length.
+_MLFLOW_NAME_CHARS = re.compile(r"[^/\w.\- ]")
+MAX_NAME_LENGTH = 250
+
+
+def mlflow_key(name: str) -> str:
+    """``name`` as MLflow accepts a metric or parameter name: each character MLflow refuses as
+    ``_`` (``train/lr(1e-3)`` is ``train/lr_1e-3_``), and read as a path, as MLflow also does,
+    without empty, ``.`` or ``..`` parts (``a//b`` is ``a/b``), at most 250 characters. A name
+    MLflow accepts is returned as it is. :class:`MLflowTracker` keeps mapped names unique."""
+    mapped = _MLFLOW_NAME_CHARS.sub("_", name)
+    if posixpath.normpath(mapped) != mapped or mapped.startswith(("/", "..")) or mapped in ("", "."):
+        mapped = "/".join(part for part in mapped.split("/") if part not in ("", ".", "..")) or "_"
+    return mapped[:MAX_NAME_LENGTH]
 
 
 def _is_secret(key: str) -> bool:
@@ -53,20 +71,35 @@ class MLflowTracker:
         self.flush_size = flush_size
         self._buffer: list[Metric] = []
         self._last_flush = time.monotonic()
+        self._names: dict[str, str] = {}  # name given -> name sent (mlflow_key, made unique)
+
+    def _key(self, name: str) -> str:
+        """The name sent for ``name``: :func:`mlflow_key`, with ``_2``, ``_3``, ... where another
+        name given in this run maps to the same one."""
+        if name not in self._names:
+            key, taken, n = mlflow_key(name), set(self._names.values()), 1
+            while (candidate := key if n == 1 else f"{key[: MAX_NAME_LENGTH - 4]}_{n}") in taken or (
+                candidate != name and candidate in self._names
+            ):
+                n += 1
+            self._names[name] = candidate
+        return self._names[name]
 
     def log_params(self, params: dict[str, Any]) -> None:
-        """Log params as strings (values cut to MLflow's limit); secret-looking keys are left out."""
-        items = [Param(k, str(v)[:MAX_PARAM_LENGTH]) for k, v in params.items() if not _is_secret(k)]
+        """Log params as strings (values cut to MLflow's limit) under names MLflow accepts
+        (:func:`mlflow_key`); secret-looking keys are left out."""
+        items = [Param(self._key(k), str(v)[:MAX_PARAM_LENGTH]) for k, v in params.items() if not _is_secret(k)]
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start : start + 100], synchronous=True)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Buffer finite metrics at ``step`` (non-finite values are skipped: MLflow rejects them)."""
+        """Buffer finite metrics at ``step`` under names MLflow accepts (:func:`mlflow_key`);
+        non-finite values are skipped: MLflow rejects them."""
         now_ms = int(time.time() * 1000)
         for key, value in metrics.items():
             value = float(value)
             if math.isfinite(value):
-                self._buffer.append(Metric(key, value, now_ms, step or 0))
+                self._buffer.append(Metric(self._key(key), value, now_ms, step or 0))
         if len(self._buffer) >= self.flush_size or time.monotonic() - self._last_flush >= self.flush_seconds:
             self.flush()
 
@@ -228,16 +261,19 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
         exp = client.get_run(parent_run_id).info.experiment_id
     else:
         exp = experiment_id(client, cfg.tracking.experiment_name)
-    # Runs of this stage key still RUNNING belong to attempts that died: the caller holds the
-    # stage's lock (tasks.stages.run_stage), so no live process is running it.
-    for stale in client.search_runs(
+    stale = client.search_runs(
         [exp], filter_string=f"tags.`rlhf.artifact_key` = '{key}' and attributes.status = 'RUNNING'"
-    ):
-        client.set_terminated(stale.info.run_id, "KILLED")
+    )
     tags = {"rlhf.stage": stage, "rlhf.artifact_key": key, **source_tags()}
     if parent_run_id is not None:
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp, run_name=stage, tags=tags)
+    # Runs of this stage key still RUNNING belong to attempts that died (a worker killed by its
+    # pool never ends its run): the caller holds the stage's lock (tasks.stages.run_stage), so
+    # no live process is running it. Each is ended KILLED, naming the run that replaced it.
+    for dead in stale:
+        client.set_tag(dead.info.run_id, "rlhf.replaced_by", run.info.run_id)
+        client.set_terminated(dead.info.run_id, "KILLED")
     tracker = MLflowTracker(run.info.run_id, client=client)
     from rlhf_core.pipeline import stage_config
 

@@ -30,6 +30,9 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     )
     for step in range(1, 4):
         tracker.log_metrics({"train/loss": 1.0 / step, "lr": 3e-6, "bad": math.nan}, step=step)
+    # names MLflow refuses (verl #1242), mapped, and kept apart where two map to one name
+    tracker.log_metrics({"train/lr(1e-3)": 1.0, "train/lr_1e-3_": 2.0, "eval//score:x": 3.0, "../up": 4.0}, step=1)
+    tracker.log_params({"grid.lr(1e-3)": 0.001})
     tracker.log_table("samples", [{"post": "p", "sft": "s"}, {"post": "q", "sft": "t"}])
     plot = tmp_path / "calibration.png"
     plot.write_bytes(b"\x89PNG fake")
@@ -42,6 +45,13 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, round(m.value, 4)) for m in history] == [(1, 1.0), (2, 0.5), (3, 0.3333)]
     assert "bad" not in data.metrics
+    assert {k: data.metrics[k] for k in ("train/lr_1e-3_", "train/lr_1e-3__2", "eval/score_x", "up")} == {
+        "train/lr_1e-3_": 1.0,
+        "train/lr_1e-3__2": 2.0,
+        "eval/score_x": 3.0,
+        "up": 4.0,
+    }
+    assert data.params["grid.lr_1e-3_"] == "0.001"
     names = {a.path for a in client.list_artifacts(run.info.run_id)} | {
         a.path for a in client.list_artifacts(run.info.run_id, "tables")
     }
@@ -120,4 +130,5 @@ def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
     second, _ = start_stage_run(None, "sft", cfg, "sft/abc")
     assert client.tracking_uri == uri  # the setting, not MLFLOW_TRACKING_URI
     assert client.get_run(first).info.status == "KILLED"
+    assert client.get_run(first).data.tags["rlhf.replaced_by"] == second
     assert client.get_run(other).info.status == client.get_run(second).info.status == "RUNNING"
