@@ -41,6 +41,8 @@ _KEY_SHAPE = re.compile(
     r"|xox[abprs]-[A-Za-z0-9\-]{10,}"
     r")"
 )
+#: The same shapes inside a longer word (``xsk-ant-...``): never refused, but never shown either.
+_KEY_SHAPE_ANYWHERE = re.compile(_KEY_SHAPE.pattern.replace("(?<![A-Za-z0-9])", "", 1))
 _URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@\s:]*:[^/?#@\s]+@")
 _SOURCE_SHAPE = re.compile(
     r"[A-Za-z][A-Za-z0-9+.\-]*://\S*"  # URL: s3://, https://, file://
@@ -141,8 +143,8 @@ _ASSIGNMENT = re.compile(r"(?P<key>[A-Za-z_][\w.\-]*)=(?P<value>\S+)")
 
 
 def redact(text: str) -> str:
-    """``text`` with every credential it holds replaced by ``<not shown>``: a known key shape or
-    a URL's password anywhere (:func:`holds_key`), and the value of a ``key=value`` whose value
+    """``text`` with every credential it holds replaced by ``<not shown>``: a known key shape
+    (:func:`holds_key`), even inside a longer word, or a URL's password, and the value of a ``key=value`` whose value
     is a credential for its key (:func:`holds_credential`). For messages made of what a user
     typed, such as argparse's "unrecognized arguments"."""
 
@@ -152,7 +154,7 @@ def redact(text: str) -> str:
 
     text = _ASSIGNMENT.sub(assignment, text)
     text = _URL_PASSWORD.sub(lambda m: m[0].split("://")[0] + "://<not shown>@", text)
-    return _KEY_SHAPE.sub(lambda m: "<not shown>" if holds_key(m[0]) else m[0], text)
+    return _KEY_SHAPE_ANYWHERE.sub(lambda m: "<not shown>" if holds_key(m[0]) else m[0], text)
 
 
 def _walk(model: type[BaseModel] | None, loc: tuple) -> tuple[list[str], type[BaseModel] | None, Any, bool]:
@@ -251,7 +253,7 @@ def format_validation_error(exc: ValidationError, origin: str, model: type[BaseM
             lines.setdefault(key, []).append(msg)  # the value may be a credential: never echoed
         else:
             lines.setdefault(key, []).append(msg)
-            shown[key] = f" (got {value!r})"
+            shown[key] = f" (got {redact(repr(value))})"
     out = []
     for key, messages in lines.items():
         first, *rest = dict.fromkeys(messages)  # a union's members, in order, once each

@@ -128,19 +128,22 @@ def flatten_comparison(row: dict) -> dict:
     Flat rows are returned unchanged.
 
     Raises:
-        BadRow: ``choice`` or ``summaries`` are malformed.
+        BadRow: ``choice`` or ``summaries`` are malformed, or ``info`` or ``extra`` is no object.
     """
     if "info" not in row and "summaries" not in row:
         return row
     info = row.get("info") or {}
     summaries = row.get("summaries")
     choice = row.get("choice")
+    extra = row.get("extra") or {}
+    for name, value in (("info", info), ("extra", extra)):
+        if not isinstance(value, dict):
+            raise BadRow(f"bad_{name}", f"a JSON {type(value).__name__}, not an object")
     if not isinstance(summaries, list) or len(summaries) != 2 or not all(isinstance(s, dict) for s in summaries):
         raise BadRow("bad_summaries", "expected two summaries")
     if isinstance(choice, bool) or choice not in (0, 1):
         raise BadRow("bad_choice", f"choice={choice!r}")
     post = info.get("post") if info.get("post") is not None else info.get("article")
-    extra = row.get("extra") or {}
     return {
         "id": info.get("id"),
         "subreddit": info.get("subreddit"),

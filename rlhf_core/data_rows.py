@@ -115,10 +115,12 @@ def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
     null. Responses are stripped; the post is kept as is.
 
     Raises:
-        BadRow: with a reason such as ``missing_field:summary``, ``null_field:post``,
+        BadRow: with a reason such as ``not_an_object``, ``missing_field:summary``, ``null_field:post``,
             ``non_string_field:title``, ``empty_field:post`` or ``invalid_unicode:post``
             (a lone surrogate, which no tokenizer or file can hold).
     """
+    if not isinstance(rec, dict):
+        raise BadRow("not_an_object", f"a JSON {type(rec).__name__}, not an object")
     if kind == "preference":
         rec = flatten_comparison(rec)
     query_fields = set(template_fields(fmt.template)) | {fmt.truncate_field}

@@ -138,9 +138,11 @@ def normalise_trl_row(rec: dict, kind: str, columns: dict[str, str]) -> tuple[st
     """Validate one TRL-format row and return ``(form, row)``, ``row`` in the flat form above.
 
     Raises:
-        BadRow: a missing, null, empty or mistyped column (``missing_field:completion``,
+        BadRow: not an object (``not_an_object``), a missing, null, empty or mistyped column (``missing_field:completion``,
             ``bad_messages:prompt``, ``not_one_assistant_message:chosen``, ...).
     """
+    if not isinstance(rec, dict):
+        raise BadRow("not_an_object", f"a JSON {type(rec).__name__}, not an object")
     rec = rename_columns(rec, columns)
     form = row_form(rec, kind)
     out: dict[str, Any] = {"id": rec.get("id") if isinstance(rec.get("id"), str) else ""}

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from .credentials import credential_name, holds_key
+from .credentials import credential_name, holds_key, redact
 from .errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -74,14 +74,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
-        shown = "(not shown: it looks like a credential)" if holds_key(text) else repr(text)
+        shown = "(not shown: it looks like a credential)" if holds_key(text) else redact(repr(text))
         raise ConfigError(f"override {shown} is not of the form key=value (e.g. ppo.kl_coef=0.1)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         if holds_key(raw) or credential_name(key.rsplit(".", 1)[-1]):  # the error quotes the value
             raise ConfigError(f"override {key}: the value (not shown) is not valid YAML") from None
-        raise ConfigError(f"override {key}: value {raw!r} is not valid YAML: {yaml_problem(exc)}") from None
+        raise ConfigError(f"override {key}: value {redact(repr(raw))} is not valid YAML: {yaml_problem(exc)}") from None
     return key.split("."), value
 
 

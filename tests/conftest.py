@@ -30,6 +30,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Property-based tests (tests/rlhf_core/test_properties.py): few examples, the same ones every
+# run (derandomised) in the suite; HYPOTHESIS_PROFILE=thorough searches many more, afresh.
+settings.register_profile(
+    "suite", max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("thorough", max_examples=3000, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
 from rlhf_core.config import ModelConfig, load_config  # noqa: E402
 from rlhf_core.models import load_tokenizer  # noqa: E402
 
