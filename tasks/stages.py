@@ -336,23 +336,53 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     key = f"{stage}/{stage_cache_key(stage, cfg, records)}"
     store = ArtifactStore()
     # One writer per stage key: a second run of the same stage waits here for the first, then
-    # returns the record the first left beside the work directory, its artifact intact.
+    # returns the record the first left beside the work directory, its artifact intact. On an
+    # S3 store, workers on other machines are kept out by a claim in the store (tasks.claims).
     with exclusive_lock(work_root() / f"{key}.lock", what=f"stage {stage} ({key})"):
         done = finished_record(key, store, work_root())
         if done is not None:
             get_run_logger().info("stage %s: finished meanwhile by another run; its artifact is used", stage)
             return done.model_dump()
-        record = _run_stage_once(stage, cfg, records, key, store, parent_run_id)
-        write_json_atomic(work_root() / f"{key}.record.json", record.model_dump())
+        with stage_claim(store, key) as claim:
+            if claim is not None and claim.record is not None:
+                get_run_logger().info(
+                    "stage %s: finished by another worker sharing the store; its artifact is used", stage
+                )
+                return claim.record.model_dump()
+            record = _run_stage_once(stage, cfg, records, key, store, parent_run_id)
+            write_json_atomic(work_root() / f"{key}.record.json", record.model_dump())
+            if not store.is_local:  # for workers elsewhere: before the claim is released
+                store.put_text(f"{key}.record.json", record.model_dump_json())
     return record.model_dump()
+
+
+def stage_claim(store: ArtifactStore, key: str):
+    """The claim on stage key ``key`` in an S3 store (:class:`tasks.claims.StageClaim`, waiting
+    for another worker's run or taking over its lapsed claim); on a local store, where the
+    stage's lock is enough, a context that yields None."""
+    if store.is_local:
+        return nullcontext()
+    from prefect.exceptions import MissingContextError
+
+    from .claims import StageClaim
+
+    try:
+        logger = get_run_logger()  # the task run's log in Prefect
+    except MissingContextError:
+        logger = None
+    return StageClaim(store.root, key, finished=lambda: finished_record(key, store, work_root()), logger=logger)
 
 
 def finished_record(key: str, store: ArtifactStore, work: Path) -> StageRecord | None:
     """The record a run of stage key ``key`` (``<stage>/<stage_cache_key>``) left beside its
-    work directory under ``work``, when its artifact is intact in ``store``; else ``None``."""
+    work directory under ``work``, or, on an S3 store, beside its artifact in the store (a
+    worker on another machine), when its artifact is intact in ``store``; else ``None``."""
     finished = work / f"{key}.record.json"
-    if finished.is_file():
-        record = StageRecord.model_validate_json(finished.read_text())
+    text = finished.read_text() if finished.is_file() else None
+    if text is None and not store.is_local:
+        text = store.get_text(f"{key}.record.json")
+    if text is not None:
+        record = StageRecord.model_validate_json(text)
         if store.is_intact(record.key, record.digest):
             return record
     return None

@@ -125,6 +125,20 @@ class ArtifactStore:
                 f"the artifact root {self.root} (RLHF_ARTIFACT_ROOT) is not writable: {type(exc).__name__}: {exc}"
             ) from None
 
+    def put_text(self, name: str, text: str) -> None:
+        """Write the small file ``name`` under the root, whole (a stage's record beside its
+        artifact on S3, :func:`tasks.stages.finished_record`)."""
+        with self.fs.open(self._path(name), "w") as fh:
+            fh.write(text)
+
+    def get_text(self, name: str) -> str | None:
+        """The small file ``name`` under the root (:meth:`put_text`), or None when absent."""
+        try:
+            with self.fs.open(self._path(name), "r") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
     def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
         """Store a local directory as artifact ``key``, replacing an incomplete one.
 

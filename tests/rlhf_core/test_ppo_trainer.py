@@ -461,9 +461,12 @@ def test_ppo_checkpoints_by_the_clock_and_keeps_the_newest_only(smoke, tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["full", "lora", "rloo"])
+@pytest.mark.parametrize("variant", ["full", "lora", "rloo", "pass"])
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, variant, shared_runs):
     """Kill `rlhf ppo` with SIGKILL after a checkpoint; the resumed run's final policy is identical.
+    With ``pass``, updates of 16 prompts over the smoke preset's 32: the checkpoint of update 2
+    ends the first pass over the prompts, and the resumed update 3 starts the second, reshuffled
+    (Detail 21), as the uninterrupted run's does.
     With low-rank adapters too: their checkpoint holds the adapters and the value head, not the
     frozen weights (test_lora.py), and the resumed run's adapters equal the other's bit for bit.
     With RLOO (2 samples of each of 2 prompts per update) there is no value model to save or
@@ -474,8 +477,9 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, variant, shared_
         "full": [],
         "lora": ["ppo.lora.r=8", "ppo.learning_rate=1e-2"],
         "rloo": ["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=2"],
+        "pass": ["ppo.total_episodes=48", "ppo.batch_size=16"],
     }
-    overrides = variant_overrides[variant] + [
+    overrides = [
         "ppo.total_episodes=24",
         "ppo.batch_size=4",
         "ppo.micro_batch_size=2",
@@ -483,6 +487,7 @@ def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, variant, shared_
         "ppo.eval_every=100",
         "ppo.eval_max_samples=2",
         *upstream,
+        *variant_overrides[variant],  # last: they win
     ]
     before = finished_run(shared_runs, "reward_eval", upstream)
     logs = kill_then_resume("ppo", "ppo", overrides, tmp_path, start_from=before)

@@ -73,3 +73,49 @@ def test_the_checkpoint_key_holds_the_model_folder_the_stage_starts_from(smoke_s
     stage.train(load_causal_lm(smoke_stages / "base"), 8, step_fn, smoke_stages / "base", lambda: model)  # resumes
     with pytest.raises(TrainingError, match="different configuration"):
         stage.train(load_causal_lm(smoke_stages / "base"), 8, step_fn, smoke_stages / "rm", lambda: model)
+
+
+class _Crash(Exception):
+    """The process dies here: nothing after the last checkpoint is saved."""
+
+
+@pytest.mark.parametrize("crash_after", [2, 3], ids=["at-the-epochs-last-step", "after-the-next-epochs-first"])
+@pytest.mark.parametrize("section", ["sft", "reward"])
+def test_a_run_resumed_at_an_epoch_boundary_equals_the_uninterrupted_run(section, crash_after, tmp_path):
+    """Two steps an epoch (5 rows, batches of 2), three epochs. A run dies right after the
+    checkpoint of step 2, the last of the first epoch (verl #7401: the next epoch was skipped),
+    or of step 3, the first of the second; resumed, it trains the same rows in the same order
+    (OpenRLHF #928), takes the same number of steps and ends with the same weights, bitwise."""
+    from rlhf_core.trainer import train_loop
+
+    cfg = load_config("smoke", [f"{section}.num_epochs=3", f"{section}.batch_size=2", f"{section}.micro_batch_size=2"])
+    optim = getattr(cfg, section).model_copy(update={"max_steps": None, "checkpoint_every": 1})
+
+    def run(out, seen, crash_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        features = torch.arange(15.0).reshape(5, 3) / 10
+
+        def step_fn(rows, parallel):
+            if crash_at is not None and len(seen) == crash_at:
+                raise _Crash
+            seen.append(list(rows))
+            loss = ((model(features[rows]) - 1.0) ** 2).mean() + 1e-3 * torch.randn(())  # the RNG is resumed too
+            loss.backward()
+            return {"loss": loss.item(), "tokens": float(len(rows))}
+
+        kwargs = dict(desc=section, n_rows=5, optim=optim, device=torch.device("cpu"), inputs=[], rebuild=None)
+        return train_loop(model=model, step_fn=step_fn, out_dir=out, **kwargs)
+
+    clean_rows: list[list[int]] = []
+    clean, clean_metrics = run(tmp_path / "clean", clean_rows)
+    assert len(clean_rows) == clean_metrics["steps"] == 6  # 3 epochs of 2 steps, the fifth row dropped
+    assert clean_rows[:2] != clean_rows[2:4]  # each epoch its own shuffle
+    killed_rows: list[list[int]] = []
+    with pytest.raises(_Crash):
+        run(tmp_path / "killed", killed_rows, crash_at=crash_after)
+    assert killed_rows == clean_rows[:crash_after]
+    resumed, resumed_metrics = run(tmp_path / "killed", killed_rows)
+    assert killed_rows == clean_rows and resumed_metrics["steps"] == 6
+    for (name, want), got in zip(clean.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(got, want), name
