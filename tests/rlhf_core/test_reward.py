@@ -243,11 +243,14 @@ class CrashAfter:
 
     def __init__(self, n):
         self.n = n
+        self.steps = []  # the optimiser steps reported
 
     def log_params(self, params):
         pass
 
     def log_metrics(self, metrics, step=None):
+        if any(k.endswith("/loss") for k in metrics) and step not in self.steps:
+            self.steps.append(step)
         if step == self.n:
             raise RuntimeError("simulated crash")
 
@@ -259,14 +262,18 @@ class CrashAfter:
 
 
 def test_reward_training_resumes_to_the_same_weights(smoke, tmp_path):
+    """Two epochs of two steps (32 pairs in batches of 16): the crash comes right after the
+    checkpoint of step 2, the last of the first epoch, and the resumed run trains the second."""
     cfg, root, *_ = smoke
-    rm_cfg = cfg.reward.model_copy(update={"checkpoint_every": 2})
+    rm_cfg = cfg.reward.model_copy(update={"checkpoint_every": 2, "batch_size": 16, "num_epochs": 2})
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "crashed", tracker=CrashAfter(3))
     assert (tmp_path / "crashed" / "checkpoints" / "step-000002").is_dir()
     assert not (tmp_path / "crashed" / "model").exists()
-    run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "crashed")
-    run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "clean")
+    resumed, clean = CrashAfter(None), CrashAfter(None)  # never crash: they record the steps
+    run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "crashed", tracker=resumed)
+    run_reward_training(rm_cfg, root / "data", root / "base", tmp_path / "clean", tracker=clean)
+    assert (resumed.steps, clean.steps) == ([3, 4], [1, 2, 3, 4])
     a = ScalarModel.from_pretrained(tmp_path / "crashed" / "model").state_dict()
     b = ScalarModel.from_pretrained(tmp_path / "clean" / "model").state_dict()
     for k in b:

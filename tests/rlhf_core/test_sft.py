@@ -278,9 +278,12 @@ def test_response_only_loss_option(smoke_inputs, tmp_path):
 
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
-    """Kill `rlhf sft` with SIGKILL after a mid-stage checkpoint; the resumed run ends with identical weights."""
+    """Kill `rlhf sft` with SIGKILL after a mid-stage checkpoint; the resumed run ends with identical
+    weights. Three epochs of two steps over 8 rows: the checkpoint is that of step 2, the last of
+    the first epoch, and the resumed run goes on into the second (verl #7401)."""
     overrides = [
-        "sft.max_steps=6",
+        "data.sft_splits.train.max_rows=8",
+        "sft.num_epochs=3",
         "sft.batch_size=4",
         "sft.micro_batch_size=2",
         "sft.checkpoint_every=2",
