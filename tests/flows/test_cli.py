@@ -29,3 +29,20 @@ def test_help_lists_sweep_and_sweep_help_imports_no_prefect(capsys):
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "usage: rlhf sweep" in done.stdout and "--check" in done.stdout
+
+
+def test_a_key_in_a_sweep_grid_is_refused_before_any_run_directory_or_store(tmp_path, capsys):
+    """``rlhf sweep`` with a key in a grid value and another in an override: refused naming the
+    keys, with nothing written (no run directory, no MLflow store) and the values nowhere."""
+    grid_key = "sk-ant-" + "api03-" + "Zx9vQ2mN8kL4pR7tY1wE5uI3oA6sD0fG"
+    override_key = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456"
+    spec = tmp_path / "leak.yaml"
+    spec.write_text(f"name: leak\npresets: [smoke]\ngrid:\n  eval.judge_model: [claude-x, {grid_key}]\n")
+    out = tmp_path / "out"
+    assert main(["sweep", str(spec), "--out", str(out)]) == 2
+    assert main(["sweep", "cpu-seeds", f"model.tokenizer={override_key}", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "grid.eval.judge_model (sweep leak): the value looks like a credential" in captured.err
+    assert "model.tokenizer (sweep cpu-seeds): the value looks like a credential" in captured.err
+    assert grid_key not in captured.out + captured.err and override_key not in captured.out + captured.err
+    assert not out.exists()
