@@ -121,13 +121,13 @@ class CPUOffload:
     @contextmanager
     def _use(self, whole: bool) -> Iterator[nn.Module]:
         outermost, promote = self._uses == 0, whole and not self._whole
-        if outermost:
-            self._copy(self._resident)
-        if promote:
-            self._copy([t for group in self._blocks for t in group])
-            self._whole = True
         self._uses += 1
-        try:
+        try:  # the copies too: one that runs out of device memory part way leaves none behind
+            if outermost:
+                self._copy(self._resident)
+            if promote:
+                self._whole = True
+                self._copy([t for group in self._blocks for t in group])
             yield self.model
         finally:
             self._uses -= 1

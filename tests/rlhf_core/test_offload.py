@@ -135,6 +135,34 @@ def test_an_error_inside_a_pass_leaves_the_model_on_the_cpu(tied_llama):
     assert _on_host(offload)
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["inference", "gathered"])
+def test_an_error_while_copying_to_the_device_leaves_no_copy_behind(tied_llama, monkeypatch, whole):
+    """Out of device memory part way through the copies of a use (the tensors outside the
+    blocks, or ``gathered``'s every block): every tensor is its CPU copy again, and the next
+    use works."""
+    model = tied_llama()
+    offload = CPUOffload(model, "cpu")
+    copy, calls = offload._copy, []
+
+    def failing_copy(tensors):
+        calls.append(len(tensors))
+        copy(tensors[: len(tensors) // 2])  # half copied, then the device is full
+        if len(calls) == (2 if whole else 1):
+            raise torch.OutOfMemoryError("out of memory while copying")
+        copy(tensors)
+
+    monkeypatch.setattr(offload, "_copy", failing_copy)
+    with pytest.raises(torch.OutOfMemoryError):
+        if whole:
+            with offload.gathered():
+                pass
+        else:
+            offload.inference(lambda m, ids: m(ids), IDS)
+    assert _on_host(offload) and offload._uses == 0 and not offload._whole
+    monkeypatch.undo()
+    assert torch.equal(offload.inference(lambda m, ids: m(ids).logits, IDS), tied_llama()(IDS).logits)
+
+
 def test_only_a_frozen_model_is_offloaded(tied_llama):
     model = tied_llama().requires_grad_(True)
     with pytest.raises(ValueError, match="only a frozen model.*LlamaForCausalLM"):
