@@ -118,15 +118,25 @@ def manifest_digest(files: dict[str, dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(product, sort_keys=True).encode()).hexdigest()
 
 
+def coarse_time(mtime_ns: int) -> bool:
+    """Whether a modification time may come from a file system whose timestamps are coarser than
+    :data:`RECENT_NS` (FAT's 2 s, some network file systems): a whole second, no sub-second part.
+    Such a time is never recorded, so the file is read at every check. (One written on a
+    fine-grained file system at a whole second, one time in a billion, is only read again.)"""
+    return mtime_ns % 1_000_000_000 == 0
+
+
 def _read_steady(path: Path) -> tuple[os.stat_result, str, int | None]:
     """``(stat before reading, SHA-256, modification time to record or None)``: the time is
-    recorded only when size and time did not change while the file was read and it is older
-    than :data:`RECENT_NS`."""
+    recorded only when size and time did not change while the file was read, it was older
+    than :data:`RECENT_NS` when the read began (the clock is read before the hash, so a slow
+    read does not age the file), and it is not a :func:`coarse_time`."""
+    now = time.time_ns()
     before = path.stat()
     sha256 = file_sha256(path)
     after = path.stat()
     steady = (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
-    settled = steady and before.st_mtime_ns < time.time_ns() - RECENT_NS
+    settled = steady and before.st_mtime_ns < now - RECENT_NS and not coarse_time(before.st_mtime_ns)
     return before, sha256, before.st_mtime_ns if settled else None
 
 

@@ -89,6 +89,41 @@ def test_a_change_whose_time_is_set_back_is_missed_by_the_quick_check_not_by_ver
     ]
 
 
+def test_a_time_in_whole_seconds_is_never_recorded_so_a_rewrite_within_it_is_found(tmp_path):
+    """A file system with coarse timestamps (FAT's 2 s) can give a same-size rewrite the time the
+    manifest recorded: a whole-second time is therefore not recorded, and the file is read."""
+    root = make_tree(tmp_path / "out")
+    whole = (time.time_ns() - HOUR_NS) // 10**9 * 10**9
+    model = root / "model" / "model.safetensors"
+    os.utime(model, ns=(whole, whole))
+    manifest = tree_manifest(root)
+    assert "mtime_ns" not in manifest["files"]["model/model.safetensors"]
+    assert all("mtime_ns" in meta for rel, meta in manifest["files"].items() if rel != "model/model.safetensors")
+    rewrite_in_place(model, keep_time=True)  # what a 2 s granularity does to a quick rewrite
+    assert manifest_mismatch(root, manifest) == (
+        "model/model.safetensors: SHA-256 differs from its manifest (changed in place)"
+    )
+
+
+def test_a_files_age_is_judged_by_the_clock_before_it_is_read(tmp_path, monkeypatch):
+    """A file written half a second before a read that takes two seconds is young when its
+    reading begins: its time is not recorded, however long the hash took."""
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "model.safetensors").write_bytes(bytes(range(256)) * 256)
+    now = [time.time_ns()]
+    os.utime(root / "model.safetensors", ns=(now[0] - 5 * 10**8 + 1, now[0] - 5 * 10**8 + 1))
+    real = io.file_sha256
+
+    def slow_hash(path):
+        now[0] += 2 * 10**9
+        return real(path)
+
+    monkeypatch.setattr(io, "file_sha256", slow_hash)
+    monkeypatch.setattr(io.time, "time_ns", lambda: now[0])
+    assert "mtime_ns" not in tree_manifest(root)["files"]["model.safetensors"]
+
+
 def test_an_old_manifest_without_times_is_read_in_full_then_restamped(tmp_path, monkeypatch):
     root = make_tree(tmp_path / "out")
     manifest = tree_manifest(root)
