@@ -206,6 +206,18 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state sampling on ``device`` draws from: the CPU generator's, and the
+    device's own on CUDA."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
 @torch.no_grad()
 def generate(
     model: PreTrainedModel,
@@ -231,9 +243,11 @@ def generate(
         return_logits: also return the raw logits of every sampled position (untempered,
             PAD included).
         decoding: how the decoding steps run; ``None``: :func:`decoding_for` the model's
-            device (and whether it is sharded). The same seed gives the same tokens either way. Should compiling the
-            decoding step fail (a ``torch._dynamo`` error), a warning names the error and this
-            call and every later one in the process sample with :data:`DYNAMIC_CACHE`.
+            device (and whether it is sharded). The same seed gives the same tokens either way.
+            Should the compiled decoding step fail in any way (compiling, recording or replaying
+            its graph, out of memory included), a warning names the error and this call, from
+            the random state it began with, and every later one in the process sample with
+            :data:`DYNAMIC_CACHE`.
 
     Returns:
         ``(batch, max_new_tokens)`` response token ids, PAD after a stop; with
@@ -272,18 +286,26 @@ def generate(
     saved_eos = model.generation_config.eos_token_id
     if eos_token_id is None:
         model.generation_config.eos_token_id = None
+    rng = _rng_state(queries.device)
     try:
         try:
             out = sample(decoding)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except Exception as exc:
             if decoding.compile_config is None:
                 raise
-            # a speed lever never stops a run: the eager dynamic cache samples the same distribution
+            # A speed lever never stops a run: whatever failed (compiling, recording or replaying
+            # CUDA graphs, autotuning, out of memory while recording), the eager dynamic cache
+            # samples the same distribution, from the random state this call began with, so the
+            # same seed gives the same tokens as if it had decoded that way from the start.
             _compile_failure.append(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+            del exc  # its traceback holds the attempt's tensors
+            if queries.device.type == "cuda":
+                torch.cuda.empty_cache()
             log.warning(
-                "compiling the decoding step failed (%s); sampling with the dynamic KV cache, eagerly, from now on",
+                "the compiled decoding step failed (%s); sampling with the dynamic KV cache, eagerly, from now on",
                 _compile_failure[0],
             )
+            _set_rng_state(queries.device, rng)
             out = sample(DYNAMIC_CACHE)
     finally:
         model.generation_config.eos_token_id = saved_eos

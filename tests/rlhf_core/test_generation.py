@@ -292,8 +292,46 @@ def test_a_decoding_step_that_fails_to_compile_falls_back_to_the_dynamic_cache(s
     assert len(calls) == 1  # tried once, in the first call; the second went straight to the dynamic cache
     assert "no kernel for this step" in caplog.text and "dynamic KV cache" in caplog.text
     assert generation._compile_failure and "no kernel for this step" in generation._compile_failure[0]
-    assert first.shape == (3, 10) and (first != tok.pad_token_id).all()
-    assert second.tolist() == dyn.tolist()  # from the same seed, the dynamic cache's tokens
+    assert first.tolist() == second.tolist() == dyn.tolist()  # from the same seed, the dynamic cache's tokens
+
+
+@pytest.mark.parametrize("fail_at", [1, 4], ids=["first-step", "fourth-step"])
+def test_a_compiled_step_that_fails_when_it_runs_falls_back_with_the_same_tokens(
+    smol_tokenizer, monkeypatch, caplog, fail_at
+):
+    """Errors after compiling (a CUDA graph's recording out of memory, a replay over overwritten
+    outputs) fall back too: the compiled step runs, tokens are sampled (the random stream moves
+    on), then it raises; the call samples again with the dynamic cache from the random state it
+    began with, so its tokens are the dynamic cache's from that seed."""
+    import rlhf_core.generation as generation
+
+    tok = smol_tokenizer
+    monkeypatch.setattr(generation, "_compile_failure", [])
+    runs = []
+
+    def fails_on_replay(gm, example_inputs):
+        def run(*args):
+            runs.append(1)
+            if len(runs) == fail_at:
+                raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten")
+            return gm.forward(*args)
+
+        return run
+
+    compiled = Decoding(static_cache=True, compile_config=CompileConfig(backend=fails_on_replay, mode=None))
+    model = eos_prone_model(tok)
+    queries = left_padded(tok, QUERIES)
+    torch._dynamo.reset()
+    try:
+        with caplog.at_level("WARNING", logger="rlhf_core.generation"):
+            (fallen, fallen_logits), (dyn, dyn_logits) = sample_both(
+                model, queries, tok.pad_token_id, None, [compiled, DYNAMIC_CACHE]
+            )
+    finally:
+        torch._dynamo.reset()
+    assert len(runs) == fail_at and "overwritten" in caplog.text
+    assert fallen.tolist() == dyn.tolist()
+    torch.testing.assert_close(fallen_logits, dyn_logits, rtol=0, atol=0)
 
 
 def test_a_model_sharded_by_fsdp2_decodes_with_the_dynamic_cache():
