@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, StaticCache
 
 from .training import autocast
 
@@ -150,15 +151,17 @@ class Decoding:
     compile_config: CompileConfig | None = None
     cache_length_multiple: int = CACHE_LENGTH_MULTIPLE
 
-    def generation_config_kwargs(self, query_length: int, max_new_tokens: int) -> dict[str, Any]:
-        """The ``GenerationConfig`` arguments of this decoding for ``(batch, query_length)``
-        queries; none for the dynamic cache (transformers' default)."""
+    def cache_length(self, query_length: int, max_new_tokens: int) -> int:
+        """The static cache's length for ``query_length`` and ``max_new_tokens`` (:func:`static_cache_length`)."""
+        return static_cache_length(query_length, max_new_tokens, self.cache_length_multiple)
+
+    def generation_config_kwargs(self) -> dict[str, Any]:
+        """The ``GenerationConfig`` arguments of this decoding: none for the dynamic cache
+        (transformers' default); for the static cache, whether and how its step is compiled
+        (the cache itself is passed to ``generate``: :func:`static_cache_for`)."""
         if not self.static_cache:
             return {}
-        kwargs: dict[str, Any] = {
-            "cache_implementation": "static",
-            "max_cache_len": static_cache_length(query_length, max_new_tokens, self.cache_length_multiple),
-        }
+        kwargs: dict[str, Any] = {}
         if self.compile_config is None:
             kwargs["disable_compile"] = True  # transformers would compile a static cache's step on CUDA
         else:
@@ -168,6 +171,31 @@ class Decoding:
             config._compile_all_devices = True
             kwargs["compile_config"] = config
         return kwargs
+
+
+#: The static caches kept for each model, by :func:`static_cache_for`'s key.
+_STATIC_CACHES: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticCache]] = weakref.WeakKeyDictionary()
+
+
+def static_cache_for(model: PreTrainedModel, batch_size: int, cache_length: int, device: torch.device) -> StaticCache:
+    """The one static KV cache of ``model`` for ``batch_size`` rows of ``cache_length`` tokens on
+    ``device`` in the current autocast state (which decides the dtypes of its keys and values),
+    emptied (``reset``: zeroed in place) for a new call.
+
+    transformers builds a new ``StaticCache`` in every ``generate`` call given
+    ``cache_implementation="static"``; its tensors are marked as static addresses, so a
+    CUDA-graph-compiled decoding step would record its graph again for every call. Kept across
+    calls and passed to ``generate`` (its ``cache`` argument), the cache keeps its storage, and
+    the graph captured for the first call of a shape replays in the next ones. The caches live
+    as long as the model."""
+    autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
+    key = (batch_size, cache_length, str(device), next(model.parameters()).dtype, autocast)
+    caches = _STATIC_CACHES.setdefault(model, {})
+    if key not in caches:
+        caches[key] = StaticCache(config=model.config, max_cache_len=cache_length)
+    cache = caches[key]
+    cache.reset()
+    return cache
 
 
 #: transformers' dynamic KV cache, eager: what :func:`decoding_for` picks off CUDA.
@@ -273,13 +301,17 @@ def generate(
             suppress_tokens=[pad_token_id],
             output_logits=return_logits,
             return_dict_in_generate=True,
-            **decoding.generation_config_kwargs(queries.size(1), max_new_tokens),
+            **decoding.generation_config_kwargs(),
         )
+        cache = {}
+        if decoding.static_cache:
+            length = decoding.cache_length(queries.size(1), max_new_tokens)
+            cache["cache"] = static_cache_for(model, queries.size(0), length, queries.device)
         # synced_gpus off: transformers turns it on for a sharded model under torch.distributed (every
         # rank then steps until all have stopped); the callers sample from unsharded or gathered
         # parameters (DataParallel.gathered), so the ranks' calls are independent.
         return model.generate(
-            input_ids=queries, attention_mask=attention_mask, generation_config=config, synced_gpus=False
+            input_ids=queries, attention_mask=attention_mask, generation_config=config, synced_gpus=False, **cache
         )
 
     # generate() falls back on the model's own EOS when none is given; clear it to sample through.

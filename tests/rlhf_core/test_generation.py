@@ -203,6 +203,32 @@ def test_static_cache_samples_what_the_dynamic_cache_samples(smol_tokenizer, sto
     torch.testing.assert_close(sta_logits, dyn_logits, rtol=1e-5, atol=1e-5)
 
 
+def test_one_static_cache_per_decoding_shape_is_kept_across_calls(smol_tokenizer):
+    """Calls of one shape (rows, cache length, autocast) decode into the same cache storage,
+    emptied between calls, and sample what the dynamic cache samples; another shape, or the
+    same under autocast, gets a cache of its own."""
+    import rlhf_core.generation as generation
+
+    tok = smol_tokenizer
+    model = eos_prone_model(tok)
+    queries = left_padded(tok, QUERIES)
+    static = Decoding(static_cache=True)
+
+    def storage():
+        caches = generation._STATIC_CACHES[model]
+        return {key: cache.layers[0].keys.data_ptr() for key, cache in caches.items()}
+
+    (dyn, _), (first, _) = sample_both(model, queries, tok.pad_token_id, None, [DYNAMIC_CACHE, static])
+    kept = storage()
+    (second, _), (third, _) = sample_both(model, queries, tok.pad_token_id, None, [static, static])
+    assert storage() == kept and len(kept) == 1
+    assert first.tolist() == second.tolist() == third.tolist() == dyn.tolist()
+    sample_both(model, queries[:2], tok.pad_token_id, None, [static])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sample_both(model, queries, tok.pad_token_id, None, [static])
+    assert len(storage()) == 3 and storage().items() >= kept.items()
+
+
 @pytest.mark.parametrize("stop_at_eos", [False, True], ids=["sample-through", "stop-at-eos"])
 def test_static_cache_under_bf16_autocast_with_float32_weights(smol_tokenizer, stop_at_eos):
     """The PPO rollout's setting: float32 weights under bf16 autocast. The static cache holds
@@ -230,10 +256,10 @@ def test_decoding_is_chosen_by_device():
     assert decoding_for(torch.device("cuda", 1)) is COMPILED_STATIC_CACHE
     assert decoding_for("cuda", sharded=True) is DYNAMIC_CACHE  # FSDP2: gathered afresh each rollout
     assert COMPILED_STATIC_CACHE.static_cache and COMPILED_STATIC_CACHE.compile_config.mode == "reduce-overhead"
-    assert not DYNAMIC_CACHE.static_cache and DYNAMIC_CACHE.generation_config_kwargs(40, 53) == {}
-    lengths = {COMPILED_STATIC_CACHE.generation_config_kwargs(q, 53)["max_cache_len"] for q in range(1, 204)}
+    assert not DYNAMIC_CACHE.static_cache and DYNAMIC_CACHE.generation_config_kwargs() == {}
+    lengths = {COMPILED_STATIC_CACHE.cache_length(q, 53) for q in range(1, 204)}
     assert lengths == {256}
-    assert COMPILED_STATIC_CACHE.generation_config_kwargs(204, 53)["max_cache_len"] == 512
+    assert COMPILED_STATIC_CACHE.cache_length(204, 53) == 512
 
 
 def test_compiled_static_cache_step_is_traced_once_for_every_query_length(smol_tokenizer):
