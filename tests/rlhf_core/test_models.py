@@ -8,6 +8,7 @@ from rlhf_core.config import ModelConfig, RandomInitConfig
 from rlhf_core.config_data import QueryFormat
 from rlhf_core.data import format_query
 from rlhf_core.models import (
+    CausalLayout,
     ModelSourceError,
     build_random_model,
     causal_forward,
@@ -219,17 +220,24 @@ def test_causal_layout_of_a_batch():
         causal_layout(rows, PAD, width_multiple=0)
 
 
-def test_causal_forward_from_a_host_layout_equals_the_device_path_exactly(tiny_llama):
-    """A layout computed from another (CPU) copy of the ids gives the call and the outputs that
-    deciding the layout from the ids themselves gives, bit for bit; also for the masked path."""
+def test_causal_forward_follows_the_layout_it_is_given(tiny_llama):
+    """The call is decided by the layout passed in (computed from another, CPU copy of the ids),
+    never again from the ids themselves (which on a GPU would make the host wait): given a
+    layout of width 16 where the ids alone give 11, the model is called 16 wide, and the real
+    positions' outputs are the 11-wide call's; a layout saying a row has a hole sends the
+    batch through the padding-aware mask."""
     rows = _padded_rows()
     calls: list = []
     fn = _recording(tiny_llama, calls)
     with torch.no_grad():
         own = causal_forward(fn, rows, PAD)
-        host = causal_forward(fn, rows, PAD, causal_layout(rows.clone(), PAD))
-        assert [c[0] for c in calls] == [11, 11] and calls[1][1] is None
-        assert torch.equal(host, own)
+        host = causal_forward(fn, rows, PAD, causal_layout(rows.clone(), PAD, width_multiple=8))
+        assert [c[0] for c in calls] == [11, 16] and calls[1][1] is None
+        torch.testing.assert_close(host, own, rtol=1e-5, atol=1e-5)
+        calls.clear()
+        told = causal_layout(rows.clone(), PAD)
+        causal_forward(fn, rows, PAD, CausalLayout(False, told.width, told.start, told.n_real))
+        assert calls[0][1] is not None  # the mask, as the layout says, though the ids are contiguous
         holed = rows.clone()
         holed[1, 5] = PAD
         calls.clear()
