@@ -140,6 +140,18 @@ def smoke_stages(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def cuda_tuning(monkeypatch):
+    """CUDA's speed choices (:data:`rlhf_core.training.CUDA_TUNING`: fused AdamW, 256 MiB head
+    chunks, widths rounded to 64, rows grouped by length) made the CPU's for one test, so that
+    the paths they choose run here. The choices are read through ``device_tuning``, which
+    returns ``DEFAULT_TUNING`` off CUDA."""
+    from rlhf_core import training
+
+    monkeypatch.setattr(training, "DEFAULT_TUNING", training.CUDA_TUNING)
+    return training.CUDA_TUNING
+
+
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory) -> Path:
     """A folder that the test processes of one pytest run share (all of pytest-xdist's workers):
