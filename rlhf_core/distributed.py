@@ -308,9 +308,30 @@ def _fully_shard(
             100 * in_blocks / total,
             total,
         )
-        if offload:
-            log.info("%s: the shards of %s kept in CPU memory (CPUOffloadPolicy)", strategy, type(model).__name__)
+        held = offloaded_modules([*targets, root])
+        if held:
+            log.info(
+                "%s: the shards of %s kept in CPU memory (CPUOffloadPolicy on %d of %d sharded modules)",
+                strategy,
+                type(model).__name__,
+                held,
+                len(targets) + 1,
+            )
     return root
+
+
+def offloaded_modules(modules: list[torch.nn.Module]) -> int:
+    """How many of ``modules`` (sharded by FSDP2) keep their shards in CPU memory, read from
+    each module's own FSDP2 state (its parameter group's offload policy), not from the setting
+    that asked for it."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    count = 0
+    for module in modules:
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        group = getattr(state, "_fsdp_param_group", None)
+        count += isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy)
+    return count
 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -334,7 +334,8 @@ def _safetensors(directory) -> dict[str, torch.Tensor]:
     [
         ("fsdp", False, "fsdp: 2 blocks sharded over 2 ranks", 4),
         ("zero2", False, "zero2: 2 blocks sharded over 2 ranks", 2),
-        ("fsdp", True, "kept in CPU memory (CPUOffloadPolicy)", 2),
+        # the policy read back from each sharded module: 2 blocks and the whole model, 2 frozen models
+        ("fsdp", True, "kept in CPU memory (CPUOffloadPolicy on 3 of 3 sharded modules)", 2),
     ],
     ids=["fsdp", "zero2", "fsdp-offload"],
 )
