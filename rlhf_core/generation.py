@@ -227,6 +227,18 @@ def decoding_for(device: torch.device | str, sharded: bool = False) -> Decoding:
     return COMPILED_STATIC_CACHE
 
 
+_told: set[tuple[str, str]] = set()
+
+
+def _log_choice(decoding: Decoding, why: str) -> None:
+    """Tell, once per process and reason, which decoding :func:`generate` chose and why."""
+    name = "the dynamic KV cache" if not decoding.static_cache else "a static KV cache"
+    name += ", compiled" if decoding.compile_config is not None else ""
+    if (name, why) not in _told:
+        _told.add((name, why))
+        log.info("generate: decoding with %s, for %s", name, why)
+
+
 def _is_sharded(model: torch.nn.Module) -> bool:
     """Whether ``model`` or one of its modules is sharded by FSDP2 (``fully_shard``)."""
     from torch.distributed.fsdp import FSDPModule
@@ -282,7 +294,9 @@ def generate(
         ``return_logits`` also ``(batch, max_new_tokens, vocab)`` float logits.
     """
     if decoding is None:
-        decoding = decoding_for(next(model.parameters()).device, sharded=_is_sharded(model))
+        device, sharded = next(model.parameters()).device, _is_sharded(model)
+        decoding = decoding_for(device, sharded=sharded)
+        _log_choice(decoding, "a model sharded by FSDP2" if sharded else f"a {device.type} device")
     if decoding.compile_config is not None and _compile_failure:
         decoding = DYNAMIC_CACHE
     attention_mask = (queries != pad_token_id).long()

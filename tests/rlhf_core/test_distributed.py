@@ -173,10 +173,17 @@ def inputs(smoke_stages, shared_runs):
 
 
 def launch(
-    stage: str, inputs: list, out, ranks: int, *overrides: str, expect: str = "", expect_times: int | None = None
+    stage: str,
+    inputs: list,
+    out,
+    ranks: int,
+    *overrides: str,
+    expect: str = "",
+    expect_times: int | None = None,
+    expect_also: tuple[str, ...] = (),
 ) -> list[tuple[int, dict]]:
     """Run ``stage`` under ``torchrun`` on ``ranks`` gloo ranks and return its metrics; the output
-    must hold ``expect`` (exactly ``expect_times`` times when given)."""
+    must hold ``expect`` (exactly ``expect_times`` times when given) and each of ``expect_also``."""
     cmd = [
         sys.executable,
         "-m",
@@ -199,6 +206,7 @@ def launch(
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     output = result.stdout + result.stderr
     assert expect in output
+    assert all(text in output for text in expect_also), output[-4000:]
     if expect_times is not None:
         assert output.count(expect) == expect_times, output[-4000:]
     return read_metrics(out / "metrics.jsonl")
@@ -361,6 +369,8 @@ def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, offload, expect, expec
         f"ppo.offload_frozen={str(offload).lower()}",
         expect=expect,
         expect_times=expect_times,
+        # the policy, gathered for its rollouts, is still an FSDP2 module: no CUDA graph on memory gathered anew
+        expect_also=("generate: decoding with the dynamic KV cache, for a model sharded by FSDP2",),
     )
     updates = [[m for step, m in run if "loss/policy" in m] for run in (ddp, got)]
     assert len(updates[0]) == len(updates[1]) == 2
