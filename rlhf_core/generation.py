@@ -222,16 +222,17 @@ def decoding_for(device: torch.device | str, sharded: bool = False) -> Decoding:
     memory, and runs FSDP2's hooks in every forward pass: a captured graph's fixed addresses
     would not hold, so it decodes eagerly.
     """
-    if sharded or torch.device(device).type != "cuda":
-        return DYNAMIC_CACHE
-    return COMPILED_STATIC_CACHE
+    device = torch.device(device)
+    decoding = DYNAMIC_CACHE if sharded or device.type != "cuda" else COMPILED_STATIC_CACHE
+    _log_choice(decoding, "a model sharded by FSDP2" if sharded else f"a {device.type} device")
+    return decoding
 
 
 _told: set[tuple[str, str]] = set()
 
 
 def _log_choice(decoding: Decoding, why: str) -> None:
-    """Tell, once per process and reason, which decoding :func:`generate` chose and why."""
+    """Tell, once per process and reason, which decoding :func:`decoding_for` chose and why."""
     name = "the dynamic KV cache" if not decoding.static_cache else "a static KV cache"
     name += ", compiled" if decoding.compile_config is not None else ""
     if (name, why) not in _told:
@@ -294,9 +295,7 @@ def generate(
         ``return_logits`` also ``(batch, max_new_tokens, vocab)`` float logits.
     """
     if decoding is None:
-        device, sharded = next(model.parameters()).device, _is_sharded(model)
-        decoding = decoding_for(device, sharded=sharded)
-        _log_choice(decoding, "a model sharded by FSDP2" if sharded else f"a {device.type} device")
+        decoding = decoding_for(next(model.parameters()).device, sharded=_is_sharded(model))
     if decoding.compile_config is not None and _compile_failure:
         decoding = DYNAMIC_CACHE
     attention_mask = (queries != pad_token_id).long()
