@@ -86,6 +86,7 @@ class StageClaim:
         self.record: Any = None
         self.lost = False
         self._etag: str | None = None
+        self._writes = 0
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._client = _s3_client()
@@ -94,7 +95,7 @@ class StageClaim:
     def _body(self, started: str) -> bytes:
         # a new body each write, hence a new ETag: a takeover conditional on a lapsed claim's
         # ETag fails if its holder renewed it meanwhile
-        self._writes = getattr(self, "_writes", 0) + 1
+        self._writes += 1
         body = {"worker": self.worker, "started": started, "lease_seconds": self.lease, "writes": self._writes}
         return json.dumps(body).encode()
 
