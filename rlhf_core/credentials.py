@@ -231,9 +231,12 @@ def format_validation_error(exc: ValidationError, origin: str, model: type[BaseM
     ``<not shown>`` even where pydantic's message quotes it."""
     lines: dict[str, list[str]] = {}  # key -> messages (a union's members: several)
     shown: dict[str, str] = {}
+    unions: set[str] = set()  # keys whose messages are a union's alternatives
     for err in exc.errors():
-        parts, parent, annotation, _ = _walk(model, tuple(err["loc"]))
+        parts, parent, annotation, tagged = _walk(model, tuple(err["loc"]))
         key = ".".join(parts) or "<root>"
+        if tagged:
+            unions.add(key)
         name = next((p for p in reversed(parts) if not p.isdigit()), "")
         value = err.get("input")
         msg = err["msg"].removeprefix("Value error, ")
@@ -256,7 +259,10 @@ def format_validation_error(exc: ValidationError, origin: str, model: type[BaseM
             shown[key] = f" (got {redact(repr(value))})"
     out = []
     for key, messages in lines.items():
-        first, *rest = dict.fromkeys(messages)  # a union's members, in order, once each
-        text = first + "".join(f", or {m.removeprefix('Input should be ')}" for m in rest)
+        first, *rest = dict.fromkeys(messages)  # in order, once each
+        if key in unions:  # the alternatives: "Input should be a valid boolean, ..., or 'auto'"
+            text = first + "".join(f", or {m.removeprefix('Input should be ')}" for m in rest)
+        else:
+            text = "; ".join([first, *rest])
         out.append(f"  {text}" if key.startswith("<rule") else f"  {key}: {text}{shown.get(key, '')}")
     return f"invalid configuration ({origin}):\n" + "\n".join(out)
