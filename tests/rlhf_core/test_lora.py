@@ -61,7 +61,7 @@ def test_config_lora_off_by_default_and_out_of_the_dumped_settings():
         "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj"],
     }
-    with pytest.raises(ConfigError, match="lora.r 8 needs strategy ddp"):
+    with pytest.raises(ConfigError, match=r"sft\.lora\.r 8 needs sft\.strategy ddp"):
         load_config("smoke", ["sft.lora.r=8", "sft.strategy=fsdp"])
     with pytest.raises(ConfigError, match="dpo.lora.r"):
         load_config("smoke", ["dpo.lora.r=-1"])
