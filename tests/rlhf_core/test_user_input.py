@@ -66,7 +66,7 @@ def test_options_and_overrides_mix_in_any_order(capsys):
     assert cfg["name"] == "smoke" and cfg["ppo"]["kl_coef"] == 0.125 and cfg["sft"]["max_steps"] == 3
 
 
-def test_version_and_help(capsys):
+def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"rlhf {__version__}"

@@ -14,8 +14,6 @@ from pathlib import Path
 import boto3
 import pytest
 
-from tests.servers import start_moto
-
 REPO = Path(__file__).resolve().parents[2]
 #: One worker: claims the stage as tasks.stages.run_stage does, "trains" for HOLD seconds
 #: (printing TRAINING), stores an artifact and its record, and prints what it did.
@@ -45,38 +43,30 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """A moto server of its own (a claim test must not share objects) and the workers' environment."""
-    server = start_moto(tmp_path_factory.mktemp("moto-claims"))
+@pytest.fixture
+def store(moto_s3, tmp_path):
+    """The workers' environment: the shared moto server (its AWS variables are set), a prefix of
+    this test's own in its bucket (no claim or record of another test there), a 3 s lease."""
+    prefix = f"claims-{tmp_path.name}"
     env = {
         **os.environ,
-        "AWS_ENDPOINT_URL": server.url,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "RLHF_ARTIFACT_ROOT": "s3://claims/store",
+        "RLHF_ARTIFACT_ROOT": f"s3://{moto_s3['bucket']}/{prefix}",
         "RLHF_CLAIM_LEASE_SECONDS": "3",
         "PYTHONPATH": str(REPO),
     }
-    _s3(env).create_bucket(Bucket="claims")
-    yield env
-    server.stop()
-
-
-def _s3(env: dict):
-    names = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-    endpoint, key, secret, region = (env[n] for n in names)
-    return boto3.client(
-        "s3", endpoint_url=endpoint, aws_access_key_id=key, aws_secret_access_key=secret, region_name=region
-    )
+    return {
+        "env": env,
+        "bucket": moto_s3["bucket"],
+        "prefix": prefix,
+        "s3": boto3.client("s3", endpoint_url=moto_s3["endpoint"]),
+    }
 
 
 def _start(env: dict, work: Path, key: str, hold: float) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", WORKER, key, str(hold)],
         cwd=REPO,
-        env={**env, "RLHF_WORK_DIR": str(work)},
+        env={**env["env"], "RLHF_WORK_DIR": str(work)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -100,9 +90,9 @@ def test_a_second_machine_waits_for_the_claimed_stage_then_takes_it_from_the_sto
     assert out.split() == ["TOOK", str(first.pid)], err
     assert "claimed by" in err and "waiting" in err
     assert first.stdout.read().split() == ["DONE", str(first.pid), "held"]
-    s3 = _s3(store)
-    keys = {o["Key"] for o in s3.list_objects_v2(Bucket="claims", Prefix="store/sft/")["Contents"]}
-    assert "store/sft/k1.claim.json" not in keys and "store/sft/k1/MANIFEST.json" in keys  # released
+    listed = store["s3"].list_objects_v2(Bucket=store["bucket"], Prefix=f"{store['prefix']}/sft/")["Contents"]
+    keys = {o["Key"].removeprefix(f"{store['prefix']}/") for o in listed}
+    assert "sft/k1.claim.json" not in keys and "sft/k1/MANIFEST.json" in keys  # released
 
 
 def test_the_claim_of_a_killed_worker_lapses_and_is_taken_over(store, tmp_path):
@@ -119,5 +109,6 @@ def test_the_claim_of_a_killed_worker_lapses_and_is_taken_over(store, tmp_path):
     assert out.split()[0] == "TRAINING" and out.split()[1:] == ["DONE", str(second.pid), "held"], (out, err)
     assert f":{dead.pid}, not renewed for" in err and "took over the claim" in err
     assert time.monotonic() - began >= 2  # it waited for the lease (3 s) to lapse
-    record = json.loads(_s3(store).get_object(Bucket="claims", Key="store/sft/k2.record.json")["Body"].read())
+    stored = store["s3"].get_object(Bucket=store["bucket"], Key=f"{store['prefix']}/sft/k2.record.json")
+    record = json.loads(stored["Body"].read())
     assert record["mlflow_run_id"] == str(second.pid)
