@@ -62,11 +62,11 @@ def store(moto_s3, tmp_path):
     }
 
 
-def _start(env: dict, work: Path, key: str, hold: float) -> subprocess.Popen:
+def _start(store: dict, work: Path, key: str, hold: float) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", WORKER, key, str(hold)],
         cwd=REPO,
-        env={**env["env"], "RLHF_WORK_DIR": str(work)},
+        env={**store["env"], "RLHF_WORK_DIR": str(work)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
