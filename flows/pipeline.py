@@ -125,7 +125,9 @@ def _run_stages(
                 model_dir = store.local_path(r.key, work_root() / "downloads") / "model"
                 data_dir = store.local_path(records["data"].key, work_root() / "downloads")
                 write = partial(save_model, model_dir, cfg=cfg, data_dir=data_dir)  # write(path)
-                versions[model] = register_model_version(client, model, r.mlflow_run_id, r.digest, r.uri, write)
+                versions[model] = register_model_version(
+                    client, model, r.mlflow_run_id, r.digest, r.uri, write, store=store
+                )
         tracker.close()
         client.set_terminated(parent_id, "FINISHED")
     except BaseException:

@@ -25,6 +25,8 @@ from mlflow.tracking import MlflowClient
 
 from rlhf_core.io import exclusive_lock
 
+from .storage import ArtifactStore
+
 #: MLflow's limit on a parameter value's length.
 MAX_PARAM_LENGTH = 6000
 #: Config key names (last dotted part) whose values are never sent to MLflow.
@@ -285,6 +287,20 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
 ALIAS = "latest-pipeline"
 
 
+def local_folder(uri: str) -> Path | None:
+    """The folder an artifact URI names on this machine (``file://...`` or an absolute path),
+    or ``None`` for any other scheme (``mlflow-artifacts:``, ``s3://``) or a folder absent here."""
+    if uri.startswith("file://"):
+        from urllib.parse import unquote, urlparse
+
+        path = Path(unquote(urlparse(uri).path))
+    elif uri.startswith("/"):
+        path = Path(uri)
+    else:
+        return None
+    return path if path.is_dir() else None
+
+
 def register_model_version(
     client: MlflowClient,
     name: str,
@@ -293,6 +309,7 @@ def register_model_version(
     artifact_uri: str,
     save_model: Callable[[Path], None],
     alias: str = ALIAS,
+    store: ArtifactStore | None = None,
 ) -> str:
     """Register a stage's model as a version of ``name`` and point ``alias`` at it.
 
@@ -307,6 +324,9 @@ def register_model_version(
             the version's tag ``rlhf.artifact_uri``.
         save_model: writes the MLflow model into the directory it is given
             (:data:`tasks.mlflow_models.MLFLOW_MODELS`); called only for a new version.
+        store: the stage store; where it and the run's artifacts are local folders, each logged
+            file identical to a stored one (the model's weights) becomes a hard link to it
+            (:meth:`ArtifactStore.link_stored`): the model is on disk once.
 
     Returns:
         The version number, as a string.
@@ -323,6 +343,9 @@ def register_model_version(
     with tempfile.TemporaryDirectory() as tmp:
         save_model(Path(tmp) / "model")
         client.log_artifacts(run_id, str(Path(tmp) / "model"), "model")
+    logged = local_folder(client.get_run(run_id).info.artifact_uri)
+    if store is not None and logged is not None and (logged / "model").is_dir():
+        store.link_stored(logged / "model")
     version = client.create_model_version(
         name,
         source=f"{client.get_run(run_id).info.artifact_uri}/model",

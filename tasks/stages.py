@@ -8,7 +8,9 @@ model. Its artifact is written to the :class:`~tasks.storage.ArtifactStore` (man
 before the task returns, so Prefect's cache entry, written after the return, never points
 at a half-written artifact. The stage itself runs in a local work directory named by the
 cache key; its mid-stage checkpoints live there, so a stage that failed part way resumes
-from its last checkpoint when the pipeline runs again. A lock beside that directory lets one
+from its last checkpoint when the pipeline runs again. Once stored, the finished output is
+not kept there a second time: its checkpoints are deleted and the rest moves into a local
+store (:meth:`~tasks.storage.ArtifactStore.move_dir`). A lock beside that directory lets one
 process at a time run the stage; a second run waits, then takes the first's record.
 """
 
@@ -468,8 +470,9 @@ def _run_stage_once(
             from .mlflow_tracking import dataset_inputs
 
             client.log_inputs(run_id, datasets=dataset_inputs(out, cfg))
-        stored = store.put_dir(out, key, exclude=("checkpoints",))
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # stored whole: nothing to resume from
+        # stored whole, so nothing to resume from: the checkpoints go, and the output moves into
+        # the store (a local one renames it; an S3 one leaves it as this worker's download)
+        stored = store.move_dir(out, key, exclude=("checkpoints",), cache_dir=work_root() / "downloads")
         client.set_tag(run_id, "rlhf.artifact_uri", stored["uri"])
         client.set_terminated(run_id, "FINISHED")
     except BaseException:

@@ -26,6 +26,9 @@ from fsspec.implementations.local import LocalFileSystem
 from rlhf_core.io import check_manifest, file_sha256, tree_manifest
 
 MANIFEST = "MANIFEST.json"
+#: the smallest file that :meth:`ArtifactStore.put_dir` and :meth:`ArtifactStore.move_dir` hard-link
+#: to an identical stored file instead of keeping a second copy (model weights, not metadata)
+LINK_MIN_BYTES = 1 << 20
 
 
 class ArtifactError(RuntimeError):
@@ -142,7 +145,8 @@ class ArtifactStore:
     def put_dir(self, local_dir: str | os.PathLike, key: str, exclude: tuple[str, ...] = ()) -> dict:
         """Store a local directory as artifact ``key``, replacing an incomplete one.
 
-        ``exclude`` names top-level entries left out (e.g. ``checkpoints``).
+        ``exclude`` names top-level entries left out (e.g. ``checkpoints``). In a local store, a
+        file identical to one stored already becomes a hard link to it (:meth:`link_stored`).
 
         Returns:
             ``{"uri": ..., "digest": ...}``.
@@ -162,6 +166,7 @@ class ArtifactStore:
                 shutil.copytree(
                     local, tmp, ignore=lambda d, names: [n for n in names if Path(d) == local and n in top_level]
                 )
+                self.link_stored(tmp, manifest)
                 (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
             except BaseException:  # a full disk, say: no partial copy is left behind
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -176,6 +181,144 @@ class ArtifactStore:
                 self.fs.put_file(str(local / rel), f"{target}/{rel}")
             with self.fs.open(f"{target}/{MANIFEST}", "w") as fh:  # last: marks the artifact complete
                 fh.write(json.dumps(manifest, indent=1, sort_keys=True))
+        return {"uri": self.uri(key), "digest": manifest["digest"]}
+
+    def stored_files(self) -> dict[tuple[int, str], tuple[Path, dict]]:
+        """``{(size, sha256): (path, manifest entry)}`` of every file of every complete artifact
+        in a local store (the first met of identical files); ``{}`` for an S3 store."""
+        index: dict[tuple[int, str], tuple[Path, dict]] = {}
+        if not self.is_local:
+            return index
+        for marker in sorted(Path(self.base).glob(f"**/{MANIFEST}")):
+            if ".partial-" in marker.parent.name:
+                continue
+            try:
+                files = json.loads(marker.read_text())["files"]
+            except (OSError, ValueError, KeyError):
+                continue
+            for rel, meta in files.items():
+                index.setdefault((meta["size"], meta["sha256"]), (marker.parent / rel, meta))
+        return index
+
+    def link_stored(self, tree: str | os.PathLike, manifest: dict | None = None) -> int:
+        """Replace each file under ``tree`` that is identical to a file already in this local
+        store by a hard link to that file, so that a model two places share (the reward model's
+        weights, unchanged by normalisation; a registered MLflow model) is on disk once.
+
+        Only files of at least :data:`LINK_MIN_BYTES` whose stored copy still has the size and
+        time its manifest recorded, or, untimed, its SHA-256; none in an S3 store or where the
+        file system has no hard links. ``manifest`` (:func:`build_manifest` of ``tree``) saves
+        hashing the tree's files and is updated in place: a linked file takes the stored file's
+        time. Returns the bytes saved.
+        """
+        root = Path(tree)
+        if not self.is_local:
+            return 0
+        if manifest is not None:
+            entries = manifest["files"]
+        else:
+            entries = {p.relative_to(root).as_posix(): None for p in sorted(root.rglob("*")) if p.is_file()}
+        index: dict[tuple[int, str], tuple[Path, dict]] | None = None
+        saved = 0
+        for rel, meta in entries.items():
+            path = root / rel
+            size = meta["size"] if meta else path.stat().st_size
+            if size < LINK_MIN_BYTES:
+                continue
+            index = self.stored_files() if index is None else index
+            if not any(k[0] == size for k in index):
+                continue
+            sha256 = meta["sha256"] if meta else file_sha256(path)
+            found = index.get((size, sha256))
+            if found is None:
+                continue
+            source, recorded = found
+            try:
+                st = source.stat()
+            except OSError:
+                continue
+            if st.st_size != size or source.samefile(path):
+                continue
+            if recorded.get("mtime_ns") != st.st_mtime_ns and file_sha256(source) != sha256:
+                continue  # changed since it was stored (a file it could not time is read)
+            link = path.with_name(f"{path.name}.link-{uuid.uuid4().hex[:8]}")
+            try:
+                os.link(source, link)
+            except OSError:  # another file system, or none with hard links
+                continue
+            os.replace(link, path)
+            if meta is not None:
+                if recorded.get("mtime_ns") == st.st_mtime_ns:  # the stored file's time, which the link shares
+                    meta["mtime_ns"] = st.st_mtime_ns
+                else:
+                    meta.pop("mtime_ns", None)
+            saved += size
+        return saved
+
+    def move_dir(
+        self,
+        local_dir: str | os.PathLike,
+        key: str,
+        exclude: tuple[str, ...] = (),
+        cache_dir: str | os.PathLike | None = None,
+    ) -> dict:
+        """Store a local directory as artifact ``key`` and keep no second copy of it here.
+
+        A local store on the same file system takes the directory by a rename (no byte copied,
+        no second copy on disk at any moment); a local store on another file system copies it
+        (:meth:`put_dir`) and ``local_dir`` is deleted. In a local store, a file identical to
+        one stored already becomes a hard link to it (:meth:`link_stored`). An S3 store uploads it, then the
+        directory becomes the verified download that :meth:`local_path` finds in ``cache_dir``
+        (deleted without a ``cache_dir``). The top-level entries ``exclude`` names (e.g.
+        ``checkpoints``) are deleted, never stored.
+
+        Returns:
+            ``{"uri": ..., "digest": ...}``, as :meth:`put_dir`.
+
+        Raises:
+            ArtifactError: ``local_dir`` is not a directory.
+        """
+        local = Path(local_dir)
+        if not local.is_dir():
+            raise ArtifactError(f"{local} is not a directory")
+        for name in (*exclude, MANIFEST):
+            entry = local / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.exists() or entry.is_symlink():
+                entry.unlink()
+        if not self.is_local:
+            stored = self.put_dir(local, key)
+            if cache_dir is None:
+                shutil.rmtree(local)
+            else:
+                cached = Path(cache_dir) / key
+                if cached.exists():
+                    shutil.rmtree(cached)
+                cached.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(local, cached)
+                (cached / MANIFEST).write_text(json.dumps(self.manifest(key)))
+            return stored
+        target = self._path(key)
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{target}.partial-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(local, tmp)
+        except OSError:  # another file system (EXDEV), say: copied, then deleted here
+            stored = self.put_dir(local, key)
+            shutil.rmtree(local)
+            return stored
+        try:
+            manifest = build_manifest(tmp)
+            self.link_stored(tmp, manifest)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        except BaseException:  # the directory goes back where it was, as it was
+            (tmp / MANIFEST).unlink(missing_ok=True)
+            os.rename(tmp, local)
+            raise
+        if Path(target).exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
         return {"uri": self.uri(key), "digest": manifest["digest"]}
 
     def get_dir(self, key: str, local_dir: str | os.PathLike, verify: bool = True) -> Path:

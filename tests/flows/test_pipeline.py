@@ -162,6 +162,9 @@ def first_run(tmp_path_factory) -> tuple[Path, dict, str]:
 def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_run):
     tmp_path, first, log = first_run
     assert states(log) == {s: "Completed" for s in first["stages"]}
+    for stage, record in first["stages"].items():  # each output moved into the store, not kept twice
+        assert (Path(record["uri"]) / "MANIFEST.json").is_file()
+        assert not [p.name for p in (tmp_path / "work" / stage).iterdir() if p.is_dir()], stage
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.data.params["ppo.kl_coef"] == "0.05" and "ppo/objective/kl" in parent.data.metrics

@@ -59,7 +59,8 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
         sft = tmp_path / "work" / "sft"
         deadline = time.time() + 600
         while proc.poll() is None and time.time() < deadline:  # the second cell's SFT has started
-            if sft.is_dir() and len([p for p in sft.iterdir() if p.is_dir()]) >= 2:
+            # cell 1's SFT left its record (its output moved into the store); cell 2's is running
+            if sft.is_dir() and list(sft.glob("*.record.json")) and [p for p in sft.iterdir() if p.is_dir()]:
                 break
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)

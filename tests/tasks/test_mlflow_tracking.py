@@ -132,3 +132,35 @@ def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
     assert client.get_run(first).info.status == "KILLED"
     assert client.get_run(first).data.tags["rlhf.replaced_by"] == second
     assert client.get_run(other).info.status == client.get_run(second).info.status == "RUNNING"
+
+
+def test_a_registered_model_in_a_local_artifact_store_links_the_stage_artifacts_weights(tmp_path):
+    """The MLflow copy of a stage's model shares the stored weights' inode (on disk once),
+    unless no store is given."""
+    import shutil
+
+    from tasks.mlflow_tracking import register_model_version
+    from tasks.storage import ArtifactStore
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    stage = tmp_path / "ppo" / "model"
+    stage.mkdir(parents=True)
+    (stage / "model.safetensors").write_bytes(os.urandom(3 << 20))
+    (stage / "config.json").write_text("{}")
+    record = store.put_dir(stage.parent, "ppo/k1")
+    stored = Path(record["uri"]) / "model" / "model.safetensors"
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("e", artifact_location=str(tmp_path / "mlartifacts"))
+
+    def save(path):  # an MLflow model holding the stage's files, as save_policy_model writes them
+        shutil.copytree(Path(record["uri"]) / "model", path / "model")
+        (path / "MLmodel").write_text("flavors: {}\n")
+
+    inodes = {}
+    for name, given in (("linked", store), ("copied", None)):
+        run = client.create_run(exp).info.run_id
+        register_model_version(client, name, run, record["digest"], record["uri"], save, store=given)
+        logged = Path(client.get_run(run).info.artifact_uri) / "model" / "model" / "model.safetensors"
+        assert logged.read_bytes() == stored.read_bytes()
+        inodes[name] = logged.stat().st_ino
+    assert inodes["linked"] == stored.stat().st_ino != inodes["copied"]

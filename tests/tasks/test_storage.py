@@ -183,3 +183,98 @@ def test_a_local_store_reads_only_changed_files_and_rlhf_verify_reads_all(tmp_pa
     weights.write_bytes((src / "model.safetensors").read_bytes())
     assert main(["verify", str(tmp_path / "store")]) == 0
     assert f"{weights.parent}: 2 files match" in capsys.readouterr().out
+
+
+def with_checkpoint(root):
+    make_tree(root)
+    (root / "checkpoints" / "step-000002").mkdir(parents=True)
+    (root / "checkpoints" / "step-000002" / "state.pt").write_bytes(b"optimiser" * 1000)
+    return root
+
+
+def test_a_move_into_a_local_store_renames_the_output_and_keeps_no_copy(tmp_path):
+    """The stage's output becomes the artifact itself (same inode: no byte copied), its
+    checkpoints deleted, with the digest a copy of the same tree gets."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    out = with_checkpoint(tmp_path / "work" / "sft" / "k1")
+    inode = (out / "model.safetensors").stat().st_ino
+    copied = store.put_dir(make_tree(tmp_path / "same"), "sft/copied")
+    record = store.move_dir(out, "sft/k1", exclude=("checkpoints",))
+    assert not out.exists()
+    assert record == {"uri": store.uri("sft/k1"), "digest": copied["digest"]}
+    stored = tmp_path / "store" / "sft" / "k1"
+    assert (stored / "model.safetensors").stat().st_ino == inode
+    assert not (stored / "checkpoints").exists() and store.is_intact("sft/k1", record["digest"])
+    assert not list((tmp_path / "store" / "sft").glob("*.partial-*"))
+
+
+def test_a_move_into_a_local_store_on_another_file_system_copies_then_deletes(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    out = with_checkpoint(tmp_path / "work" / "k1")
+
+    def cross_device(src, dst):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "rename", cross_device)
+    record = store.move_dir(out, "k1", exclude=("checkpoints",))
+    assert not out.exists() and store.is_intact("k1", record["digest"])
+    assert record["digest"] == build_manifest(make_tree(tmp_path / "same"))["digest"]
+    assert not (tmp_path / "store" / "k1" / "checkpoints").exists()
+
+
+def test_a_move_into_s3_uploads_and_leaves_the_output_as_this_workers_download(moto_s3, tmp_path):
+    """Uploaded once; the next stage on this worker reads the moved directory (same inode), no
+    download."""
+    store = ArtifactStore(f"s3://{moto_s3['bucket']}/moved-{tmp_path.name}")
+    out = with_checkpoint(tmp_path / "work" / "ppo" / "k1")
+    inode = (out / "model.safetensors").stat().st_ino
+    record = store.move_dir(out, "ppo/k1", exclude=("checkpoints",), cache_dir=tmp_path / "downloads")
+    assert not out.exists() and store.is_intact("ppo/k1", record["digest"])
+    assert set(store.manifest("ppo/k1")["files"]) == {"model.safetensors", "sub/stats.json"}
+    local = store.local_path("ppo/k1", tmp_path / "downloads")
+    assert local == tmp_path / "downloads" / "ppo" / "k1"
+    assert (local / "model.safetensors").stat().st_ino == inode
+    gone = with_checkpoint(tmp_path / "work" / "ppo" / "k2")
+    store.move_dir(gone, "ppo/k2")  # no cache: the local copy is deleted
+    assert not gone.exists() and store.exists("ppo/k2")
+
+
+def big_file(path, seed=0):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes((i * 7 + seed) % 256 for i in range(256)) * 8192)  # 2 MiB, over LINK_MIN_BYTES
+    return path
+
+
+def test_a_file_identical_to_a_stored_one_is_stored_once(tmp_path):
+    """The normalised reward model keeps the reward model's weights: its artifact links them."""
+    store = ArtifactStore(str(tmp_path / "store"))
+    big_file(tmp_path / "reward" / "model" / "model.safetensors")
+    (tmp_path / "reward" / "model" / "config.json").write_text('{"bias": 0}')
+    first = store.put_dir(tmp_path / "reward", "reward/k1")
+    out = tmp_path / "work" / "reward_norm"
+    big_file(out / "model" / "model.safetensors")
+    (out / "model" / "config.json").write_text('{"bias": 0}')  # small: copied, never linked
+    record = store.move_dir(out, "reward_norm/k2")
+    stored = {k: tmp_path / "store" / k / "model" for k in ("reward/k1", "reward_norm/k2")}
+    weights = [(d / "model.safetensors").stat() for d in stored.values()]
+    assert weights[0].st_ino == weights[1].st_ino and weights[0].st_nlink == 2
+    configs = [(d / "config.json").stat().st_ino for d in stored.values()]
+    assert configs[0] != configs[1]
+    assert store.is_intact("reward/k1", first["digest"]) and store.is_intact("reward_norm/k2", record["digest"])
+    other = store.put_dir(big_file(tmp_path / "dpo" / "model.safetensors", seed=1).parent, "dpo/k3")
+    assert (tmp_path / "store" / "dpo" / "k3" / "model.safetensors").stat().st_nlink == 1  # other bytes
+    assert store.is_intact("dpo/k3", other["digest"])
+
+
+def test_a_stored_file_changed_since_it_was_stored_is_not_linked(tmp_path):
+    store = ArtifactStore(str(tmp_path / "store"))
+    store.put_dir(big_file(tmp_path / "a" / "w.bin").parent, "a/k")
+    stored = tmp_path / "store" / "a" / "k" / "w.bin"
+    big_file(stored, seed=3)  # rewritten in place: same size, other bytes, a new time
+    record = store.put_dir(big_file(tmp_path / "b" / "w.bin").parent, "b/k")
+    assert (tmp_path / "store" / "b" / "k" / "w.bin").stat().st_ino != stored.stat().st_ino
+    assert (tmp_path / "store" / "b" / "k" / "w.bin").read_bytes() == (tmp_path / "b" / "w.bin").read_bytes()
+    assert store.is_intact("b/k", record["digest"])
