@@ -42,6 +42,16 @@ def build_manifest(local_dir: str | os.PathLike, exclude: tuple[str, ...] = ()) 
     return tree_manifest(local_dir, exclude=(*exclude, MANIFEST))
 
 
+def _remove(root: Path, names: tuple[str, ...]) -> None:
+    """Delete the top-level entries ``names`` of ``root`` (folders whole), where present."""
+    for name in names:
+        entry = root / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
+
+
 class ArtifactStore:
     """Put and get stage directories under one root (local path or ``s3://``).
 
@@ -267,10 +277,10 @@ class ArtifactStore:
         A local store on the same file system takes the directory by a rename (no byte copied,
         no second copy on disk at any moment); a local store on another file system copies it
         (:meth:`put_dir`) and ``local_dir`` is deleted. In a local store, a file identical to
-        one stored already becomes a hard link to it (:meth:`link_stored`). An S3 store uploads it, then the
-        directory becomes the verified download that :meth:`local_path` finds in ``cache_dir``
-        (deleted without a ``cache_dir``). The top-level entries ``exclude`` names (e.g.
-        ``checkpoints``) are deleted, never stored.
+        one stored already becomes a hard link to it (:meth:`link_stored`). An S3 store uploads
+        it, then the directory becomes the verified download that :meth:`local_path` finds in
+        ``cache_dir`` (deleted without a ``cache_dir``). The top-level entries ``exclude``
+        names (e.g. ``checkpoints``) are not stored, and deleted once the rest is.
 
         Returns:
             ``{"uri": ..., "digest": ...}``, as :meth:`put_dir`.
@@ -281,23 +291,18 @@ class ArtifactStore:
         local = Path(local_dir)
         if not local.is_dir():
             raise ArtifactError(f"{local} is not a directory")
-        for name in (*exclude, MANIFEST):
-            entry = local / name
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            elif entry.exists() or entry.is_symlink():
-                entry.unlink()
         if not self.is_local:
-            stored = self.put_dir(local, key)
+            stored = self.put_dir(local, key, exclude)
+            _remove(local, exclude)
             if cache_dir is None:
                 shutil.rmtree(local)
-            else:
-                cached = Path(cache_dir) / key
-                if cached.exists():
-                    shutil.rmtree(cached)
-                cached.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(local, cached)
-                (cached / MANIFEST).write_text(json.dumps(self.manifest(key)))
+                return stored
+            cached = Path(cache_dir) / key
+            if cached.exists():
+                shutil.rmtree(cached)
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(local, cached)
+            (cached / MANIFEST).write_text(json.dumps(self.manifest(key)))
             return stored
         target = self._path(key)
         Path(target).parent.mkdir(parents=True, exist_ok=True)
@@ -305,17 +310,18 @@ class ArtifactStore:
         try:
             os.rename(local, tmp)
         except OSError:  # another file system (EXDEV), say: copied, then deleted here
-            stored = self.put_dir(local, key)
+            stored = self.put_dir(local, key, exclude)
             shutil.rmtree(local)
             return stored
         try:
-            manifest = build_manifest(tmp)
+            manifest = build_manifest(tmp, exclude)
             self.link_stored(tmp, manifest)
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         except BaseException:  # the directory goes back where it was, as it was
             (tmp / MANIFEST).unlink(missing_ok=True)
             os.rename(tmp, local)
             raise
+        _remove(tmp, exclude)
         if Path(target).exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

@@ -278,3 +278,20 @@ def test_a_stored_file_changed_since_it_was_stored_is_not_linked(tmp_path):
     assert (tmp_path / "store" / "b" / "k" / "w.bin").stat().st_ino != stored.stat().st_ino
     assert (tmp_path / "store" / "b" / "k" / "w.bin").read_bytes() == (tmp_path / "b" / "w.bin").read_bytes()
     assert store.is_intact("b/k", record["digest"])
+
+
+def test_a_move_that_fails_leaves_the_output_and_its_checkpoints_where_they_were(tmp_path, monkeypatch):
+    """A stage whose output could not be stored resumes from its checkpoint next time."""
+    import tasks.storage as storage
+
+    store = ArtifactStore(str(tmp_path / "store"))
+    out = with_checkpoint(tmp_path / "work" / "k1")
+
+    def disk_full(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(storage, "build_manifest", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        store.move_dir(out, "k1", exclude=("checkpoints",))
+    assert (out / "checkpoints" / "step-000002" / "state.pt").is_file() and (out / "model.safetensors").is_file()
+    assert not store.exists("k1") and not list((tmp_path / "store").glob("*.partial-*"))
