@@ -74,6 +74,29 @@ def _requirements() -> list[str]:
     return [f"{name}=={version(name)}" for name in ("torch", "transformers", "mlflow", "pandas")]
 
 
+@contextmanager
+def _shards_as_the_stages_write_them() -> Iterator[None]:
+    """MLflow's shard size for the weights it saves (``MLFLOW_HUGGINGFACE_MODEL_MAX_SHARD_SIZE``,
+    500MB unless set) set to ``save_pretrained``'s own default, with which the stages write their
+    models: the logged weights are then the stage's file byte for byte, which a local artifact
+    store keeps once (:func:`tasks.mlflow_tracking.register_model_version`)."""
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    name = "MLFLOW_HUGGINGFACE_MODEL_MAX_SHARD_SIZE"
+    default = inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+    before = os.environ.get(name)
+    os.environ[name] = str(default)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def save_policy_model(
     model_dir: str | os.PathLike,
     path: str | os.PathLike,
@@ -95,7 +118,7 @@ def save_policy_model(
 
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    with _without_expected_messages():
+    with _without_expected_messages(), _shards_as_the_stages_write_them():
         mlflow.transformers.save_model(
             {"model": load_causal_lm(model_dir), "tokenizer": tokenizer},
             path=str(path),

@@ -1,6 +1,7 @@
 """The registered models as MLflow models, saved and loaded through MLflow's own code."""
 
 import logging
+import os
 import shutil
 import warnings
 
@@ -95,9 +96,15 @@ def test_an_existing_reward_model_pyfunc_scores_through_its_own_tokenizer(rows, 
     assert scores["score"].tolist() == pytest.approx(expected.tolist(), abs=1e-5)
 
 
-def test_the_policy_is_a_transformers_text_generation_model(smoke_stages, rows, tmp_path, mlflow_messages):
+def test_the_policy_is_a_transformers_text_generation_model(smoke_stages, rows, tmp_path, mlflow_messages, monkeypatch):
     cfg = load_config("smoke", ["eval.temperature=0.01"])
+    # MLflow's shard size made smaller than the model: the weights are still the stage's one
+    # file, byte for byte (which a local artifact store then keeps once), and the setting is back
+    monkeypatch.setenv("MLFLOW_HUGGINGFACE_MODEL_MAX_SHARD_SIZE", "1MB")
     save_policy_model(smoke_stages / "base", tmp_path / "policy", cfg, smoke_stages / "data")
+    assert os.environ["MLFLOW_HUGGINGFACE_MODEL_MAX_SHARD_SIZE"] == "1MB"
+    [weights] = (tmp_path / "policy").rglob("*.safetensors")
+    assert weights.read_bytes() == (smoke_stages / "base" / "model.safetensors").read_bytes()
     assert not _expected_in(mlflow_messages())
     info = mlflow.models.get_model_info(str(tmp_path / "policy"))
     assert info.flavors["transformers"]["task"] == "text-generation"
