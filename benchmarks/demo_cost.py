@@ -80,8 +80,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_stages beside th
 from gpu_stages import card_slug, cpu_info  # noqa: E402  (the same machine description)
 
 REPO = Path(__file__).resolve().parent.parent
-#: CPU flags that decide the speed of the stages' kernels
-SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 #: the stages that train, with their FLOPs per parameter and token and per attended token and
 #: layer and width (forward and backward; DPO adds the reference's forward pass)
 TRAINING = {"sft": (6, 12), "reward": (6, 12), "dpo": (8, 16)}
@@ -369,15 +367,11 @@ def median_lengths(stats: dict, stage: str) -> dict:
 
 
 def machine() -> dict:
-    info = cpu_info()
-    flags: set[str] = set()
-    with contextlib.suppress(OSError):
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags"))
-        flags = set(line.split(":", 1)[1].split())
+    """The CPU (:func:`gpu_stages.cpu_info`: name, cores, speed flags), its memory in bytes,
+    torch's version and its thread count."""
     import torch
 
-    return info | {
-        "flags": [f for f in SPEED_FLAGS if f in flags],
+    return cpu_info() | {
         "memory_bytes": psutil.virtual_memory().total,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -385,6 +379,8 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    """This checkout's commit (12 hex digits), ``-dirty`` when tracked files differ from it."""
+
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 

@@ -213,8 +213,13 @@ def gpu_info() -> dict | None:
     return {"name": name, "memory_mib": int(float(memory)), "driver": driver}
 
 
+#: CPU flags that decide the speed of the stages' kernels, named beside every CPU figure
+SPEED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
 def cpu_info() -> dict:
-    """The CPU's model name, cores and whether it computes bf16 natively (``avx512_bf16``/``amx_bf16``)."""
+    """The CPU's model name, cores, which of :data:`SPEED_FLAGS` it has (``flags``) and whether
+    it computes bf16 natively (``avx512_bf16``/``amx_bf16``)."""
     name, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -224,7 +229,12 @@ def cpu_info() -> dict:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return {"name": name, "cores": os.cpu_count(), "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags)}
+    return {
+        "name": name,
+        "cores": os.cpu_count(),
+        "flags": [f for f in SPEED_FLAGS if f in flags],
+        "native_bf16": bool({"avx512_bf16", "amx_bf16"} & flags),
+    }
 
 
 def peak_tflops(card: str, given: float | None) -> float | None:
