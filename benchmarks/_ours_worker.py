@@ -18,6 +18,7 @@ set beyond the timed updates. It prints ``BENCH_RESULT {...}``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -238,10 +239,26 @@ def _timed_window(ends: list[float], first_step_seconds: float, warmup: int = 1)
     return {"timed_seconds": first_step_seconds, "timed_from_step": 0, "warmup_included": True}
 
 
+def levers_off() -> None:
+    """The device's speed levers turned off for this process: the CPU's kernel choices
+    (``DEFAULT_TUNING``: unfused AdamW, 32 MiB head chunks, exact widths, rows in data order)
+    and eager decoding with a dynamic KV cache, whatever the device."""
+    from rlhf_core import generation, training
+
+    training.CUDA_TUNING = training.DEFAULT_TUNING
+    generation.COMPILED_STATIC_CACHE = generation.DYNAMIC_CACHE
+
+
 def run(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    if spec.get("levers", "on") == "off":
+        levers_off()
+    import logging
+
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("rlhf_core.generation").setLevel(logging.INFO)  # which decoding ran, and any fallback
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -250,6 +267,11 @@ def run(spec: dict) -> dict:
     out_dir = Path(spec["out_dir"])
     section = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo, "ppo": cfg.ppo}[stage]
     result: dict = {"side": "ours", "stage": stage, "gradient_checkpointing": section.gradient_checkpointing}
+    from rlhf_core.generation import decoding_for
+    from rlhf_core.training import device_tuning
+
+    result["tuning"] = dataclasses.asdict(device_tuning(spec["device"]))
+    result["decoding"] = repr(decoding_for(spec["device"]))
     t_load = time.perf_counter()
     if stage in ("sft", "reward", "dpo"):
         clock = _StepClock(steps)
@@ -304,6 +326,10 @@ def run(spec: dict) -> dict:
         result["step_seconds"] = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
         result["step_ends"] = clock.ends
         result["phases"] = clock.phases
+        from rlhf_core import generation
+
+        # the decoding the rollouts ended with: a compiled step that failed fell back to the dynamic cache
+        result["compile_failure"] = generation._compile_failure[0] if generation._compile_failure else None
         model_params = None
     result["n_params"] = model_params
     result["threads"] = torch.get_num_threads()

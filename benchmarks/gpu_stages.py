@@ -119,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default cuda; cpu with --tiny")
     p.add_argument("--peak-tflops", type=float, default=None, help="the card's dense bf16 peak (default by name)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per stage (default: all cores)")
+    p.add_argument(
+        "--levers",
+        choices=("on", "off"),
+        default="on",
+        help="off: the CPU's kernel choices and eager decoding with a dynamic cache on the GPU too",
+    )
     p.add_argument("--python", type=Path, default=Path(sys.executable), help="interpreter with the project")
     p.add_argument("--work", type=Path, default=None, help="work directory (default benchmarks/.work/gpu_stages)")
     p.add_argument("--out", type=Path, default=None, help="JSON (default benchmarks/results/gpu_stages-<card>.json)")
@@ -312,6 +318,8 @@ def stage_figures(
         "peak_memory": "torch.cuda.max_memory_allocated" if on_gpu else "process peak RSS",
         "gpu_busy": busy,
         "gradient_checkpointing": run["gradient_checkpointing"],
+        "tuning": run.get("tuning"),
+        "decoding": run.get("decoding"),
     }
     section = getattr(cfg, stage)
     if stage == "ppo":
@@ -323,6 +331,8 @@ def stage_figures(
         }
         whole = sum(totals.values()) or 1.0
         out |= {
+            "compile_failure": run.get("compile_failure"),
+            "phase_seconds_per_update": {k: v / max(len(phases), 1) for k, v in totals.items()},
             "seconds_per_update": seconds_per_step,
             "episodes_per_s": section.batch_size / seconds_per_step,
             "phase_share": {k: v / whole for k, v in totals.items()},
@@ -381,12 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     device = {"type": "cuda", **gpu} if gpu else {"type": "cpu", **cpu_info()}
     peak = peak_tflops(device["name"], args.peak_tflops) if gpu else None
     device["peak_bf16_tflops"] = peak
-    out_path = args.out or REPO / "benchmarks" / "results" / f"gpu_stages-{card_slug(device)}.json"
+    suffix = "" if args.levers == "on" else "-levers-off"
+    out_path = args.out or REPO / "benchmarks" / "results" / f"gpu_stages-{card_slug(device)}{suffix}.json"
     overrides, cfg = settings(args)
     preset_cfg = load_config(args.preset)
     env = child_env(args.threads, args.device)
     args.work.mkdir(parents=True, exist_ok=True)
-    logs = args.work / "logs"
+    logs = args.work / ("logs" if args.levers == "on" else "logs-levers-off")
 
     spec = {
         "preset": args.preset,
@@ -419,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             "reward_model_dir": info.get("reward_model_dir"),
             "tokens_per_step": info.get("tokens_per_step"),
             "out_dir": str(args.work / "out" / stage),
+            "levers": args.levers,
         }
         path = args.work / f"spec-{stage}.json"
         path.write_text(json.dumps(run_spec, indent=1))
@@ -443,14 +455,22 @@ def main(argv: list[str] | None = None) -> int:
 
     text = table(stages)
     where = f"{device['name']} ({args.device})"
-    print(f"\ngpu_stages on {where}, preset {args.preset}, {prep['n_params']:,} parameters\n{text}")
+    print(
+        f"\ngpu_stages on {where}, preset {args.preset}, levers {args.levers}, {prep['n_params']:,} parameters\n{text}"
+    )
     record = {
         "device": device,
         "versions": versions | {"python": platform.python_version()},
         "date": started.isoformat(timespec="seconds"),
         "preset": args.preset,
         "model": {"parameters": prep["n_params"], "padded_lengths": prep["padded_lengths"]},
-        "settings": {"steps": args.steps, "warmup": args.warmup, "overrides": overrides, "threads": args.threads},
+        "settings": {
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "overrides": overrides,
+            "threads": args.threads,
+            "levers": args.levers,
+        },
         "stages": stages,
         "table": text,
     }

@@ -2,7 +2,7 @@
 # Ready this checkout for a CUDA machine without network (`make gpu-bundle` runs this).
 # Run from the project's root with its .venv installed (`make install`), on a machine that reaches
 # PyPI. It fills $BUNDLE (default .gpu/, git-ignored) with:
-#   whl/    wheels of what the GPU machine's Python lacks, at requirements.lock's versions, for
+#   whl/    wheels of what the GPU machine's Python lacks or may hold too old, at requirements.lock's versions, for
 #           $GPU_PYTHON (default 3.12) on manylinux x86-64
 #   tok/    the SmolLM2 tokenizer converted here (with the lock's transformers) to a Hugging Face
 #           directory: the 98 MB GGUF need not travel, and no other transformers version converts it
@@ -11,8 +11,8 @@
 # Copy the checkout with .gpu/ to the GPU machine, then from its root:
 #   source .gpu/env.sh && python3 benchmarks/gpu_stages.py
 # GPU_PACKAGES overrides the list of distributions to bundle (default: what a CUDA image with
-# torch, transformers, tokenizers, safetensors, accelerate, numpy, pyarrow, pyyaml, tqdm,
-# matplotlib and huggingface_hub lacks of the core's needs).
+# torch, tokenizers, safetensors, accelerate, numpy, pyarrow, pyyaml, tqdm, matplotlib and
+# huggingface_hub lacks of the core's needs, and transformers at the lock's version).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel 2>/dev/null || pwd)"
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -21,8 +21,10 @@ GPU_PYTHON=${GPU_PYTHON:-3.12}
 PY=${PY:-.venv/bin/python}
 LOCK=requirements.lock
 TLDR=${RLHF_TLDR_DIR:-../shared/data/tldr}
-default_packages="datasets dill multiprocess xxhash pydantic pydantic-core annotated-types typing-inspection
-  typing-extensions rouge-score nltk absl-py gguf fsspec defusedxml regex joblib click"
+# transformers travels too: an image's own can be older than the project's range (an H200 image's
+# 5.17 has no `cache` argument to generate, and the compiled decoding step never ran there).
+default_packages="transformers datasets dill multiprocess xxhash pydantic pydantic-core annotated-types
+  typing-inspection typing-extensions rouge-score nltk absl-py gguf fsspec defusedxml regex joblib click"
 read -r -a packages <<< "$(echo ${GPU_PACKAGES:-$default_packages})"
 
 [ -x "$PY" ] || { echo "prepare.sh: $PY is missing; run make install first" >&2; exit 1; }

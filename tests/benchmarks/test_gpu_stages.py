@@ -118,6 +118,8 @@ def test_ppo_phase_shares_and_update_rate():
     assert ppo["seconds_per_update"] == pytest.approx(10.0)
     assert ppo["episodes_per_s"] == pytest.approx(12.8)
     assert ppo["phase_share"] == pytest.approx({"generate": 0.2, "score": 0.1, "optimise": 0.7})
+    assert ppo["phase_seconds_per_update"] == pytest.approx({"generate": 2.0, "score": 1.0, "optimise": 7.0})
+    assert ppo["compile_failure"] is None  # the worker's report of a compiled decoding that fell back
     assert ppo["peak_memory"] == "process peak RSS" and ppo["peak_gib"] == pytest.approx(0.5)
     assert gpu_stages.estimated_hours("ppo", ppo, _Cfg) == pytest.approx(912 * 10.0 / 3600)
 
@@ -136,6 +138,23 @@ def test_the_default_run_is_a_random_llama_1b_shape_with_just_enough_rows():
         gpu_stages.parse_args(["--steps", "3", "--warmup", "3"])
 
 
+def test_levers_off_gives_a_cuda_device_the_cpus_choices(monkeypatch):
+    """``--levers off``: the worker makes CUDA's kernel choices the CPU's and decodes eagerly with
+    the dynamic cache, so the same stage code runs without the speed levers on a GPU."""
+    from rlhf_core import generation, training
+
+    monkeypatch.setattr(training, "CUDA_TUNING", training.CUDA_TUNING)  # restored after the test
+    monkeypatch.setattr(generation, "COMPILED_STATIC_CACHE", generation.COMPILED_STATIC_CACHE)
+    assert training.device_tuning("cuda") != training.DEFAULT_TUNING
+    assert generation.decoding_for("cuda").compile_config is not None
+    worker.levers_off()
+    assert training.device_tuning("cuda") == training.DEFAULT_TUNING
+    assert generation.decoding_for("cuda") is generation.DYNAMIC_CACHE
+    args = gpu_stages.parse_args(["--levers", "off"])
+    assert args.levers == "off"
+    assert gpu_stages.parse_args([]).levers == "on"
+
+
 @pytest.mark.slow
 def test_tiny_runs_every_stage_through_the_stage_code(tmp_path):
     out = tmp_path / "gpu_stages.json"
@@ -143,6 +162,7 @@ def test_tiny_runs_every_stage_through_the_stage_code(tmp_path):
     assert code == 0
     record = json.loads(out.read_text())
     assert record["device"]["type"] == "cpu" and record["versions"]["torch"]
+    assert record["settings"]["levers"] == "on"
     assert set(record["stages"]) == {"sft", "reward", "dpo", "ppo"}
     for name in ("sft", "reward", "dpo"):
         stage = record["stages"][name]
@@ -154,3 +174,5 @@ def test_tiny_runs_every_stage_through_the_stage_code(tmp_path):
     assert ppo["episodes_per_s"] == pytest.approx(8 / ppo["seconds_per_update"])
     assert sum(ppo["phase_share"].values()) == pytest.approx(1.0)
     assert all(v > 0 for v in ppo["phase_share"].values())
+    assert ppo["compile_failure"] is None and "static_cache=False" in ppo["decoding"]  # the CPU decodes eagerly
+    assert ppo["tuning"]["width_multiple"] == 1  # the CPU's choices

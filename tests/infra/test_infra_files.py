@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -421,6 +422,27 @@ def test_the_offline_gpu_bundle_pins_every_package_it_carries_and_its_scripts_pa
         assert subprocess.run(["bash", "-n", str(path)]).returncode == 0, path
     makefile = (REPO / "Makefile").read_text()
     assert "infra/offline-gpu/prepare.sh" in makefile[makefile.index("\ngpu-bundle:") :].split("\n\n", 1)[0]
+
+
+def test_the_gpu_machines_versions_are_checked_against_the_projects_ranges(tmp_path):
+    """env.sh runs infra/offline-gpu/check_versions.py: an installed package outside
+    pyproject.toml's range is named with the range and fails the check; one not installed is
+    listed, not failed; this environment meets the project's own ranges."""
+
+    script = REPO / "infra" / "offline-gpu" / "check_versions.py"
+    assert "check_versions.py" in (script.with_name("env.sh")).read_text()
+    ok = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text(
+        '[project]\ndependencies = ["packaging>=9999", "no-such-package-here>=1", "pyyaml>=5",'
+        " \"tomli>=1; python_version < '3.0'\"]\n"
+    )
+    bad = subprocess.run([sys.executable, str(script), "--pyproject", str(pyproject)], capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "packaging" in bad.stderr and "outside the project's range packaging>=9999" in bad.stderr
+    assert "pyyaml" not in bad.stderr.lower()
+    assert "no-such-package-here" in bad.stdout and "tomli" not in bad.stdout
 
 
 @pytest.mark.xdist_group("group-check")
