@@ -36,6 +36,7 @@ from . import __version__
 from .config import ConfigError, PipelineConfig, load_config
 from .credentials import redact
 from .errors import DataError, ForeignFilesError, ModelSourceError, TrainingError
+from .memory import release_free_memory
 from .pipeline import STAGES, stage_keys
 from .presets import available_presets
 from .sources import RewardSpecError
@@ -302,6 +303,7 @@ def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: b
         else:
             result = stage.run(cfg, inputs, out, JsonlTracker(out / "metrics.jsonl"))
         seconds = time.perf_counter() - start
+        release_free_memory(after=name)  # the next stage starts from what is live, not this one's peak
         # what a later run checks before reusing the output: every file's size, time and SHA-256
         manifest = tree_manifest(out, exclude=("checkpoints", "stage.json"))
         write_json_atomic(

@@ -32,6 +32,7 @@ from rlhf_core.cli import PlannedStage
 from rlhf_core.config import PipelineConfig, TrainerConfig
 from rlhf_core.io import exclusive_lock, write_json_atomic
 from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
+from rlhf_core.memory import release_free_memory
 from rlhf_core.pipeline import STAGES, stage_key
 from rlhf_core.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
 from rlhf_core.tracking import JsonlTracker, TeeTracker
@@ -454,6 +455,7 @@ def _run_stage_once(
             traced = stage == "evaluation" and cfg.eval.judge == "anthropic"
             with traced_judge_calls(client, run_id) if traced else nullcontext():
                 result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
+        release_free_memory(after=stage)  # the next stage starts from what is live, not this one's peak
         mlflow_tracker.close()
         for name in (
             "metrics.json",
@@ -478,6 +480,7 @@ def _run_stage_once(
     except BaseException:
         mlflow_tracker.close()
         client.set_terminated(run_id, "FAILED")
+        release_free_memory(after=stage)  # a retry, or the next run in this worker, starts without its peak
         raise
     metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     return StageRecord(

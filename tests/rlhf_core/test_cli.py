@@ -47,11 +47,14 @@ def test_bad_override_exits_2_naming_the_key(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
-def test_run_reuses_finished_stages(tmp_path, capsys):
+def test_run_reuses_finished_stages(tmp_path, capsys, caplog):
     out = tmp_path / "run"
     until = ["--until", "base_model"]
-    assert main(["stages", "--preset", "smoke", *until, "--out", str(out)]) == 0
+    with caplog.at_level("INFO", logger="rlhf_core.memory"):
+        assert main(["stages", "--preset", "smoke", *until, "--out", str(out)]) == 0
     first = json.loads(capsys.readouterr().out)
+    for stage in ("data", "base_model"):  # each stage run gives its freed memory back before the next
+        assert f"after stage {stage}: freed memory given back to the system" in caplog.text
     assert first["data"]["reused"] is False and first["base_model"]["reused"] is False
     assert (out / "base_model" / "model.safetensors").is_file() and (out / "data" / "stats.json").is_file()
     stamp = (out / "data" / "stats.json").stat().st_mtime_ns
