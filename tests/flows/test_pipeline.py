@@ -162,6 +162,8 @@ def first_run(tmp_path_factory) -> tuple[Path, dict, str]:
 def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_run):
     tmp_path, first, log = first_run
     assert states(log) == {s: "Completed" for s in first["stages"]}
+    for stage in first["stages"]:  # each stage's freed memory given back before the next one runs
+        assert f"after stage {stage}: freed memory given back to the system" in log, stage
     for stage, record in first["stages"].items():  # each output moved into the store, not kept twice
         assert (Path(record["uri"]) / "MANIFEST.json").is_file()
         assert not [p.name for p in (tmp_path / "work" / stage).iterdir() if p.is_dir()], stage
