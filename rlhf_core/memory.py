@@ -5,8 +5,9 @@ threshold from its heaps and keeps the memory when the tensor is freed, for reus
 starts at 128 KiB and rises to the size of each larger block freed, up to 32 MiB, so after the
 first few steps a stage's activations, gradients and logits chunks all come from the heaps. One
 process that runs the stages one after another (``rlhf run``, ``rlhf stages``, a Prefect worker)
-then keeps a finished stage's peak resident while the next stage runs, and each stage's peak
-adds to what the earlier ones left. ``malloc_trim(0)`` returns the heaps' free pages.
+then keeps a finished stage's peak resident while the next stage runs, and whatever a later
+stage cannot fit into those freed blocks comes on top. ``malloc_trim(0)`` returns the heaps'
+free pages.
 """
 
 from __future__ import annotations
