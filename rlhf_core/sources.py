@@ -20,6 +20,7 @@ from typing import Any, Literal
 from .config import EXTERNAL_REWARD_SPEC, REWARD_SPEC, DataConfig
 from .errors import ConfigError, DataError, ModelSourceError
 from .io import cache_root, content_digest, file_sha256
+from .presets import PRESET_DIR
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,13 @@ def _package_dir(package: str) -> Path:
 
 
 def resolve_source(spec: str) -> Source:
-    """Resolve ``pkg:PACKAGE/PATH``, a local path, or a hub id into a :class:`Source`.
+    """Resolve ``pkg:PACKAGE/PATH``, ``configs:PATH``, a local path, or a hub id into a
+    :class:`Source`.
 
     ``pkg:`` sources are located with ``importlib.util.find_spec`` and never imported.
+    ``configs:PATH`` is a path inside the project's presets folder ``configs/``
+    (:data:`rlhf_core.presets.PRESET_DIR`), whatever the working directory: how a preset names a
+    file shipped beside it, as the smoke preset its tokenizer.
 
     Raises:
         ModelSourceError: the package is not installed, or the path does not exist, or a
@@ -68,6 +73,10 @@ def resolve_source(spec: str) -> Source:
         path = _package_dir(package) / rel
         if not path.exists():
             raise ModelSourceError(f"{spec}: {path} does not exist in the installed package {package!r}")
+    elif spec.startswith("configs:"):
+        path = PRESET_DIR / spec[len("configs:") :]
+        if not path.exists():
+            raise ModelSourceError(f"{spec}: {path} does not exist in the presets folder {PRESET_DIR}")
     else:
         path = Path(spec).expanduser()
         if not path.exists():

