@@ -122,22 +122,26 @@ def smoke_cfg():
     return load_config("smoke")
 
 
-@pytest.fixture(scope="session")
-def smoke_stages(tmp_path_factory) -> Path:
-    """The smoke preset's stage outputs, built once per session and read by many modules:
-    ``data/`` (``prepare_data``), ``base/`` (its tiny random model, which stands in for SFT
-    too) and ``rm/`` (a reward model made from ``base/``, head seed 1). Read-only: tests
-    write their own outputs elsewhere."""
+def make_smoke_stages(root: Path, overrides: list[str] | tuple[str, ...] = ()) -> Path:
+    """The smoke preset's stage outputs (with ``overrides``) in ``root``: ``data/``
+    (``prepare_data``), ``base/`` (its tiny random model, which stands in for SFT too) and
+    ``rm/`` (a reward model made from ``base/``, head seed 1)."""
     from rlhf_core.data import prepare_data
     from rlhf_core.models import import_base_model
     from rlhf_core.reward import reward_model_from_causal_lm
 
-    cfg = load_config("smoke")
-    root = tmp_path_factory.mktemp("smoke-stages")
+    cfg = load_config("smoke", list(overrides))
     prepare_data(cfg, root / "data")
     import_base_model(cfg.model, root / "base")
     reward_model_from_causal_lm(root / "base", seed=1).save_pretrained(root / "rm")
     return root
+
+
+@pytest.fixture(scope="session")
+def smoke_stages(tmp_path_factory) -> Path:
+    """The smoke preset's stage outputs (:func:`make_smoke_stages`), built once per session and
+    read by many modules. Read-only: tests write their own outputs elsewhere."""
+    return make_smoke_stages(tmp_path_factory.mktemp("smoke-stages"))
 
 
 @pytest.fixture

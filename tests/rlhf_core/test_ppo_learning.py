@@ -8,15 +8,14 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.data import prepare_data
-from rlhf_core.models import import_base_model
 from rlhf_core.ppo import whiten
 from rlhf_core.ppo_rollout import kl_penalised_rewards, masked_mean_var, rollout_rows, whitened_advantages
 from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
-from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
+from rlhf_core.reward import ScalarModel
 from rlhf_core.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
 from rlhf_core.tracking import JsonlTracker, read_metrics
-from tests.conftest import SMOL_GGUF
+from tests.conftest import SMOL_GGUF, make_smoke_stages
+from tests.stages import link_stages
 
 NON_REPEATING = "python:rlhf_core.rule_rewards:non_repeating_tokens"
 #: The tiny model of this module is built around SmolLM2's 49,152-token tokenizer, not the smoke
@@ -77,12 +76,9 @@ RLOO = ["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=4"]
 def tiny(tmp_path_factory):
     """The smoke preset's data and tiny random model (standing in for SFT) with SmolLM2's tokenizer
     (:data:`TOKENIZER`), and a reward model made from it (head seed 1)."""
-    cfg = load_config("smoke", [TOKENIZER])
-    root = tmp_path_factory.mktemp("ppo_learning")
-    prepare_data(cfg, root / "data")
-    import_base_model(cfg.model, root / "sft")
-    reward_model_from_causal_lm(root / "sft", seed=1).save_pretrained(root / "rm")
-    return cfg, root
+    made = make_smoke_stages(tmp_path_factory.mktemp("ppo_learning-stages"), [TOKENIZER])
+    root = link_stages(made, tmp_path_factory.mktemp("ppo_learning"), data="data", sft="base", rm="rm")
+    return load_config("smoke", [TOKENIZER]), root
 
 
 @pytest.fixture
