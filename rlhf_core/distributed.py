@@ -60,15 +60,20 @@ def init_from_env(backend: str | None = None) -> World:
     return world()
 
 
-def leave() -> None:
+def leave(finished: bool = False) -> None:
     """Leave the process group that :func:`init_from_env` joined; a no-op when none is joined.
 
     Every rank calls it before its process exits, also after an error: otherwise gloo's worker
     threads outlive the interpreter's teardown and a rank that finished its work can still abort
     with SIGABRT ("terminate called without an active exception", pytorch/pytorch#190489), which
-    fails the whole ``torchrun`` job. Local to this rank: no collective, so it cannot hang.
+    fails the whole ``torchrun`` job. With ``finished`` (the rank's work done without an error)
+    the ranks first meet at a barrier, so that no rank takes its group down while another still
+    has work queued on it; after an error there is no collective, so it cannot hang (``torchrun``
+    ends the other ranks once this one exits).
     """
     if dist.is_available() and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

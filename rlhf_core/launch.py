@@ -141,10 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     from .distributed import init_from_env, leave  # torch: on the ranks, not in the process that launches them
 
     w = init_from_env()
+    finished = False
     try:
         _run_rank(args, w)
+        finished = True
     finally:
-        leave()
+        leave(finished)
     return 0
 
 
