@@ -372,22 +372,6 @@ def test_identical_work_in_two_directories_gives_identical_digests(first_run, tw
         assert first["stages"][stage]["uri"] != second["stages"][stage]["uri"]
 
 
-def test_the_tracking_uri_setting_is_where_runs_go(tmp_path):
-    elsewhere = tmp_path / "elsewhere.db"
-    result, _ = run_flow(tmp_path, f"tracking.tracking_uri=sqlite:///{elsewhere}", "--until", "data")
-    client = MlflowClient(tracking_uri=f"sqlite:///{elsewhere}")
-    parent = client.get_run(result["mlflow_run_id"])
-    assert parent.info.status == "FINISHED" and parent.data.params["tracking.tracking_uri"].endswith("elsewhere.db")
-    assert client.get_run(result["stages"]["data"]["mlflow_run_id"]).info.status == "FINISHED"
-    assert not (tmp_path / "mlflow.db").exists()  # the default store of `rlhf run` was not used
-    # without --json, a run ends with a short summary: artifacts, and how to open MLflow
-    again = rlhf_run(tmp_path, *FAST, f"tracking.tracking_uri=sqlite:///{elsewhere}", "--until", "data", timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"  data  {result['stages']['data']['uri']}\n" in again.stdout  # cached: the same artifact
-    assert f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{elsewhere}" in again.stdout
-    assert len(again.stdout.splitlines()) == 3
-
-
 @pytest.mark.slow
 def test_a_run_killed_part_way_is_ended_by_the_next(tmp_path):
     """``kill -9`` of ``rlhf run`` (with its Prefect server) leaves its MLflow runs RUNNING and its
@@ -465,27 +449,45 @@ def fails_on_second_call(*args):
 def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
     """A PPO reward that fails once, in the second update, after the first update's checkpoint:
     Prefect retries the task (orchestration.retries) and PPO resumes from that checkpoint,
-    training the second update only once."""
+    training the second update only once. The run tracks to the store that
+    ``tracking.tracking_uri`` names, not the run directory's, and ends (without ``--json``) with
+    a summary: its MLflow run, each stage's artifact, and how to open the MLflow UI on that store."""
     (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
-    result, log = run_flow(
+    elsewhere = tmp_path / "elsewhere.db"
+    done = rlhf_run(
         tmp_path,
+        *FAST,
         "ppo.reward=python:flaky_reward:fails_on_second_call",
         "ppo.checkpoint_every=1",
         "ppo.eval_every=100",
         "orchestration.retry_delay_seconds=0",
+        f"tracking.tracking_uri=sqlite:///{elsewhere}",
         "--until",
         "ppo",
         env={"PYTHONPATH": str(tmp_path)},
     )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
     assert "injected failure in the second reward call" in log and "Retry 1/1" in log
     assert states(log)["ppo"] == "Completed"
-    records = [json.loads(line) for line in (Path(result["stages"]["ppo"]["uri"]) / "metrics.jsonl").open()]
+    summary = done.stdout[done.stdout.index("rlhf run: finished; MLflow run ") :].splitlines()
+    run_id = summary[0].rsplit(" ", 1)[1]
+    uris = dict(line.split() for line in summary[1:] if line.startswith("  "))
+    assert list(uris) == [s for s in STAGES if s in states(log)] and "ppo" in uris
+    assert summary[-1] == f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{elsewhere}"
+    for stage, uri in uris.items():
+        assert Path(uri).parent == tmp_path / "artifacts" / stage and (Path(uri) / "MANIFEST.json").is_file()
+
+    records = [json.loads(line) for line in (Path(uris["ppo"]) / "metrics.jsonl").open()]
     assert [r["metrics"]["resume/from_step"] for r in records if "resume/from_step" in r.get("metrics", {})] == [1]
     updates = [r["step"] for r in records if "objective/scores" in r.get("metrics", {})]
     assert updates == [1, 2]  # the failed attempt never finished update 2
     assert not list((tmp_path / "work" / "ppo").glob("*/checkpoints"))  # stored whole: none kept
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    ppo_runs = client.search_runs(
-        [client.get_run(result["mlflow_run_id"]).info.experiment_id], filter_string="attributes.run_name = 'ppo'"
+    assert not (tmp_path / "mlflow.db").exists()  # the run directory's default store was not used
+    client = MlflowClient(tracking_uri=f"sqlite:///{elsewhere}")
+    parent = client.get_run(run_id)
+    assert parent.info.status == "FINISHED" and parent.data.params["tracking.tracking_uri"].endswith("elsewhere.db")
+    children = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'")
+    assert sorted((r.info.run_name, r.info.status) for r in children) == sorted(
+        [(stage, "FINISHED") for stage in uris] + [("ppo", "FAILED")]
     )
-    assert sorted(r.info.status for r in ppo_runs) == ["FAILED", "FINISHED"]
