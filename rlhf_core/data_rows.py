@@ -11,6 +11,7 @@ Local files (``data.source: local``, :func:`iter_jsonl`) and hub splits
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 import logging
 import string
@@ -158,6 +159,20 @@ def normalise_row(rec: dict, kind: str, fmt: QueryFormat) -> dict:
     return out
 
 
+def content_id(row: dict, taken: Counter) -> str:
+    """An id for a normalised row that has none (TRL's datasets carry no ``id`` column): the
+    first 16 hex digits of the SHA-256 of its fields (``source_row`` aside), so the same rows
+    get the same ids in every run; the n-th row with the same fields in a split gets ``-n``
+    (n >= 2) after them, so a repeated prompt or pair keeps an id of its own.
+
+    ``taken`` counts the digests given so far in the split and is updated.
+    """
+    fields = {k: v for k, v in row.items() if k not in ("id", "source_row")}
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    taken[digest] += 1
+    return digest if taken[digest] == 1 else f"{digest}-{taken[digest]}"
+
+
 @dataclass
 class SplitLoad:
     """Rows of one output split after validation, with what was dropped and why."""
@@ -178,7 +193,9 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
     Batch filters (``spec.batches``/``spec.exclude_batches``) apply before validation, so
     bad rows of batches that are not used do not count. A second SFT row with an id seen
     before (``duplicate_id``) or a second identical comparison (``duplicate_row``) is a bad
-    row, naming the first copy. ``spec.max_rows`` keeps the first N valid rows.
+    row, naming the first copy; a TRL-format row repeated verbatim is kept, as TRL reads it (one
+    pair labelled alike by several annotators). A row without an id gets one from its content
+    (:func:`content_id`). ``spec.max_rows`` keeps the first N valid rows.
 
     Raises:
         DataError: a bad row when ``data_cfg.on_bad_row == "error"`` (naming the file or
@@ -202,6 +219,8 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
         raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
 
     seen: dict[str, str] = {}  # duplicate key -> where its first copy is
+    taken: Counter = Counter()  # content ids given so far (content_id)
+    repeats: list[tuple[str, str]] = []  # TRL rows repeated verbatim: (where, where the first is)
     first_form: tuple[str, str] | None = None  # (form, where) of the split's first TRL-format row
     for where, rec in raw:
         try:
@@ -216,10 +235,12 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
                         f"{where}: a {form} {kind} row in a split of {first_form[0]} rows (the first at "
                         f"{first_form[1]}); one split holds one form"
                     )
-                dup = json.dumps(rec, sort_keys=True, default=str)  # a whole row given twice
+                dup = json.dumps(rec, sort_keys=True, default=str)  # a whole row given twice: kept
                 if dup in seen:
-                    raise BadRow("duplicate_row", f"the same row as {seen[dup]}")
-                seen[dup] = where
+                    repeats.append((where, seen[dup]))
+                else:
+                    seen[dup] = where
+                row["id"] = row["id"] or content_id(row, taken)
                 row["source_row"] = where
                 result.rows.append(row)
                 if spec.max_rows is not None and len(result.rows) >= spec.max_rows:
@@ -240,6 +261,7 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
                 raise BadRow(reason, f"the same {'id' if kind == 'sft' else 'row'} as {seen[dup]}")
             if dup:
                 seen[dup] = where
+            row["id"] = row["id"] or content_id(row, taken)
         except BadRow as bad:
             if data_cfg.on_bad_row == "error":
                 raise DataError(
@@ -254,4 +276,12 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
             break
     if not result.rows:
         raise DataError(f"{kind} split from source {spec.source!r} ({source}) has no valid rows after filtering")
+    if repeats:
+        log.info(
+            "%s split %r: %d row(s) repeat an earlier row verbatim and are kept, as TRL reads them (%s repeats %s)",
+            kind,
+            spec.source,
+            len(repeats),
+            *repeats[0],
+        )
     return result

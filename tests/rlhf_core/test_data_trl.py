@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,11 +148,14 @@ def _standard_folder(folder: Path) -> Path:
     return folder
 
 
+def converted(folder: Path, form: str) -> Path:
+    converter().convert(folder, "smoke", [], form)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def conversational_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trl-conversational")
-    converter().convert(folder, "smoke", [], "conversational")
-    return folder
+    return converted(tmp_path_factory.mktemp("trl-conversational"), "conversational")
 
 
 def test_the_data_stage_reads_conversational_files(tmp_path, conversational_folder, smol_tokenizer):
@@ -242,14 +246,34 @@ def test_trl_settings_left_at_their_defaults_keep_the_data_key():
 # ------------------------------------------------------------------- every stage
 
 
+def rows_as_users_have_them(folder: Path) -> Path:
+    """``folder``'s TRL rows with no ``id`` column, as TRL's own datasets have none, and with
+    repeats: the first SFT validation row (an evaluation prompt) given twice verbatim and once
+    more with another row's completion, and the first pair of each preference split twice."""
+    for path in folder.glob("*.jsonl"):
+        rows = [{k: v for k, v in json.loads(line).items() if k != "id"} for line in path.read_text().splitlines()]
+        if path.name == "sft_validation.jsonl":
+            rows[1:1] = [rows[0], {**rows[0], "completion": rows[1]["completion"]}]
+        elif path.name.startswith("preference_"):
+            rows.insert(1, rows[0])
+        write_jsonl(path, rows)
+    return folder
+
+
 @pytest.mark.slow
-def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder):
+@pytest.mark.parametrize("form", ["standard", "conversational"])
+def test_every_stage_runs_on_trl_rows_without_ids_and_with_repeats(tmp_path, form):
     """SFT, the reward model, its normalisation and evaluation, PPO, DPO and the evaluation on
-    TRL conversational rows through SmolLM2's chat template; the judge reads the pairwise prompt."""
+    TRL rows with no ``id`` and with repeated prompts and pairs (:func:`rows_as_users_have_them`),
+    conversations through SmolLM2's chat template; each summary evaluated keeps an id of its own,
+    and the judge reads the pairwise prompt."""
     from rlhf_core.judging import Comparison, prompt_sha256
     from rlhf_core.judging.prompt import PAIRWISE_PROMPT
 
-    overrides = ["data.format=trl", f"data.local_dir={conversational_folder}", CHAT_TOKENIZER]
+    folder = tmp_path / "rows"
+    rows_as_users_have_them(converted(folder, form))
+    overrides = ["data.format=trl", f"data.local_dir={folder}"]
+    overrides += [CHAT_TOKENIZER] if form == "conversational" else []
     # each stage as short as it goes: one optimiser step or PPO update, a few rows evaluated
     overrides += ["sft.max_steps=1", "reward.max_steps=1", "dpo.max_steps=1", "ppo.total_episodes=8"]
     overrides += [
@@ -258,7 +282,7 @@ def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder
         "reward.eval_max_samples=4",
         "ppo.eval_max_samples=2",
     ]
-    overrides += ["eval.max_samples=2", "eval.judge_human_comparisons=2", "eval.judge_orders=one"]
+    overrides += ["eval.max_samples=3", "eval.judge_human_comparisons=2", "eval.judge_orders=one"]
     overrides += ["eval.diversity_prompts=0", "eval.token_shift_samples=0"]
     root = rlhf_stages(overrides, "evaluation", tmp_path / "run")
     for stage in ("data", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval", "evaluation"):
@@ -267,6 +291,7 @@ def test_every_stage_runs_on_conversational_rows(tmp_path, conversational_folder
     assert "eval/accuracy" in reward_eval and not [key for key in reward_eval if "cnndm" in key]
     sft, _, _ = load_prepared(root / "data")
     summaries = [json.loads(line) for line in (root / "evaluation" / "summaries.jsonl").read_text().splitlines()]
+    assert len({s["id"] for s in summaries}) == len(summaries) == 3 and len({s["post"] for s in summaries}) == 1
     judgements = [json.loads(line) for line in (root / "evaluation" / "judgements.jsonl").read_text().splitlines()]
     first = next(j for j in judgements if j["policy"] != "human-chosen")
     row = next(s for s in summaries if f"{first['policy']}/{s['id']}" == first["id"])
@@ -356,3 +381,29 @@ def test_a_split_reads_its_own_file_only(tmp_path):
     cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={tmp_path}"])
     loaded = load_split(cfg.data, "preference", SplitSpec(source="validation", task="trl"), None)
     assert [row["prompt"] for row in loaded.rows] == ["P"]
+
+
+def test_rows_without_ids_get_ids_from_their_content_and_repeats_are_kept(tmp_path, caplog):
+    """TRL's datasets carry no ``id``: each row gets one from its content, the same in every
+    load, and a repeated prompt, a pair repeated verbatim (one pair labelled alike by two
+    annotators) and an SFT row given twice each keep rows and ids of their own."""
+    from rlhf_core.config_data import SplitSpec
+    from rlhf_core.data_rows import load_split
+
+    pair = {"prompt": "P", "chosen": " a", "rejected": " b"}
+    write_jsonl(tmp_path / "preference_train.jsonl", [pair, {**pair, "chosen": " c"}, pair, {"id": "mine", **pair}])
+    sft = {"prompt": "Q", "completion": " x"}
+    write_jsonl(tmp_path / "sft_train.jsonl", [sft, {**sft, "completion": " y"}, sft])
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={tmp_path}"])
+    spec = SplitSpec(source="train", task="trl")
+    with caplog.at_level("INFO", logger="rlhf_core.data_rows"):
+        first = load_split(cfg.data, "preference", spec, None)
+    ids = [row["id"] for row in first.rows]
+    assert [row["chosen"] for row in first.rows] == [" a", " c", " a", " a"]
+    assert len(set(ids)) == 4 and ids[3] == "mine" and ids[2] == ids[0] + "-2"
+    assert all(re.fullmatch(r"[0-9a-f]{16}", i) for i in ids[:2])
+    assert [row["id"] for row in load_split(cfg.data, "preference", spec, None).rows] == ids  # stable
+    assert "1 row(s) repeat an earlier row verbatim and are kept" in caplog.text
+    assert f"preference_train.jsonl:3 repeats {tmp_path / 'preference_train.jsonl'}:1" in caplog.text
+    sft_ids = [row["id"] for row in load_split(cfg.data, "sft", spec, None).rows]
+    assert len(set(sft_ids)) == 3 and sft_ids[2] == sft_ids[0] + "-2"
