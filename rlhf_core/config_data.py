@@ -227,6 +227,14 @@ class DataConfig(StrictModel):
                 raise ValueError(f"data.columns.{name}: not one of TRL's columns ({', '.join(TRL_COLUMNS)})")
             if not column:
                 raise ValueError(f"data.columns.{name}: an empty column name")
+        named: dict[str, str] = {}
+        for name, column in columns.items():
+            if column in named:
+                raise ValueError(
+                    f"data.columns.{named[column]} and data.columns.{name} both read column {column!r}; "
+                    "one column becomes one of TRL's columns"
+                )
+            named[column] = name
         return columns
 
     def splits(self, kind: Literal["sft", "preference"]) -> dict[str, SplitSpec]:

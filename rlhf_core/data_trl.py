@@ -37,19 +37,26 @@ PREFERENCE_METADATA = ("batch", "chosen_policy", "rejected_policy", "split", "wo
 
 
 def rename_columns(rec: dict, columns: dict[str, str]) -> dict:
-    """``rec`` with each column ``columns[name]`` renamed ``name`` (``data.columns``).
+    """``rec`` with each column ``columns[name]`` renamed ``name`` (``data.columns``), all at
+    once: ``{chosen: rejected, rejected: chosen}`` swaps the two.
 
     Raises:
-        BadRow: ``missing_column:COLUMN`` when a mapped column is absent.
+        BadRow: ``missing_column:COLUMN`` when a mapped column is absent; ``column_clash:NAME``
+            when a column is renamed ``NAME`` and the row has a column ``NAME`` of its own that
+            is not renamed too (two sources for one name).
     """
     if not columns:
         return rec
-    out = dict(rec)
     for name, column in columns.items():
         if column not in rec:
             raise BadRow(f"missing_column:{column}", f"data.columns.{name} names column {column!r}, not in the row")
-        out[name] = out.pop(column)
-    return out
+        if name in rec and name not in columns.values():
+            raise BadRow(
+                f"column_clash:{name}",
+                f"data.columns.{name} renames column {column!r} to {name!r}, and the row has a column {name!r} too",
+            )
+    renamed = set(columns.values())
+    return {k: v for k, v in rec.items() if k not in renamed} | {name: rec[column] for name, column in columns.items()}
 
 
 def _messages(value: Any, name: str) -> list[dict[str, str]]:
@@ -82,36 +89,31 @@ def _string(value: Any, name: str) -> str:
 
 
 def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
-    """Split two whole responses sharing a prompt into ``(prompt, chosen, rejected)``.
+    """Split two whole responses sharing a prompt into ``(prompt, chosen, rejected)``, as TRL's
+    ``extract_prompt`` (``trl.data_utils``) splits them, so that a dataset reads alike here and
+    in TRL.
 
-    Conversations split at their longest common prefix of whole messages; strings at their
-    longest common prefix of characters, moved back to the last whitespace in it, so that a
-    response starts at a word (with its leading space).
+    The split is at the first element (character of a string, message of a conversation) where
+    the two differ, one element earlier when the character before it is a space (the responses
+    then start with it); where one is a prefix of the other, it is one element before the
+    shorter one's end, where TRL's loop stops. This is not a word boundary: ``"The sky is
+    blue."`` and ``"The sky is black."`` split after ``"The sky is bl"``.
 
     Raises:
-        BadRow: ``no_common_prompt`` when the two share no prefix, or ``identical_responses``.
+        BadRow: ``identical_responses``; ``no_common_prompt`` when the split would leave an empty
+            prompt (there TRL would wrap round to the last character and invent one).
     """
-    if isinstance(chosen, list) and isinstance(rejected, list):
-        n = 0
-        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-            n += 1
-        if n == len(chosen) and n == len(rejected):
-            raise BadRow("identical_responses")
-        if n == 0:
-            raise BadRow("no_common_prompt", "chosen and rejected share no leading message")
-        return chosen[:n], chosen[n:], rejected[n:]
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    if n == len(chosen) and n == len(rejected):
+    if chosen == rejected:
         raise BadRow("identical_responses")
-    while n > 0 and not chosen[n - 1].isspace():
-        n -= 1
-    if n > 0:
-        n -= 1  # the whitespace starts the responses
-    if n == 0:
-        raise BadRow("no_common_prompt", "chosen and rejected share no leading words")
-    return chosen[:n], chosen[n:], rejected[n:]
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if idx > 0 and chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    if idx == 0:
+        raise BadRow("no_common_prompt", "chosen and rejected share no leading text or message")
+    return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
 def row_form(rec: dict, kind: str) -> str:

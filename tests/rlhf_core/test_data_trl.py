@@ -72,15 +72,39 @@ def test_preference_rows_with_explicit_and_implicit_prompts():
         7,
     )
     assert row["chosen_policy"] is None and row["split"] is None  # absent metadata stays absent
-    # TRL's documented example: the implicit prompt is the common prefix, up to the last space
+    # TRL's documented example: the implicit prompt is the common prefix, the space left to the responses
     _, implicit = normalise_trl_row({"chosen": "The sky is blue.", "rejected": "The sky is green."}, "preference", {})
     assert (implicit["prompt"], implicit["chosen"], implicit["rejected"]) == ("The sky is", " blue.", " green.")
-    assert split_implicit_prompt("The sky is blue.", "The sky is black.") == ("The sky is", " blue.", " black.")
     q = [msg(USER, "What color is the sky?")]
     whole = {"chosen": q + [msg(ASSISTANT, "It is blue.")], "rejected": q + [msg(ASSISTANT, "It is green.")]}
     form, row = normalise_trl_row(whole, "preference", {})
     assert form == "conversational" and json.loads(row["prompt_messages"]) == q
     assert (row["chosen"], row["rejected"]) == ("It is blue.", "It is green.")
+
+
+TRL_CASES = Path(__file__).resolve().parents[1] / "data" / "trl_extract_prompt_cases.json"
+
+
+def test_an_implicit_prompt_is_split_as_trls_extract_prompt_splits_it():
+    """Each pair of tests/data/trl_extract_prompt_cases.json (written by TRL's own
+    ``extract_prompt``: tests/data/make_trl_extract_prompt_cases.py) splits as TRL split it,
+    and as TRL splits it now where TRL is installed; a pair that would leave no prompt, or two
+    equal responses, is a bad row."""
+    cases = json.loads(TRL_CASES.read_text())["cases"]
+    trl_extract = None
+    if importlib.util.find_spec("trl") is not None:
+        from trl.data_utils import extract_prompt as trl_extract
+    for case in cases:
+        got = split_implicit_prompt(case["chosen"], case["rejected"])
+        assert got == (case["trl"]["prompt"], case["trl"]["chosen"], case["trl"]["rejected"]), case
+        if trl_extract is not None:
+            now = trl_extract({"chosen": case["chosen"], "rejected": case["rejected"]})
+            assert got == (now["prompt"], now["chosen"], now["rejected"]), case
+    assert {type(case["chosen"]) for case in cases} == {str, list} and len(cases) >= 8
+    with pytest.raises(BadRow, match="no_common_prompt"):
+        split_implicit_prompt("Blue.", "Green.")
+    with pytest.raises(BadRow, match="no_common_prompt"):
+        split_implicit_prompt(" blue", " green")  # the space before the difference is all they share
 
 
 def test_columns_are_renamed_and_bad_rows_named():
@@ -98,6 +122,19 @@ def test_columns_are_renamed_and_bad_rows_named():
         normalise_trl_row({"messages": [msg(USER, "Q?")]}, "sft", {})
     with pytest.raises(BadRow, match="identical_responses"):
         split_implicit_prompt("same", "same")
+
+
+def test_columns_are_renamed_at_once_and_two_sources_for_one_name_are_refused():
+    """``{chosen: rejected, rejected: chosen}`` swaps the two (renamed one after the other, the
+    second found its column gone); a rename onto a column the row keeps, or one column read as
+    two of TRL's, is refused, naming both."""
+    pair = {"prompt": "P", "chosen": " worse", "rejected": " better"}
+    _, row = normalise_trl_row(pair, "preference", {"chosen": "rejected", "rejected": "chosen"})
+    assert (row["chosen"], row["rejected"]) == (" better", " worse")
+    with pytest.raises(BadRow, match=r"column_clash:prompt: .*column 'question' to 'prompt', and the row has a column"):
+        normalise_trl_row({"question": "Q", **pair}, "preference", {"prompt": "question"})
+    with pytest.raises(ConfigError, match=r"data\.columns\.prompt and data\.columns\.completion both read column 'q'"):
+        load_config("smoke", ["data.format=trl", "data.columns.prompt=q", "data.columns.completion=q"])
 
 
 def test_a_mix_of_forms_in_one_split_names_the_file_and_row(tmp_path, smol_tokenizer):
