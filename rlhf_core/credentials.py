@@ -141,19 +141,29 @@ def check_no_credentials(settings: dict[str, Any], origin: str) -> None:
 
 
 _ASSIGNMENT = re.compile(r"(?P<key>[A-Za-z_][\w.\-]*)=(?P<value>\S+)")
+#: A command-line option and the value after it, space-separated (``--api-key VALUE``).
+_OPTION_VALUE = re.compile(r"(?<!\S)(?P<option>--?[A-Za-z][\w.\-]*)(?P<space>\s+)(?P<value>[^\s\-]\S*)")
 
 
 def redact(text: str) -> str:
     """``text`` with every credential it holds replaced by ``<not shown>``: a known key shape
-    (:func:`holds_key`), even inside a longer word, or a URL's password, and the value of a ``key=value`` whose value
-    is a credential for its key (:func:`holds_credential`). For messages made of what a user
-    typed, such as argparse's "unrecognized arguments"."""
+    (:func:`holds_key`), even inside a longer word, or a URL's password, and the value of a
+    ``key=value``, or of an option given as ``--name VALUE``, whose value is a credential for its
+    key or option name (:func:`holds_credential`: ``--api-key`` and ``--token`` are
+    credential-like names). For messages made of what a user typed, such as argparse's
+    "unrecognized arguments"."""
 
     def assignment(match: re.Match) -> str:
         key, value = match["key"], match["value"]
         return f"{key}=<not shown>" if holds_credential(value, key.rsplit(".", 1)[-1]) else match[0]
 
+    def option(match: re.Match) -> str:
+        name, value = match["option"].lstrip("-"), match["value"]
+        shown = not holds_credential(value, name.rsplit(".", 1)[-1])
+        return match[0] if shown else f"{match['option']}{match['space']}<not shown>"
+
     text = _ASSIGNMENT.sub(assignment, text)
+    text = _OPTION_VALUE.sub(option, text)
     text = _URL_PASSWORD.sub(lambda m: m[0].split("://")[0] + "://<not shown>@", text)
     return _KEY_SHAPE_ANYWHERE.sub(lambda m: "<not shown>" if holds_key(m[0]) else m[0], text)
 

@@ -93,3 +93,18 @@ def test_no_credential_is_echoed_by_argparse_or_named_in_a_sweep_cell(key, value
         with pytest.raises(ConfigError, match=f"^{named} \\(sweep leak\\): the value looks like a credential") as err:
             expand(spec)
         assert value not in str(err.value)
+
+
+def test_an_option_given_with_a_space_has_its_credential_redacted():
+    """``--api-key VALUE`` and ``--token VALUE``, as argparse echoes unrecognized arguments, hide
+    a random value as ``--api-key=VALUE`` does; an option that names no credential, or a value
+    that is no credential (a Secret block's name), is shown."""
+    random_value = "Zk3lQ9xR2mT7vB4nC8pD1sF6gH0jK5"
+    for option in ("--api-key", "--token", "--hf_token", "-apikey", "--eval.api_key"):
+        said = redact(f"rlhf: error: unrecognized arguments: {option} {random_value} --until sft")
+        assert said == f"rlhf: error: unrecognized arguments: {option} <not shown> --until sft", option
+    for key, value in KEYS:  # a key shape after any option
+        if holds_key(value):
+            assert value not in redact(f"unrecognized arguments: --model {value}"), key
+    shown = "unrecognized arguments: --tokenizer gpt2 --token-budget 12 --api-key-secret anthropic-key --max-tokens 64"
+    assert redact(shown) == shown
