@@ -7,6 +7,7 @@ on the tracking server step by step. Tables and files are logged as run artifact
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -41,14 +42,19 @@ MAX_NAME_LENGTH = 250
 
 
 def mlflow_key(name: str) -> str:
-    """``name`` as MLflow accepts a metric or parameter name: each character MLflow refuses as
-    ``_`` (``train/lr(1e-3)`` is ``train/lr_1e-3_``), and read as a path, as MLflow also does,
-    without empty, ``.`` or ``..`` parts (``a//b`` is ``a/b``), at most 250 characters. A name
-    MLflow accepts is returned as it is. :class:`MLflowTracker` keeps mapped names unique."""
+    """``name`` as MLflow accepts a metric or parameter name, from ``name`` alone (the same in any
+    run, whatever else is logged). A name MLflow accepts is returned as it is. Another is made
+    acceptable: each character MLflow refuses as ``_``, read as a path, as MLflow also does,
+    without empty, ``.`` or ``..`` parts, cut to fit 250 characters, then ``_`` and the first 7
+    hex digits of the SHA-256 of ``name``, so that two names mapped alike stay apart
+    (``train/lr(1e-3)`` is ``train/lr_1e-3__ff3dfe4``, never ``train/lr_1e-3_`` itself)."""
     mapped = _MLFLOW_NAME_CHARS.sub("_", name)
     if posixpath.normpath(mapped) != mapped or mapped.startswith(("/", "..")) or mapped in ("", "."):
         mapped = "/".join(part for part in mapped.split("/") if part not in ("", ".", "..")) or "_"
-    return mapped[:MAX_NAME_LENGTH]
+    if mapped == name and len(name) <= MAX_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(name.encode()).hexdigest()[:7]
+    return f"{mapped[: MAX_NAME_LENGTH - 8]}_{digest}"
 
 
 def _is_secret(key: str) -> bool:
@@ -73,19 +79,20 @@ class MLflowTracker:
         self.flush_size = flush_size
         self._buffer: list[Metric] = []
         self._last_flush = time.monotonic()
-        self._names: dict[str, str] = {}  # name given -> name sent (mlflow_key, made unique)
+        self._names: dict[str, str] = {}  # name sent (mlflow_key) -> name given
 
     def _key(self, name: str) -> str:
-        """The name sent for ``name``: :func:`mlflow_key`, with ``_2``, ``_3``, ... where another
-        name given in this run maps to the same one."""
-        if name not in self._names:
-            key, taken, n = mlflow_key(name), set(self._names.values()), 1
-            while (candidate := key if n == 1 else f"{key[: MAX_NAME_LENGTH - 4]}_{n}") in taken or (
-                candidate != name and candidate in self._names
-            ):
-                n += 1
-            self._names[name] = candidate
-        return self._names[name]
+        """The name sent for ``name`` (:func:`mlflow_key`).
+
+        Raises:
+            ValueError: another name given in this run maps to the same one (two names that
+                differ only in what MLflow refuses and share the 7 hex digits of their digest).
+        """
+        key = mlflow_key(name)
+        other = self._names.setdefault(key, name)
+        if other != name:
+            raise ValueError(f"metric or parameter names {other!r} and {name!r} both map to {key!r} in MLflow")
+        return key
 
     def log_params(self, params: dict[str, Any]) -> None:
         """Log params as strings (values cut to MLflow's limit) under names MLflow accepts

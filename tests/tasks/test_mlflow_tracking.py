@@ -8,9 +8,10 @@ import warnings
 from pathlib import Path
 
 import mlflow
+import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.mlflow_tracking import MLflowTracker
+from tasks.mlflow_tracking import MLflowTracker, mlflow_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     )
     for step in range(1, 4):
         tracker.log_metrics({"train/loss": 1.0 / step, "lr": 3e-6, "bad": math.nan}, step=step)
-    # names MLflow refuses (verl #1242), mapped, and kept apart where two map to one name
+    # names MLflow refuses (verl #1242), mapped, and kept apart from a name MLflow accepts as it is
     tracker.log_metrics({"train/lr(1e-3)": 1.0, "train/lr_1e-3_": 2.0, "eval//score:x": 3.0, "../up": 4.0}, step=1)
     tracker.log_params({"grid.lr(1e-3)": 0.001})
     tracker.log_table("samples", [{"post": "p", "sft": "s"}, {"post": "q", "sft": "t"}])
@@ -45,13 +46,13 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [(m.step, round(m.value, 4)) for m in history] == [(1, 1.0), (2, 0.5), (3, 0.3333)]
     assert "bad" not in data.metrics
-    assert {k: data.metrics[k] for k in ("train/lr_1e-3_", "train/lr_1e-3__2", "eval/score_x", "up")} == {
-        "train/lr_1e-3_": 1.0,
-        "train/lr_1e-3__2": 2.0,
-        "eval/score_x": 3.0,
-        "up": 4.0,
+    assert {k: v for k, v in data.metrics.items() if k not in ("train/loss", "lr")} == {
+        "train/lr_1e-3__ff3dfe4": 1.0,
+        "train/lr_1e-3_": 2.0,
+        "eval/score_x_37aab88": 3.0,
+        "up_8c722b8": 4.0,
     }
-    assert data.params["grid.lr_1e-3_"] == "0.001"
+    assert data.params["grid.lr_1e-3__b10972e"] == "0.001"
     names = {a.path for a in client.list_artifacts(run.info.run_id)} | {
         a.path for a in client.list_artifacts(run.info.run_id, "tables")
     }
@@ -70,6 +71,20 @@ def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_pat
         "tables/samples.json"
         in json.loads(client.get_run(run.info.run_id).data.tags["mlflow.loggedArtifacts"])[0]["path"]
     )
+
+
+def test_a_names_mapping_depends_on_the_name_alone():
+    """The name MLflow gets for a metric or param is the same whichever names came before it in
+    the run, and two names that map alike are refused, not renamed by their order."""
+    names = ["train/lr(1e-3)", "train/lr_1e-3_", "train/lr[1e-3]", "a" * 300, "a" * 300 + "b", "ok/name"]
+    forward, backward = MLflowTracker("run", client=object()), MLflowTracker("run", client=object())
+    there = [forward._key(n) for n in names]
+    assert [backward._key(n) for n in reversed(names)] == list(reversed(there))
+    assert len(set(there)) == len(names) and there[1] == "train/lr_1e-3_" and there[-1] == "ok/name"
+    assert all(len(k) <= 250 and mlflow_key(k) == k for k in there)  # each one MLflow accepts as it is
+    forward._names["train/lr_1e-3__ff3dfe4"] = "another name"
+    with pytest.raises(ValueError, match=r"'another name' and 'train/lr\(1e-3\)' both map to"):
+        forward._key("train/lr(1e-3)")
 
 
 def test_experiments_open_on_model_runs_and_runs_name_their_source(tmp_path):
