@@ -14,7 +14,6 @@ from rlhf_core.ppo_rollout import (
     rollout_statistics,
     summary_logprobs,
     throughput_statistics,
-    whitened_advantages,
 )
 from rlhf_core.reward import ResponseScores
 
@@ -162,12 +161,44 @@ def test_a_group_that_holds_two_prompts_is_refused():
         estimate_advantages(traj, kl_penalised_rewards(traj, cfg), cfg)
 
 
-def test_gae_is_the_whitened_gae_of_before():
-    cfg = ppo_cfg()
-    traj = two_responses()
+def test_gae_advantages_and_returns_by_hand():
+    """``gae`` (the paper's estimator), worked by hand on two responses with values: the
+    lambda-return recursion over each response's tokens, A_t = delta_t + gamma lam A_t+1 with
+    delta_t = r_t + gamma V_t+1 - V_t (V after the response 0), returns A + V, then the
+    advantages whitened over the batch's response tokens with the unbiased variance (Detail 25)."""
+    cfg = ppo_cfg("ppo.gamma=0.9", "ppo.lam=0.8")
+    base = two_responses()
+    values = torch.tensor([[0.5, -0.25, 0.0, 0.0], [0.125, 0.375, -0.5, 0.25]])
+    traj = make_trajectory(
+        query_responses=base.query_responses,
+        responses=base.responses,
+        logprobs=base.logprobs,
+        ref_logprobs=base.ref_logprobs,
+        values=values,
+        scored=ResponseScores(
+            raw_scores=torch.tensor([1.0, 3.0]), scores=torch.tensor([1.0, -1.0]), has_eos=base.has_eos
+        ),
+        context_length=3,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        time_generate=2.0,
+        time_score=0.5,
+    )
     rewards = kl_penalised_rewards(traj, cfg)
-    got, want = estimate_advantages(traj, rewards, cfg), whitened_advantages(traj, rewards, cfg)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    advantages, returns = estimate_advantages(traj, rewards, cfg)
+    raw = torch.zeros(2, 4)
+    for row, length in enumerate((2, 4)):  # the first response ends at its EOS, the second runs on
+        later = 0.0
+        for t in reversed(range(length)):
+            next_value = values[row, t + 1].item() if t + 1 < length else 0.0
+            delta = rewards.rewards[row, t].item() + 0.9 * next_value - values[row, t].item()
+            later = delta + 0.9 * 0.8 * later
+            raw[row, t] = later
+    torch.testing.assert_close(returns * traj.token_mask, (raw + values) * traj.token_mask)
+    tokens = raw[traj.token_mask]
+    mean, var = tokens.mean(), ((tokens - tokens.mean()) ** 2).sum() / (tokens.numel() - 1)
+    torch.testing.assert_close(advantages, (raw - mean) / torch.sqrt(var + 1e-8) * traj.token_mask)
+    assert advantages[0, 2:].abs().sum() == 0 and advantages[traj.token_mask].std() > 0.5
 
 
 def test_rollout_statistics_leave_out_returns_without_a_value_model():
