@@ -214,6 +214,12 @@ class RewardConfig(EpochTrainerConfig):
     #: reward.pair_scores.
     gradient_checkpointing: bool | Literal["selective"] = False
     normalize: bool = True
+    #: An existing reward model without a chat template (``ppo.reward: model:SOURCE``) reads
+    #: query + response with its tokenizer's EOS text appended, as TRL's RewardTrainer appends
+    #: it to the plain texts it trains on; false reads query + response as they are. A chat
+    #: template's conversation is read as the template renders it either way. Recorded in the
+    #: imported checkpoint's config (``rlhf_append_eos``).
+    external_append_eos: bool = True
     normalization_split: str = "train"
     normalization_max_samples: int | None = Field(None, gt=0)
     #: Preference splits evaluated. Unset under ``data.format: trl``: ``validation`` and the splits

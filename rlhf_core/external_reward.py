@@ -4,7 +4,8 @@ Any Hugging Face ``AutoModelForSequenceClassification`` checkpoint with one labe
 local directory or ``pkg:PACKAGE/PATH``) takes the trained reward model's place: the reward stage
 copies it untrained (:func:`import_reward_model`), and :class:`ExternalRewardModel` scores the
 texts decoded from the policy's ids, re-encoded by its own tokenizer (and chat template when it
-has one), as ``transformers`` alone scores them. Normalisation (Detail 15), evaluation and
+has one), reading ``AutoModelForSequenceClassification``'s raw logit (no sigmoid, which
+``transformers``' text-classification pipeline would apply). Normalisation (Detail 15), evaluation and
 scoring go through :mod:`rlhf_core.reward` as for a trained one
 (:func:`rlhf_core.reward.load_reward_model`, :func:`rlhf_core.reward.score_responses`).
 """
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 #: (``model:SOURCE[@REVISION]``): the checkpoint scores through its own tokenizer
 #: (:class:`ExternalRewardModel`), not the policy's.
 EXTERNAL_REWARD_KEY = "rlhf_external_reward"
+#: The key of an imported reward model's ``config.json`` that says whether its plain texts end
+#: with its EOS (``reward.external_append_eos``).
+APPEND_EOS_KEY = "rlhf_append_eos"
 
 
 def decode_query_responses(
@@ -80,13 +84,19 @@ class ExternalRewardModel(nn.Module):
     policy's tokenizer (:func:`decode_query_responses`), re-encoding the texts with its own
     (:meth:`texts`) and reading ``logits[:, 0]`` (the checkpoint's own pooling: its last token
     that is not its ``pad_token_id``), plus ``bias``, the normalisation of Detail 15, saved in
-    its config as ``rlhf_score_bias`` (0 when never normalised).
+    its config as ``rlhf_score_bias`` (0 when never normalised). A text longer than the model's
+    positions (``max_position_embeddings``) loses the start of its query, as the policy's query
+    is truncated: the end of the query and the whole response are read (a warning gives the
+    count the first time).
 
     Attributes:
         model: the sequence-classification model, dropout off.
         tokenizer: its tokenizer.
         policy_tokenizer: the tokenizer of the ids it is given.
         bias: float added to every score.
+        append_eos: a plain text ends with the tokenizer's EOS (``rlhf_append_eos`` in the
+            config, default true: ``reward.external_append_eos``).
+        max_length: the most tokens the model reads (``max_position_embeddings``), or ``None``.
     """
 
     def __init__(
@@ -99,6 +109,9 @@ class ExternalRewardModel(nn.Module):
         self.model = disable_dropout(model)
         self.tokenizer, self.policy_tokenizer = tokenizer, policy_tokenizer
         self.bias = float(getattr(model.config, "rlhf_score_bias", 0.0) or 0.0)
+        self.append_eos = bool(getattr(model.config, APPEND_EOS_KEY, True))
+        self.max_length: int | None = getattr(model.config, "max_position_embeddings", None)
+        self._warned_cut = False
 
     @classmethod
     def from_pretrained(
@@ -130,9 +143,13 @@ class ExternalRewardModel(nn.Module):
     def texts(self, query_texts: list[str], response_texts: list[str]) -> list[str]:
         """What the model reads of each query and response: with a chat template, the
         conversation of the query (user) and the response (assistant), each stripped of
-        surrounding whitespace, rendered by the template; without one, ``query + response``."""
+        surrounding whitespace, rendered by the template; without one, ``query + response``,
+        then the tokenizer's EOS text unless it ends with it already, as TRL's RewardTrainer
+        trains on plain texts (with :attr:`append_eos`)."""
         if not self.tokenizer.chat_template:
-            return [q + r for q, r in zip(query_texts, response_texts)]
+            eos = self.tokenizer.eos_token if self.append_eos else None
+            plain = [q + r for q, r in zip(query_texts, response_texts)]
+            return [t + eos if eos and not t.endswith(eos) else t for t in plain]
         return [
             self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": q.strip()}, {"role": "assistant", "content": r.strip()}],
@@ -141,10 +158,35 @@ class ExternalRewardModel(nn.Module):
             for q, r in zip(query_texts, response_texts)
         ]
 
+    def fit(self, query_texts: list[str], response_texts: list[str]) -> tuple[list[str], int]:
+        """The query texts cut at their start until each query's text with its response fits
+        :attr:`max_length` tokens (:meth:`texts`, :meth:`encode`), as the policy's queries are
+        truncated: the end of the query and the whole response kept. Returns ``(query_texts,
+        how many were cut)``; a response that does not fit alone keeps no query text (and loses
+        its end in :meth:`score_texts`, :meth:`within_positions`)."""
+        if not self.max_length:
+            return list(query_texts), 0
+        fitted, cut = [], 0
+        for query, response in zip(query_texts, response_texts):
+            for _ in range(8):  # a cut query may tokenise to a token more or less than counted
+                excess = len(self.encode(self.texts([query], [response]))[0]) - self.max_length
+                if excess <= 0:
+                    break
+                ids = self.tokenizer(query, add_special_tokens=False)["input_ids"]
+                query = self.tokenizer.decode(ids[min(excess, len(ids)) :]) if excess < len(ids) else ""
+            cut += query != query_texts[len(fitted)]
+            fitted.append(query)
+        return fitted, cut
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each of :meth:`texts`: a rendered chat template as it is (it holds its
         special tokens), a plain text with the tokenizer's special tokens (e.g. BOS) added."""
         return self.tokenizer(list(texts), add_special_tokens=not self.tokenizer.chat_template)["input_ids"]
+
+    def within_positions(self, ids: list[list[int]]) -> list[list[int]]:
+        """``ids`` cut to :attr:`max_length` tokens, keeping their start: the last resort for a
+        response too long for the model's positions even with no query (:meth:`fit`)."""
+        return [r[: self.max_length] for r in ids] if self.max_length else ids
 
     @torch.no_grad()
     def score_texts(self, texts: list[str], batch_size: int, bf16: bool | str = False) -> torch.Tensor:
@@ -157,7 +199,7 @@ class ExternalRewardModel(nn.Module):
         """
         device = next(self.model.parameters()).device
         pad = self.model.config.pad_token_id
-        ids = self.encode(texts)
+        ids = self.within_positions(self.encode(texts))
         size = batch_size if pad is not None else 1
         self.model.eval()
         out = []
@@ -195,14 +237,29 @@ class ExternalRewardModel(nn.Module):
         query_texts, response_texts = decode_query_responses(
             self.policy_tokenizer, queries, responses, pad_token_id, eos_token_id
         )
-        return self.score_texts(self.texts(query_texts, response_texts), batch_size, bf16)
+        query_texts, cut = self.fit(query_texts, response_texts)
+        texts = self.texts(query_texts, response_texts)
+        if cut and not self._warned_cut:
+            over = sum(len(ids) > self.max_length for ids in self.encode(texts))  # type: ignore[operator]
+            log.warning(
+                "existing reward model: %d of %d texts were longer than its %d positions; the start of their "
+                "query was cut (the end of the query and the whole response read)%s",
+                cut,
+                len(query_texts),
+                self.max_length,
+                f"; {over} response(s) too long even alone lost their end" if over else "",
+            )
+            self._warned_cut = True
+        return self.score_texts(texts, batch_size, bf16)
 
 
-def import_reward_model(spec: str, out_dir: str | os.PathLike) -> dict[str, Any]:
+def import_reward_model(spec: str, out_dir: str | os.PathLike, append_eos: bool = True) -> dict[str, Any]:
     """The reward stage of ``ppo.reward: model:SOURCE[@REVISION]``: the existing reward model
     copied, untrained, into ``out_dir/model`` with its tokenizer, its config recording the spec
-    (:data:`EXTERNAL_REWARD_KEY`) and ``rlhf_score_bias`` (kept when the checkpoint has one,
-    else 0; :func:`rlhf_core.reward.normalize_reward_model` sets it). Writes ``out_dir/metrics.json``.
+    (:data:`EXTERNAL_REWARD_KEY`), ``append_eos`` (:data:`APPEND_EOS_KEY`,
+    ``reward.external_append_eos``) and ``rlhf_score_bias`` (kept when the checkpoint has one,
+    else 0; :func:`rlhf_core.reward.normalize_reward_model` sets it). The log says what the
+    model reads. Writes ``out_dir/metrics.json``.
 
     Returns:
         ``{"train/steps": 0.0}``: nothing is trained.
@@ -220,10 +277,16 @@ def import_reward_model(spec: str, out_dir: str | os.PathLike) -> dict[str, Any]
             f"ppo.reward {spec!r}: a GGUF file holds no sequence-classification model; name a directory or hub id"
         )
     model = ExternalRewardModel.from_pretrained(source.location, None, revision=external[1])
-    model.model.config.update({EXTERNAL_REWARD_KEY: spec})
+    model.model.config.update({EXTERNAL_REWARD_KEY: spec, APPEND_EOS_KEY: append_eos})
     out_dir = Path(out_dir)
     save_pretrained_atomic(model, out_dir / "model")  # type: ignore[arg-type]
     metrics = {"train/steps": 0.0}
     write_json_atomic(out_dir / "metrics.json", metrics)
-    log.info("reward model: %s imported (%s), not trained", spec, type(model.model).__name__)
+    if model.tokenizer.chat_template:
+        reads = "the conversation as its chat template renders it"
+    elif append_eos:
+        reads = f"query + response + its EOS {model.tokenizer.eos_token!r}, as TRL's RewardTrainer trains plain texts"
+    else:
+        reads = "query + response, no EOS appended (reward.external_append_eos false)"
+    log.info("reward model: %s imported (%s), not trained; it reads %s", spec, type(model.model).__name__, reads)
     return metrics

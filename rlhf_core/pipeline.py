@@ -117,7 +117,7 @@ def _reward(cfg, inputs, out, tracker):
     from .reward import run_reward_training
 
     if external_reward_source(cfg.ppo.reward) is not None:  # ppo.reward model:SOURCE: none trained
-        return import_reward_model(cfg.ppo.reward, out)
+        return import_reward_model(cfg.ppo.reward, out, append_eos=cfg.reward.external_append_eos)
     data, sft = inputs
     return run_reward_training(cfg.reward, data, sft / "model", out, tracker)
 

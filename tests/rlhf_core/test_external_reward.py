@@ -33,9 +33,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def save_llama_reward_model(directory, llama_tokenizer, chat_template: str | None) -> None:
-    """A tiny random ``LlamaForSequenceClassification`` (one label) around the Llama 3.2
-    tokenizer, saved with it (and ``chat_template`` when given) to ``directory``."""
+def save_llama_reward_model(directory, llama_tokenizer, chat_template: str | None, positions: int = 2048) -> None:
+    """A tiny random ``LlamaForSequenceClassification`` (one label, ``positions`` positions)
+    around the Llama 3.2 tokenizer, saved with it (and ``chat_template`` when given) to ``directory``."""
     llama_tokenizer.save_pretrained(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)  # a copy: the session's tokenizer stays as it is
     tokenizer.chat_template = chat_template
@@ -49,6 +49,7 @@ def save_llama_reward_model(directory, llama_tokenizer, chat_template: str | Non
         num_attention_heads=2,
         num_key_value_heads=1,
         num_labels=1,
+        max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -72,9 +73,10 @@ def external(request, smoke_stages, llama_tokenizer, tmp_path_factory):
     return cfg, root, source, imported, norm
 
 
-def direct_scores(source, query_texts, response_texts, bias: float = 0.0) -> torch.Tensor:
+def direct_scores(source, query_texts, response_texts, bias: float = 0.0, eos: bool = True) -> torch.Tensor:
     """``logits[0, 0]`` of the checkpoint in ``source`` loaded by ``transformers`` alone, one text at a
-    time: the chat template's conversation when the tokenizer has one, else query + response."""
+    time: the chat template's conversation when the tokenizer has one, else query + response and
+    (with ``eos``) the EOS text, which TRL's RewardTrainer appends to a plain text (``add_eos``)."""
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForSequenceClassification.from_pretrained(source).eval()
     scores = []
@@ -83,7 +85,7 @@ def direct_scores(source, query_texts, response_texts, bias: float = 0.0) -> tor
             messages = [{"role": "user", "content": query.strip()}, {"role": "assistant", "content": response.strip()}]
             ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
         else:
-            ids = tokenizer(query + response)
+            ids = tokenizer(query + response + (tokenizer.eos_token if eos else ""))
         with torch.no_grad():
             scores.append(model(torch.tensor([ids["input_ids"]])).logits[0, 0].item() + bias)
     return torch.tensor(scores)
@@ -236,6 +238,60 @@ def test_the_reward_stage_imports_instead_of_training_and_is_keyed_on_the_files(
     finally:
         (source / "config.json").write_bytes(original)
     assert {s for s in before if before[s] != after[s]} == {"reward"}
+
+
+def test_a_plain_text_model_reads_eos_unless_told_not_to(smoke_stages, llama_tokenizer, tmp_path, caplog):
+    """``reward.external_append_eos`` false: the plain texts are read without the EOS that TRL's
+    RewardTrainer appends; the choice is recorded in the imported config and named in the log."""
+    save_llama_reward_model(tmp_path / "rm", llama_tokenizer, None)
+    spec = f"model:{tmp_path / 'rm'}"
+    tokenizer = load_data_tokenizer(smoke_stages / "data")
+    rows = load_prepared(smoke_stages / "data")[0]["validation"].select(range(3))
+    queries, references = torch.tensor(rows["query_token"]), torch.tensor(rows["reference_response_token"])
+    texts = policy_texts(tokenizer, queries, references)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    for append in (True, False):
+        with caplog.at_level("INFO", logger="rlhf_core.external_reward"):
+            import_reward_model(spec, tmp_path / f"imported-{append}", append_eos=append)
+        saved = json.loads((tmp_path / f"imported-{append}" / "model" / "config.json").read_text())
+        assert saved["rlhf_append_eos"] is append
+        model = load_reward_model(tmp_path / f"imported-{append}" / "model", tokenizer)
+        got = score_responses(model, queries, references, pad, eos, None, 3).raw_scores
+        torch.testing.assert_close(got, direct_scores(tmp_path / "rm", *texts, eos=append), atol=1e-5, rtol=1e-5)
+    assert f"it reads query + response + its EOS {llama_tokenizer.eos_token!r}" in caplog.text
+    assert "it reads query + response, no EOS appended (reward.external_append_eos false)" in caplog.text
+    assert load_config("smoke", ["reward.external_append_eos=false"]).reward.external_append_eos is False
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat_template"])
+def test_a_text_longer_than_the_models_positions_loses_the_start_of_its_query(
+    smoke_stages, llama_tokenizer, tmp_path, caplog, chat
+):
+    """With 64 positions, the smoke preset's long queries are cut at their start: what the model
+    reads fits, ends with the whole response as it reads it untruncated, and the warning gives
+    the count once."""
+    save_llama_reward_model(tmp_path / "rm", llama_tokenizer, CHAT_TEMPLATE if chat else None, positions=64)
+    import_reward_model(f"model:{tmp_path / 'rm'}", tmp_path / "imported")
+    tokenizer = load_data_tokenizer(smoke_stages / "data")
+    model = load_reward_model(tmp_path / "imported" / "model", tokenizer)
+    rows = load_prepared(smoke_stages / "data")[0]["validation"].select(range(4))
+    queries, references = torch.tensor(rows["query_token"]), torch.tensor(rows["reference_response_token"])
+    query_texts, response_texts = policy_texts(tokenizer, queries, references)
+    fitted, cut = model.fit(query_texts, response_texts)
+    assert cut == 4
+    for whole, query, response in zip(query_texts, fitted, response_texts):
+        read = model.encode(model.texts([query], [response]))[0]
+        untruncated = model.encode(model.texts([whole], [response]))[0]
+        # the response's tokens and the EOS (or end of turn) after them, as read untruncated
+        tail = len(model.tokenizer(response.strip() if chat else response, add_special_tokens=False)["input_ids"]) + 1
+        assert len(read) <= 64 < len(untruncated) and whole.endswith(query) and len(query) > 0
+        assert read[-tail:] == untruncated[-tail:] and len(read) > tail
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    with caplog.at_level("WARNING", logger="rlhf_core.external_reward"):
+        for _ in range(2):
+            got = score_responses(model, queries, references, pad, eos, None, 4).raw_scores
+    assert caplog.text.count("4 of 4 texts were longer than its 64 positions; the start of their query was cut") == 1
+    torch.testing.assert_close(got, direct_scores(tmp_path / "rm", fitted, response_texts), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
