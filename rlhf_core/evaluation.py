@@ -237,6 +237,7 @@ def kl_from_sft(
 
 def score_policies(
     reward_model_dir: Path,
+    data_dir: str | os.PathLike,
     tokenizer,
     prompts: EvalPrompts,
     summaries: dict[str, Summaries],
@@ -245,8 +246,9 @@ def score_policies(
     device: torch.device,
 ) -> dict[str, ResponseScores]:
     """Reward-model scores of every policy's summaries and of the references, with PPO's EOS
-    trick (Detail 23; :func:`rlhf_core.reward.score_responses`). Keys: the policies and ``reference``."""
-    reward_model = load_reward_model(reward_model_dir, tokenizer).to(device)
+    trick (Detail 23; :func:`rlhf_core.reward.score_responses`). Keys: the policies and ``reference``.
+    An existing reward model reads conversational rows as their messages (``data_dir``'s data)."""
+    reward_model = load_reward_model(reward_model_dir, tokenizer, data_dir).to(device)
     responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": prompts.reference_tokens}
     scored = {
         key: score_responses(
@@ -630,7 +632,7 @@ def run_evaluation(
     summaries, diverse = sample_policies(model_dirs, tokenizer, prompts, ecfg, cfg.ppo.temperature, device)
     # 2. Reward-model scores of every summary and of the references, with PPO's EOS trick (Detail 23).
     scored = score_policies(
-        Path(reward_model_dir), tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
+        Path(reward_model_dir), data_dir, tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
     )
     # 2b. The KL of PPO's and DPO's summaries from the SFT policy, for the RLHF objective.
     kl = kl_from_sft(model_dirs, tokenizer, prompts, summaries, ecfg, cfg.ppo.temperature, device)

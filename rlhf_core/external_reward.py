@@ -12,6 +12,7 @@ scoring go through :mod:`rlhf_core.reward` as for a trained one
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -82,7 +83,8 @@ class ExternalRewardModel(nn.Module):
 
     It scores query + response token ids of the policy (:meth:`score`) by decoding them with the
     policy's tokenizer (:func:`decode_query_responses`), re-encoding the texts with its own
-    (:meth:`texts`) and reading ``logits[:, 0]`` (the checkpoint's own pooling: its last token
+    (:meth:`texts`; a conversational row's own prompt messages and the response, through its
+    chat template, once :meth:`read_conversations` has read the data) and reading ``logits[:, 0]`` (the checkpoint's own pooling: its last token
     that is not its ``pad_token_id``), plus ``bias``, the normalisation of Detail 15, saved in
     its config as ``rlhf_score_bias`` (0 when never normalised). A text longer than the model's
     positions (``max_position_embeddings``) loses the start of its query, as the policy's query
@@ -112,6 +114,8 @@ class ExternalRewardModel(nn.Module):
         self.append_eos = bool(getattr(model.config, APPEND_EOS_KEY, True))
         self.max_length: int | None = getattr(model.config, "max_position_embeddings", None)
         self._warned_cut = False
+        #: the prompt's messages of each conversational row, by its query's ids (PAD dropped)
+        self.conversations: dict[tuple[int, ...], list[dict[str, str]]] = {}
 
     @classmethod
     def from_pretrained(
@@ -157,6 +161,37 @@ class ExternalRewardModel(nn.Module):
             )
             for q, r in zip(query_texts, response_texts)
         ]
+
+    def read_conversations(self, data_dir: str | os.PathLike, pad_token_id: int) -> int:
+        """Learn the prompt's messages of each conversational row (TRL's conversational form,
+        ``prompt_messages``) of the prepared data in ``data_dir``, by its query's token ids, so
+        that :meth:`score` renders the row's own conversation with this model's chat template,
+        not the policy's rendering of it. Returns how many queries were learnt."""
+        from .data import load_prepared
+
+        sft, preference, _ = load_prepared(data_dir)
+        for ds in [*sft.values(), *preference.values()]:
+            if "prompt_messages" not in ds.column_names:
+                continue
+            for ids, messages in zip(ds["query_token"], ds["prompt_messages"]):
+                if messages:
+                    self.conversations[tuple(t for t in ids if t != pad_token_id)] = json.loads(messages)
+        return len(self.conversations)
+
+    def conversation_text(self, messages: list[dict[str, str]], response: str) -> tuple[str, bool]:
+        """The conversation of a row's prompt ``messages`` and the response (assistant,
+        stripped), rendered by the chat template; while it is longer than :attr:`max_length`
+        tokens, its earliest turns other than a system turn are left out, down to the last.
+        Returns ``(text, whether turns were left out)``."""
+        turns = list(messages)
+        while True:
+            text = self.tokenizer.apply_chat_template(
+                [*turns, {"role": "assistant", "content": response.strip()}], tokenize=False
+            )
+            droppable = [i for i, m in enumerate(turns) if m["role"] != "system"]
+            if not self.max_length or len(self.encode([text])[0]) <= self.max_length or len(droppable) <= 1:
+                return text, len(turns) < len(messages)
+            del turns[droppable[0]]
 
     def fit(self, query_texts: list[str], response_texts: list[str]) -> tuple[list[str], int]:
         """The query texts cut at their start until each query's text with its response fits
@@ -237,8 +272,14 @@ class ExternalRewardModel(nn.Module):
         query_texts, response_texts = decode_query_responses(
             self.policy_tokenizer, queries, responses, pad_token_id, eos_token_id
         )
-        query_texts, cut = self.fit(query_texts, response_texts)
-        texts = self.texts(query_texts, response_texts)
+        keys = [tuple(t for t in q if t != pad_token_id) for q in queries.tolist()]
+        rows = [self.conversations.get(k) if self.tokenizer.chat_template else None for k in keys]
+        fitted, cut = self.fit(query_texts, response_texts)
+        texts = self.texts(fitted, response_texts)
+        for i, messages in enumerate(rows):  # a conversational row: its own turns, not the policy's rendering
+            if messages is not None:
+                texts[i], shortened = self.conversation_text(messages, response_texts[i])
+                cut += shortened - (fitted[i] != query_texts[i])
         if cut and not self._warned_cut:
             over = sum(len(ids) > self.max_length for ids in self.encode(texts))  # type: ignore[operator]
             log.warning(

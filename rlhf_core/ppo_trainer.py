@@ -175,7 +175,10 @@ class PPOTrainer:
         self.reward_model = (
             None
             if self.reward_fn is not None
-            else load_reward_model(reward_model_dir, self.tokenizer).to(frozen_home).eval().requires_grad_(False)  # type: ignore[arg-type]
+            else load_reward_model(reward_model_dir, self.tokenizer, data_dir)  # type: ignore[arg-type]
+            .to(frozen_home)
+            .eval()
+            .requires_grad_(False)
         )
         # the value model of GAE (Detail 22); none for a critic-free estimator (rloo, grpo)
         critic = cfg.advantage_estimator == "gae"

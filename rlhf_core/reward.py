@@ -192,17 +192,22 @@ class ScalarModel(PreTrainedModel):
 
 
 def load_reward_model(
-    path: str | os.PathLike, policy_tokenizer: PreTrainedTokenizerBase
+    path: str | os.PathLike, policy_tokenizer: PreTrainedTokenizerBase, data_dir: str | os.PathLike | None = None
 ) -> ScalarModel | ExternalRewardModel:
     """The reward model saved in ``path``: an :class:`ExternalRewardModel` when its config names
     an existing model's spec (:data:`EXTERNAL_REWARD_KEY`, :func:`import_reward_model`), reading
-    the ids of ``policy_tokenizer``; else a :class:`ScalarModel` (the policy's tokenizer).
+    the ids of ``policy_tokenizer`` and, with ``data_dir`` (the prepared data), the
+    conversational rows' own messages (:meth:`ExternalRewardModel.read_conversations`); else a
+    :class:`ScalarModel` (the policy's tokenizer).
 
     Raises:
         ValueError: not a reward model (:meth:`ScalarModel.from_pretrained`).
     """
     if getattr(AutoConfig.from_pretrained(str(path)), EXTERNAL_REWARD_KEY, None) is not None:
-        return ExternalRewardModel.from_pretrained(path, policy_tokenizer)
+        model = ExternalRewardModel.from_pretrained(path, policy_tokenizer)
+        if data_dir is not None and policy_tokenizer is not None:
+            model.read_conversations(data_dir, policy_tokenizer.pad_token_id)
+        return model
     return ScalarModel.from_pretrained(str(path))
 
 
@@ -558,7 +563,7 @@ def normalize_reward_model(
     tokenizer = load_data_tokenizer(data_dir)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     device = pick_device()
-    model = load_reward_model(reward_model_dir, tokenizer).to(device)
+    model = load_reward_model(reward_model_dir, tokenizer, data_dir).to(device)
     ds = sft[cfg.normalization_split]
     ds = ds.select(range(min(len(ds), cfg.normalization_max_samples or len(ds))))
     rows = ds.with_format("torch", columns=["query_token", "reference_response_token"])[:]

@@ -233,7 +233,7 @@ def evaluate_reward_model(
     policy's tokens, so no ``reward_logits`` are written."""
     tokenizer = load_data_tokenizer(data_dir)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    model = load_reward_model(reward_model_dir, tokenizer).to(pick_device())
+    model = load_reward_model(reward_model_dir, tokenizer, data_dir).to(pick_device())
 
     def score(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(model, ExternalRewardModel):

