@@ -311,7 +311,13 @@ class PPOConfig(TrainerConfig):
     #: grpo, critic-free: a per-prompt baseline over the samples_per_prompt samples of each
     #: prompt (rlhf_core.ppo.rloo_advantages, rlhf_core.ppo.grpo_advantages), and no value model
     #: is loaded, trained or saved (value_init, vf_coef and cliprange_value then do nothing).
+    #: rloo keeps kl_coef's penalty in the reward, as the paper's PPO; grpo compares the scores
+    #: alone and adds kl_coef times the per-token k3 KL to the loss (DeepSeekMath eq. 3, TRL's beta).
     advantage_estimator: Literal["gae", "rloo", "grpo"] = "gae"
+    #: grpo's advantages: each score minus its group's mean, divided by the group's standard
+    #: deviation (``group``, DeepSeekMath's and TRL's default), by the whole batch's (``batch``),
+    #: or not divided (``none``, Dr. GRPO: Liu et al. 2025, arXiv 2503.20783). Not read by gae or rloo.
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     #: Responses sampled for each prompt in a rollout (k): at least 2 for rloo and grpo; with gae,
     #: k rollouts of each prompt, GAE on each. batch_size counts episodes (prompts x k) and must
     #: be a multiple of k; a prompt's k samples stay on one rank. Unset: 1 for gae (the paper's),

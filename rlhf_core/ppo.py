@@ -150,24 +150,61 @@ def rloo_advantages(returns: torch.Tensor, samples_per_prompt: int) -> torch.Ten
 GRPO_EPS = 1e-4
 
 
-def grpo_advantages(returns: torch.Tensor, samples_per_prompt: int, eps: float = GRPO_EPS) -> torch.Tensor:
+def grpo_advantages(
+    scores: torch.Tensor,
+    samples_per_prompt: int,
+    scale: str = "group",
+    batch_std: torch.Tensor | None = None,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
     """Group-relative advantages (Shao et al. 2024, arXiv 2402.03300, Section 4.1.2, outcome
-    supervision): ``A_i = (R_i - mean(R)) / (std(R) + eps)`` over the ``k`` samples of a prompt,
-    ``std`` Bessel-corrected as in TRL's ``GRPOTrainer``.
+    supervision; TRL's ``GRPOTrainer``): ``A_i = (r_i - mean(r)) / (std(r) + eps)`` over the
+    ``k`` samples of a prompt, from the scores alone (the KL penalty is a term of the loss,
+    :func:`k3_kl`, not of the reward), ``std`` Bessel-corrected as in TRL.
 
     Args:
-        returns: ``(batch,)`` float, the ``k = samples_per_prompt`` samples of each prompt in
+        scores: ``(batch,)`` float, the ``k = samples_per_prompt`` samples of each prompt in
             consecutive rows.
+        scale: ``group`` divides by the group's std; ``batch`` by ``batch_std``, the std of
+            every score of the global batch (TRL's ``scale_rewards="batch"``); ``none`` does
+            not divide (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783).
+        batch_std: 0-d, needed with ``scale="batch"``.
 
     Returns:
-        ``(batch,)``; 0 for every sample of a group whose returns are all equal.
+        ``(batch,)``; exactly 0 for every sample of a group whose scores are all equal.
 
     Raises:
-        ValueError: ``samples_per_prompt`` below 2 or not dividing ``batch``.
+        ValueError: ``samples_per_prompt`` below 2 or not dividing ``batch``; an unknown
+            ``scale``, or ``batch`` without ``batch_std``.
     """
-    groups = _groups(returns, samples_per_prompt)
+    groups = _groups(scores, samples_per_prompt)
     centred = groups - groups.mean(1, keepdim=True)
-    return (centred / (groups.std(1, keepdim=True) + eps)).reshape(-1)
+    if scale == "group":
+        centred = centred / (groups.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        if batch_std is None:
+            raise ValueError("grpo_advantages: scale 'batch' needs batch_std")
+        centred = centred / (batch_std + eps)
+    elif scale != "none":
+        raise ValueError(f"grpo_advantages: scale must be group, batch or none, not {scale!r}")
+    return centred.reshape(-1)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token "k3" estimate of KL(policy || reference) that GRPO adds to its loss
+    (Shao et al. 2024, arXiv 2402.03300, eq. 4; http://joschu.net/blog/kl-approx.html):
+    ``exp(ref - logp) - (ref - logp) - 1``, non-negative, 0 where the two agree.
+
+    Args:
+        logprobs: ``(batch, response_length)`` float, the policy's (with gradients).
+        ref_logprobs: ``(batch, response_length)`` float, the reference policy's.
+        mask: ``(batch, response_length)`` bool, the response tokens.
+
+    Returns:
+        ``(batch, response_length)``, 0 outside ``mask``.
+    """
+    diff = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+    return torch.exp(diff) - diff - 1
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float, pad_token_id: int | None) -> torch.Tensor:

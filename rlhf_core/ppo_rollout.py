@@ -353,14 +353,18 @@ def estimate_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> t
     """Step 3, by ``ppo.advantage_estimator``; the one place the estimator is chosen.
 
     - ``gae`` (the paper's): :func:`whitened_advantages`, with the value model's returns.
-    - ``rloo``, ``grpo`` (critic-free): each response's return ``R``, its score minus
-      ``kl_coef`` times its summed KL (:func:`rlhf_core.ppo.sequence_returns` of step 2's
-      rewards), compared with the other samples of its prompt
-      (:func:`rlhf_core.ppo.rloo_advantages`, :func:`rlhf_core.ppo.grpo_advantages`) and given
-      to every token of the response; not whitened. The KL stays in the reward, as in the
-      paper's PPO, where GRPO (Shao et al. 2024, arXiv 2402.03300, eq. 3) puts it in the loss.
-      The ``samples_per_prompt`` samples of a prompt are consecutive rows of this rank
-      (:func:`rollout_rows`).
+    - ``rloo`` (critic-free): each response's return ``R``, its score minus ``kl_coef`` times
+      its summed KL (:func:`rlhf_core.ppo.sequence_returns` of step 2's rewards: the KL stays in
+      the reward, as Ahmadian et al. 2024 and TRL's ``RLOOTrainer`` keep it), compared with the
+      other samples of its prompt (:func:`rlhf_core.ppo.rloo_advantages`).
+    - ``grpo`` (critic-free): each response's score alone (``traj.scores``), compared with its
+      prompt's samples by ``ppo.scale_rewards`` (:func:`rlhf_core.ppo.grpo_advantages`); the KL
+      is a term of the loss (Shao et al. 2024, arXiv 2402.03300, eq. 3;
+      :meth:`rlhf_core.ppo_trainer.PPOTrainer._ppo_step`), not of the reward.
+
+    A critic-free advantage is given to every token of its response, not whitened. The
+    ``samples_per_prompt`` samples of a prompt are consecutive rows of this rank
+    (:func:`rollout_rows`).
 
     Returns:
         ``(advantages, returns)``: ``(B, R)`` float32 advantages, 0 outside ``traj.token_mask``;
@@ -379,8 +383,14 @@ def estimate_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> t
         raise ValueError(
             f"each group of ppo.samples_per_prompt {k} consecutive rows (of {rows}) must hold one prompt's samples"
         )
-    estimator = {"rloo": rloo_advantages, "grpo": grpo_advantages}[cfg.advantage_estimator]
-    per_response = estimator(sequence_returns(rewards.rewards), cfg.samples_per_prompt)
+    if cfg.advantage_estimator == "rloo":
+        per_response = rloo_advantages(sequence_returns(rewards.rewards), k)
+    else:
+        scores = traj.scores.float()
+        batch_std = None
+        if cfg.scale_rewards == "batch":  # the std of every score of the global batch
+            batch_std = masked_mean_var(scores[None], torch.ones_like(scores[None], dtype=torch.bool))[1].sqrt()
+        per_response = grpo_advantages(scores, k, cfg.scale_rewards, batch_std)
     return per_response.unsqueeze(1) * traj.token_mask, None
 
 
@@ -399,6 +409,8 @@ class PPOStats:
     #: None without a value model (ppo.advantage_estimator rloo or grpo)
     value_loss: float | None = None
     value_clipfrac: float | None = None
+    #: grpo's KL term of the loss (the mean k3 KL, before kl_coef); None for gae and rloo
+    kl_loss: float | None = None
 
     def metrics(self) -> dict[str, float]:
         """The statistics under their logged names (TRL's); the value model's only when there is one."""
@@ -411,6 +423,7 @@ class PPOStats:
             "policy/entropy": self.entropy,
             "val/ratio": self.ratio_mean,
             "val/ratio_var": self.ratio_var,
+            "loss/kl": self.kl_loss,
         }
         return {key: value for key, value in metrics.items() if value is not None}
 

@@ -69,6 +69,7 @@ from .models import causal_forward, load_causal_lm
 from .ppo import (
     INVALID_LOGPROB,
     entropy_from_logits,
+    k3_kl,
     logprobs_from_logits,
     masked_mean,
     policy_loss,
@@ -393,7 +394,11 @@ class PPOTrainer:
                     ratios.append(ratio)
                     masks.append(token_mask)
                 _raise_if_non_finite(
-                    **{"loss (policy)": mb_sums["policy_loss"], "loss (value)": mb_sums.get("value_loss")}
+                    **{
+                        "loss (policy)": mb_sums["policy_loss"],
+                        "loss (value)": mb_sums.get("value_loss"),
+                        "loss (KL)": mb_sums.get("kl_loss"),
+                    }
                 )
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)  # no gradients held while sampling
@@ -413,13 +418,14 @@ class PPOTrainer:
         scale: float,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
-        surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7) plus, with a value model,
-        ``vf_coef`` times the clipped value loss.
+        surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7), under grpo plus ``kl_coef``
+        times the mean per-token k3 KL from the reference (:func:`rlhf_core.ppo.k3_kl`), and,
+        with a value model, ``vf_coef`` times the clipped value loss.
 
         Returns:
             ``(stats, ratio, token_mask)``: its statistics as scalar tensors on the device
-            (``policy_loss``, ``clipfrac``, ``approxkl``, ``entropy``, and with a value model
-            ``value_loss``, ``value_clipfrac``), and ``(len(idx), R)`` probability ratios and the response-token mask
+            (``policy_loss``, ``clipfrac``, ``approxkl``, ``entropy``, with a value model
+            ``value_loss``, ``value_clipfrac``, and under grpo ``kl_loss``, the mean k3 KL), and ``(len(idx), R)`` probability ratios and the response-token mask
             they count on. A non-finite loss is backpropagated like any other (every rank joins
             every gradient all-reduce); :meth:`optimise` checks the losses before stepping.
         """
@@ -437,11 +443,17 @@ class PPOTrainer:
         new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
         new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
         pl = policy_loss(new_logprobs, traj.logprobs[idx], advantages[idx], token_mask, cfg.cliprange)
-        (pl["loss"] * scale).backward()
+        loss = pl["loss"]
+        if cfg.advantage_estimator == "grpo":  # GRPO's KL term (DeepSeekMath eq. 3), weighted by kl_coef
+            kl = masked_mean(k3_kl(new_logprobs, traj.ref_logprobs[idx], token_mask), token_mask)
+            loss = loss + cfg.kl_coef * kl
+        (loss * scale).backward()
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
         del logits, new_logprobs
         stats = {"policy_loss": pl["loss"], "clipfrac": pl["clipfrac"], "approxkl": pl["approxkl"], "entropy": entropy}
+        if cfg.advantage_estimator == "grpo":
+            stats["kl_loss"] = kl
         if self.value_parallel is not None:
             with autocast(self.device, cfg.bf16):
                 vpred = self.value_parallel(response_values, qr, pad, context)

@@ -12,6 +12,7 @@ from rlhf_core.ppo import (
     compute_advantages,
     entropy_from_logits,
     grpo_advantages,
+    k3_kl,
     logprobs_from_logits,
     masked_mean,
     masked_var,
@@ -224,6 +225,38 @@ def test_grpo_hand_worked_example():
     s7 = math.sqrt(7.0)
     expected = [-2 / (s7 + 1e-4), -1 / (s7 + 1e-4), 3 / (s7 + 1e-4), -4 / 4.0001, 0.0, 4 / 4.0001]
     assert grpo_advantages(returns, 3).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_grpo_scales_by_the_group_the_batch_or_not_at_all():
+    """``scale_rewards``: the group's std (above), one std for the whole batch (TRL's ``batch``),
+    or none (Dr. GRPO): the centred scores themselves."""
+    scores = torch.tensor([1.0, 2.0, 6.0, 0.0, 4.0, 8.0], dtype=torch.float64)
+    centred = [-2.0, -1.0, 3.0, -4.0, 0.0, 4.0]
+    assert grpo_advantages(scores, 3, "none").tolist() == centred
+    std = scores.std()
+    assert grpo_advantages(scores, 3, "batch", std).tolist() == pytest.approx(
+        [c / (std.item() + 1e-4) for c in centred], rel=1e-12
+    )
+    with pytest.raises(ValueError, match="needs batch_std"):
+        grpo_advantages(scores, 3, "batch")
+    with pytest.raises(ValueError, match="not 'mean'"):
+        grpo_advantages(scores, 3, "mean")
+
+
+def test_k3_kl_by_hand_its_value_and_its_gradient():
+    """k3 = exp(ref - logp) - (ref - logp) - 1 per token (DeepSeekMath eq. 4): 0 where the policy
+    and the reference agree, positive elsewhere, 0 outside the mask; d k3 / d logp = 1 - exp(ref - logp)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, INVALID_LOGPROB, INVALID_LOGPROB]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5], [-3.0, INVALID_LOGPROB, -40.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    kl = k3_kl(logp, ref, mask)
+    d = [[-0.5, 1.0, 0.0], [-2.0, 0.0, 0.0]]
+    expected = [[math.exp(x) - x - 1 for x in row] for row in d]
+    torch.testing.assert_close(kl, torch.tensor(expected))
+    assert kl[0, 2] == 0 and kl[1, 1:].abs().sum() == 0
+    kl.sum().backward()
+    grads = [[(1 - math.exp(x)) if m else 0.0 for x, m in zip(row, mrow)] for row, mrow in zip(d, mask.tolist())]
+    torch.testing.assert_close(logp.grad, torch.tensor(grads))
 
 
 @pytest.mark.parametrize("estimator", [rloo_advantages, grpo_advantages], ids=["rloo", "grpo"])

@@ -147,11 +147,29 @@ def test_rloo_gives_every_token_of_a_response_its_kl_penalised_return_minus_the_
     assert returns is None
     expected = torch.tensor([[1.1, 0.0, 0.0, 0.0], [-1.1, -1.1, -1.1, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
     torch.testing.assert_close(advantages, expected)
-    grpo = ppo_cfg("ppo.batch_size=4", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=grpo", "ppo.kl_coef=0.1")
-    advantages, _ = estimate_advantages(traj, kl_penalised_rewards(traj, grpo), grpo)
-    # a group of two: (R - mean) / (std + 1e-4) is +-0.55 / (0.55 sqrt 2 + 1e-4), nearly +-1/sqrt 2
-    torch.testing.assert_close(advantages[0, 0], torch.tensor(0.55 / (0.55 * 2**0.5 + 1e-4)))
-    assert advantages[2:].abs().sum() == 0
+
+
+def test_grpo_compares_the_scores_alone_whatever_the_kls():
+    """Four samples that the reward model scores equally, with KLs from the reference that
+    differ: GRPO's advantages are 0 (the KL is a term of its loss, DeepSeekMath eq. 3), where a
+    KL summed into the return and divided by the group's std gave [0, -1.09, +1.09, 0]; a group
+    whose scores differ gets (r - mean) / (std + 1e-4) of the scores alone."""
+    cfg = ppo_cfg("ppo.batch_size=8", "ppo.samples_per_prompt=4", "ppo.advantage_estimator=grpo", "ppo.kl_coef=0.05")
+    traj = grouped_trajectory([11] * 4 + [12] * 4, scores=[0.5] * 4 + [1.0, 0.0, 0.0, 0.0], lengths=[2] * 8)
+    kls = torch.tensor([2.00, 2.02, 1.98, 2.00, 0.0, 1.0, 2.0, 3.0])  # summed over each response's 2 tokens
+    traj.ref_logprobs[:, :2] = traj.logprobs[:, :2] - kls[:, None] / 2
+    rewards = kl_penalised_rewards(traj, cfg)
+    assert rewards.non_score_reward.sum(1)[:4].tolist() == pytest.approx((-0.05 * kls[:4]).tolist())
+    advantages, returns = estimate_advantages(traj, rewards, cfg)
+    assert returns is None and advantages[:4].abs().sum() == 0
+    std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item()
+    expected = [(0.75 / (std + 1e-4))] + [(-0.25 / (std + 1e-4))] * 3
+    torch.testing.assert_close(advantages[4:, 0], torch.tensor(expected))
+    assert torch.equal(advantages[4:, 0], advantages[4:, 1])
+    none = cfg.model_copy(update={"scale_rewards": "none"})
+    torch.testing.assert_close(
+        estimate_advantages(traj, rewards, none)[0][4:, 0], torch.tensor([0.75, -0.25, -0.25, -0.25])
+    )
 
 
 def test_a_group_that_holds_two_prompts_is_refused():
