@@ -285,6 +285,10 @@ class PPOConfig(TrainerConfig):
 
     total_episodes: int = Field(1_000_000, gt=0)
     batch_size: int = Field(512, gt=0)
+    #: Rows per forward pass of a rollout (sampling; the policy's, the reference's and the value
+    #: model's passes; scoring), TRL's local_rollout_forward_batch_size. Unset: micro_batch_size.
+    #: Sampling draws from the random stream per pass, so the rollout's samples follow it.
+    rollout_batch_size: int | None = Field(None, gt=0)
     num_minibatches: int = Field(1, gt=0)
     ppo_epochs: int = Field(4, gt=0)
     scheduler: Literal["cosine", "linear", "constant"] = "linear"
@@ -318,6 +322,14 @@ class PPOConfig(TrainerConfig):
     #: deviation (``group``, DeepSeekMath's and TRL's default), by the whole batch's (``batch``),
     #: or not divided (``none``, Dr. GRPO: Liu et al. 2025, arXiv 2503.20783). Not read by gae or rloo.
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    #: How the policy loss's per-token terms become one number (rlhf_core.ppo.aggregate_loss):
+    #: ``paper``, the mean over each micro-batch's tokens weighted by its rows (the paper's and
+    #: TRL's PPO trainer's: it moves with micro_batch_size); over the minibatch whatever the
+    #: micro-batches, as TRL's GRPO loss_type: ``dapo`` (the mean over the minibatch's tokens),
+    #: ``grpo`` (each response's token mean, then the mean over responses), ``dr_grpo`` (the
+    #: sum over tokens divided by rows x response_length). Unset: ``paper`` for gae, ``dapo``
+    #: (TRL's default) for rloo and grpo.
+    loss_type: Literal["paper", "dapo", "grpo", "dr_grpo"] = "paper"
     #: Responses sampled for each prompt in a rollout (k): at least 2 for rloo and grpo; with gae,
     #: k rollouts of each prompt, GAE on each. batch_size counts episodes (prompts x k) and must
     #: be a multiple of k; a prompt's k samples stay on one rank. Unset: 1 for gae (the paper's),
@@ -350,9 +362,11 @@ class PPOConfig(TrainerConfig):
     @model_validator(mode="before")
     @classmethod
     def _default_samples_per_prompt(cls, data: Any) -> Any:
+        critic_free = isinstance(data, dict) and data.get("advantage_estimator", "gae") != "gae"
         if isinstance(data, dict) and data.get("samples_per_prompt") is None:
-            critic_free = data.get("advantage_estimator", "gae") != "gae"
             data = {**data, "samples_per_prompt": CRITIC_FREE_SAMPLES if critic_free else 1}
+        if isinstance(data, dict) and data.get("loss_type") is None:
+            data = {**data, "loss_type": "dapo" if critic_free else "paper"}
         return data
 
     @model_validator(mode="after")

@@ -342,21 +342,69 @@ def policy_loss(
     with ``r = exp(new_logprobs - old_logprobs)``.
 
     Returns:
-        ``loss`` (scalar, to minimise), ``clipfrac`` (share of tokens where the clipped
-        term is the larger loss), ``approxkl`` (``0.5 * mean(log-ratio^2)``, the "k2" estimator of
-        KL(old || new), http://joschu.net/blog/kl-approx.html), ``ratio``
-        (``(batch, length)``).
+        ``loss`` (scalar, to minimise: the mean over the valid tokens), ``per_token`` (the
+        ``(batch, length)`` terms it averages, for :func:`aggregate_loss`), ``clipfrac`` (share
+        of tokens where the clipped term is the larger loss), ``approxkl`` (``0.5 *
+        mean(log-ratio^2)``, the "k2" estimator of KL(old || new),
+        http://joschu.net/blog/kl-approx.html), ``ratio`` (``(batch, length)``).
     """
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     losses = -advantages * ratio
     losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    per_token = torch.max(losses, losses_clipped)
     return {
-        "loss": masked_mean(torch.max(losses, losses_clipped), mask),
+        "loss": masked_mean(per_token, mask),
+        "per_token": per_token,
         "clipfrac": masked_mean((losses_clipped > losses).float(), mask),
         "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
         "ratio": ratio,
     }
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    minibatch_rows: int,
+    minibatch_tokens: int,
+    response_length: int,
+) -> torch.Tensor:
+    """A micro-batch's share of a minibatch's policy loss from its per-token terms, for
+    ``ppo.loss_type`` (TRL's ``GRPOTrainer`` ``loss_type``); summed over the micro-batches (and
+    ranks) of a minibatch it is the same whatever the micro-batches, except under ``paper``.
+
+    - ``paper``: the token mean of the micro-batch times its share of the minibatch's rows,
+      ``mean_tokens(l) * rows / minibatch_rows`` (the paper's PPO: it moves with the micro-batch).
+    - ``dapo``: ``sum(l) / minibatch_tokens``, the mean over the minibatch's tokens (Yu et al.
+      2025, arXiv 2503.14476).
+    - ``grpo``: ``sum_i mean_t(l_i) / minibatch_rows``, each response's token mean, then the
+      mean over responses (Shao et al. 2024, arXiv 2402.03300, eq. 3).
+    - ``dr_grpo``: ``sum(l) / (minibatch_rows * response_length)`` (Liu et al. 2025, arXiv 2503.20783).
+
+    Args:
+        per_token: ``(rows, response_length)`` float, the loss of each token.
+        mask: ``(rows, response_length)`` bool, the response tokens.
+        minibatch_rows, minibatch_tokens: rows and response tokens of the whole minibatch, over
+            every rank.
+        response_length: the longest response (``R``).
+
+    Returns:
+        A scalar.
+
+    Raises:
+        ValueError: an unknown ``loss_type``.
+    """
+    m = mask.to(per_token.dtype)
+    if loss_type == "paper":
+        return masked_mean(per_token, mask) * per_token.size(0) / minibatch_rows
+    if loss_type == "dapo":
+        return (per_token * m).sum() / minibatch_tokens
+    if loss_type == "grpo":
+        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).sum() / minibatch_rows
+    if loss_type == "dr_grpo":
+        return (per_token * m).sum() / (minibatch_rows * response_length)
+    raise ValueError(f"loss_type must be paper, dapo, grpo or dr_grpo, not {loss_type!r}")
 
 
 def value_loss(

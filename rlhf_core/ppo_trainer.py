@@ -68,6 +68,7 @@ from .io import write_json_atomic, write_jsonl_atomic
 from .models import causal_forward, load_causal_lm
 from .ppo import (
     INVALID_LOGPROB,
+    aggregate_loss,
     entropy_from_logits,
     k3_kl,
     logprobs_from_logits,
@@ -156,6 +157,7 @@ class PPOTrainer:
         self.tokenizer = load_data_tokenizer(data_dir)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
+        self.rollout_batch_size = cfg.rollout_batch_size or cfg.micro_batch_size
         self.queries = torch.tensor(sft["train"]["query_token"])
         self.world = world()
         prompts = cfg.batch_size // cfg.samples_per_prompt
@@ -266,7 +268,7 @@ class PPOTrainer:
         cfg, pad, eos = self.cfg, self.pad_id, self.eos_id
         if self.reward_fn is None:
             return self.reward_parallel.inference(  # type: ignore[union-attr]
-                score_responses, queries, responses, pad, eos, cfg.non_eos_penalty, cfg.micro_batch_size, cfg.bf16
+                score_responses, queries, responses, pad, eos, cfg.non_eos_penalty, self.rollout_batch_size, cfg.bf16
             )
         raw = rule_scores(self.reward_fn, cfg.reward, self.tokenizer, queries, responses, pad, eos)
         return response_scores(raw.to(responses.device), responses, eos, pad, cfg.non_eos_penalty)
@@ -277,7 +279,7 @@ class PPOTrainer:
     def generate_trajectory(self, queries: torch.Tensor) -> Trajectory:
         """Sample ``response_length`` tokens for each of this rank's left-padded ``queries``
         (``(B, query_length)`` long) and compute what PPO needs of them, in micro-batches of
-        ``ppo.micro_batch_size``: the log-probs of the policy and the reference, the values, and
+        ``ppo.rollout_batch_size`` (unset: ``ppo.micro_batch_size``): the log-probs of the policy and the reference, the values, and
         the scores of the responses truncated after their first EOS (:meth:`score`)."""
         cfg, pad, eos, R = self.cfg, self.pad_id, self.eos_id, self.response_length
         queries = trim_left_padding(queries, pad).to(self.device)
@@ -290,7 +292,7 @@ class PPOTrainer:
         # A sharded policy is gathered once for all of this rank's samples; the other models'
         # forward passes, as many on every rank, gather block by block (DataParallel.inference).
         with self.policy_parallel.gathered():
-            for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+            for mb in micro_batches(list(range(len(queries))), self.rollout_batch_size):
                 q = queries[mb]
                 t0 = device_clock(self.device)
                 with autocast(self.device, cfg.bf16):
@@ -382,12 +384,19 @@ class PPOTrainer:
                 end = min(start + minibatch_size, n)  # the minibatch: perm[start:end]
                 mb_sums: dict[str, torch.Tensor] = {}
                 micros = list(micro_batches(list(range(start, end)), cfg.micro_batch_size))  # positions in perm
+                # the whole minibatch's rows and response tokens over the ranks, which a loss_type
+                # other than the paper's divides by (rlhf_core.ppo.aggregate_loss)
+                sizes = (
+                    (end - start, 0)
+                    if cfg.loss_type == "paper"
+                    else tuple(all_reduce_sum([end - start, traj.token_mask[on_device[start:end]].sum().item()]))
+                )
                 # the last micro-batch's backward passes sum each model's gradients over the ranks:
                 # with the scale below, the global minibatch's mean gradient
                 for micro, *_ in zip(*(parallel.accumulate(micros) for parallel in parallels)):
                     idx = on_device[micro[0] : micro[-1] + 1]
                     stats, ratio, token_mask = self._ppo_step(
-                        traj, value_mask, advantages, returns, idx, scale=len(micro) / (end - start) / ranks
+                        traj, value_mask, advantages, returns, idx, len(micro) / (end - start) / ranks, sizes
                     )
                     for key, value in stats.items():  # float64, the operations Python floats would do
                         mb_sums[key] = mb_sums.get(key, 0.0) + value.detach().double() * len(micro) / (end - start)
@@ -416,11 +425,17 @@ class PPOTrainer:
         returns: torch.Tensor | None,
         idx: torch.Tensor,
         scale: float,
+        minibatch: tuple[int, int] | None = None,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
         surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7), under grpo plus ``kl_coef``
         times the mean per-token k3 KL from the reference (:func:`rlhf_core.ppo.k3_kl`), and,
-        with a value model, ``vf_coef`` times the clipped value loss.
+        with a value model, ``vf_coef`` times the clipped value loss. The policy's part is the
+        micro-batch's share of the minibatch's loss under ``ppo.loss_type``
+        (:func:`rlhf_core.ppo.aggregate_loss`): under ``paper`` its token mean times ``scale``
+        (its share of the minibatch's rows and of the ranks), else its sum divided by what
+        ``minibatch`` gives, the (rows, response tokens) of the minibatch on every rank (unset:
+        the micro-batch's own).
 
         Returns:
             ``(stats, ratio, token_mask)``: its statistics as scalar tensors on the device
@@ -443,11 +458,16 @@ class PPOTrainer:
         new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
         new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
         pl = policy_loss(new_logprobs, traj.logprobs[idx], advantages[idx], token_mask, cfg.cliprange)
-        loss = pl["loss"]
+        per_token, loss = pl["per_token"], pl["loss"]
         if cfg.advantage_estimator == "grpo":  # GRPO's KL term (DeepSeekMath eq. 3), weighted by kl_coef
-            kl = masked_mean(k3_kl(new_logprobs, traj.ref_logprobs[idx], token_mask), token_mask)
-            loss = loss + cfg.kl_coef * kl
-        (loss * scale).backward()
+            per_token_kl = k3_kl(new_logprobs, traj.ref_logprobs[idx], token_mask)
+            kl = masked_mean(per_token_kl, token_mask)
+            per_token, loss = per_token + cfg.kl_coef * per_token_kl, loss + cfg.kl_coef * kl
+        if cfg.loss_type == "paper":
+            (loss * scale).backward()
+        else:
+            rows, tokens = minibatch if minibatch is not None else (len(idx), int(token_mask.sum()))
+            aggregate_loss(per_token, token_mask, cfg.loss_type, rows, tokens, resp.size(1)).backward()
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
         del logits, new_logprobs

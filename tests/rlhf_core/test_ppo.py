@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from rlhf_core.ppo import (
     INVALID_LOGPROB,
+    aggregate_loss,
     apply_eos_trick,
     compute_advantages,
     entropy_from_logits,
@@ -282,3 +283,36 @@ def test_sequence_return_is_the_score_minus_kl_coef_times_the_summed_kl():
     rewards, _, _ = per_token_rewards(logprobs, ref_logprobs, torch.tensor([2.0, -1.0]), torch.tensor([2, 0]), 0.1)
     # KL sums 0.5 - 1 + 0 = -0.5 and 2: returns 2 + 0.05 and -1 - 0.2
     assert sequence_returns(rewards).tolist() == pytest.approx([2.05, -1.2])
+
+
+@pytest.mark.parametrize("loss_type", ["paper", "dapo", "grpo", "dr_grpo"])
+def test_a_minibatchs_loss_and_its_gradient_whatever_the_micro_batches(loss_type):
+    """Two responses of 2 and 8 tokens with advantages +1 and -1, one minibatch, as one
+    micro-batch or two of one row: each token's weight in the gradient. ``paper`` (the token
+    mean of each micro-batch) gives each token 0.1 in one micro-batch, and 0.25 and 0.0625 in
+    micro-batches of one; ``dapo``, ``grpo`` and ``dr_grpo`` give the same weights either way."""
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, :2], mask[1, :] = True, True
+    weights = {}
+    for split in ([[0, 1]], [[0], [1]]):
+        per_token = torch.zeros(2, 8, requires_grad=True)
+        for rows in split:
+            aggregate_loss(per_token[rows], mask[rows], loss_type, 2, 10, 8).backward()
+        weights[len(split)] = per_token.grad
+    one, two = weights[1], weights[2]
+    expected = {
+        "paper": (0.1, 0.1),
+        "dapo": (0.1, 0.1),
+        "grpo": (0.25, 0.0625),
+        "dr_grpo": (1 / 16, 1 / 16),
+    }[loss_type]
+    torch.testing.assert_close(one[0, :2], torch.full((2,), expected[0]))
+    torch.testing.assert_close(one[1], torch.full((8,), expected[1]))
+    assert one[0, 2:].abs().sum() == 0
+    if loss_type == "paper":
+        torch.testing.assert_close(two[0, :2], torch.full((2,), 0.25))
+        torch.testing.assert_close(two[1], torch.full((8,), 0.0625))
+    else:
+        torch.testing.assert_close(two, one)
+    with pytest.raises(ValueError, match="not 'seq'"):
+        aggregate_loss(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), "seq", 1, 2, 2)

@@ -7,12 +7,20 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from rlhf_core.config import load_config
 from rlhf_core.ppo import whiten
-from rlhf_core.ppo_rollout import kl_penalised_rewards, masked_mean_var, rollout_rows, whitened_advantages
+from rlhf_core.ppo_rollout import (
+    estimate_advantages,
+    kl_penalised_rewards,
+    make_trajectory,
+    masked_mean_var,
+    rollout_rows,
+    whitened_advantages,
+)
 from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
-from rlhf_core.reward import ScalarModel
+from rlhf_core.reward import ResponseScores, ScalarModel
 from rlhf_core.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from tests.conftest import SMOL_GGUF, make_smoke_stages
@@ -293,3 +301,65 @@ def test_grpos_kl_is_a_term_of_its_loss_weighted_by_kl_coef(tiny):
     assert not grads[0.0].any() and grads[0.1].abs().max() > 0
     torch.testing.assert_close(grads[0.2], 2 * grads[0.1], rtol=1e-4, atol=1e-9)
     assert stats[0.1] == pytest.approx(math.exp(-0.3) + 0.3 - 1, rel=1e-3)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "grpo"])
+def test_a_critic_free_update_is_the_same_for_micro_batches_of_1_and_of_4(tiny, tmp_path, one_thread, estimator):
+    """Under the critic-free estimators' default ``ppo.loss_type`` (``dapo``: the mean over the
+    minibatch's tokens) an update does not depend on ``micro_batch_size``: a run's first update
+    (its rollout in passes of 16 rows, ``ppo.rollout_batch_size``, since sampling follows the
+    passes), and one optimisation of a rollout whose responses end at their EOS after 2 to 8
+    tokens; under the paper's loss (each micro-batch's token mean) that optimisation does."""
+    _, root = tiny
+    setting = [*LEARNING, *RLOO, f"ppo.advantage_estimator={estimator}", "ppo.num_minibatches=2"]
+
+    def trainer_for(*overrides: str) -> PPOTrainer:
+        return PPOTrainer(ppo_config(*setting, *overrides), root / "data", root / "sft", None)
+
+    runs = {}
+    for micro in (1, 4):
+        cfg = ppo_config(
+            *setting, "ppo.total_episodes=16", "ppo.rollout_batch_size=16", f"ppo.micro_batch_size={micro}"
+        )
+        run_ppo(cfg, root / "data", root / "sft", None, tmp_path / f"run-{micro}")
+        runs[micro] = load_file(str(tmp_path / f"run-{micro}" / "model" / "model.safetensors"))
+    before = load_file(str(root / "sft" / "model.safetensors"))
+    for name, value in runs[1].items():
+        torch.testing.assert_close(value, runs[4][name], rtol=0, atol=5e-5)
+    assert any(not torch.equal(v, before[k]) for k, v in runs[1].items())  # it trained
+
+    sampler = trainer_for()
+    sampled = sampler.generate_trajectory(sampler.queries[rollout_rows(len(sampler.queries), sampler.cfg, 0)])
+    responses, query_responses = sampled.responses.clone(), sampled.query_responses.clone()
+    for row in range(responses.size(0)):  # responses of 2 to 8 tokens
+        if row % 4 < 3:
+            responses[row, 1 + 2 * (row % 4)] = sampler.eos_id
+    query_responses[:, sampled.context_length :] = responses
+    scored = ResponseScores(sampled.raw_scores, sampled.scores, sampled.has_eos)
+    traj = make_trajectory(
+        query_responses,
+        responses,
+        sampled.logprobs,
+        sampled.ref_logprobs,
+        None,
+        scored,
+        sampled.context_length,
+        sampler.eos_id,
+        sampler.pad_id,
+    )
+    assert sorted(set(traj.token_mask.sum(1).tolist())) == [2, 4, 6, 8]
+    rewards = kl_penalised_rewards(traj, sampler.cfg)
+    updated = {}
+    for loss_type in ("dapo", "paper"):
+        for micro in (1, 4):
+            trainer = trainer_for(f"ppo.micro_batch_size={micro}", f"ppo.loss_type={loss_type}")
+            advantages, _ = estimate_advantages(traj, rewards, trainer.cfg)
+            trainer.optimise(traj, rewards.value_mask, advantages, None, update=0)
+            updated[loss_type, micro] = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+    for name, value in updated["dapo", 1].items():
+        torch.testing.assert_close(value, updated["dapo", 4][name], rtol=0, atol=5e-5)
+    assert any(
+        (v - updated["paper", 4][k]).abs().max() > 5e-4 for k, v in updated["paper", 1].items()
+    )
+    assert ppo_config(f"ppo.advantage_estimator={estimator}").loss_type == "dapo"
+    assert ppo_config().loss_type == "paper"
