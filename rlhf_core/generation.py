@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,9 +146,13 @@ class Decoding:
             this decoding was chosen for.
         cache_length_multiple: the static cache's length is rounded up to a multiple of this
             (:func:`static_cache_length`).
+        max_static_caches: how many static caches (one per decoding shape) a model keeps.
     """
 
     static_cache: bool = False
+    #: The static caches kept for one model, the least recently used dropped beyond it
+    #: (:func:`static_cache_for`): each holds keys and values for its batch and length.
+    max_static_caches: int = 4
     compile_config: CompileConfig | None = None
     cache_length_multiple: int = CACHE_LENGTH_MULTIPLE
 
@@ -173,11 +178,26 @@ class Decoding:
         return kwargs
 
 
-#: The static caches kept for each model, by :func:`static_cache_for`'s key.
-_STATIC_CACHES: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, StaticCache]] = weakref.WeakKeyDictionary()
+#: The static caches kept for each model, by :func:`static_cache_for`'s key, least recently used first.
+_STATIC_CACHES: weakref.WeakKeyDictionary[torch.nn.Module, OrderedDict[tuple, StaticCache]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def static_cache_for(model: PreTrainedModel, batch_size: int, cache_length: int, device: torch.device) -> StaticCache:
+def cache_bytes(cache: StaticCache) -> int:
+    """Bytes held by a static cache's keys and values (0 for a layer not written yet: they are
+    allocated on the first write)."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def static_cache_for(
+    model: PreTrainedModel, batch_size: int, cache_length: int, device: torch.device, keep: int = 4
+) -> StaticCache:
     """The one static KV cache of ``model`` for ``batch_size`` rows of ``cache_length`` tokens on
     ``device`` in the current autocast state (which decides the dtypes of its keys and values),
     emptied (``reset``: zeroed in place) for a new call.
@@ -186,13 +206,38 @@ def static_cache_for(model: PreTrainedModel, batch_size: int, cache_length: int,
     ``cache_implementation="static"``; its tensors are marked as static addresses, so a
     CUDA-graph-compiled decoding step would record its graph again for every call. Kept across
     calls and passed to ``generate`` (its ``cache`` argument), the cache keeps its storage, and
-    the graph captured for the first call of a shape replays in the next ones. The caches live
-    as long as the model."""
+    the graph captured for the first call of a shape replays in the next ones. A model keeps at
+    most ``keep`` caches (:attr:`Decoding.max_static_caches`), as long as it lives: a new shape
+    beyond them drops the least recently used one, and the log gives the memory the model's
+    caches hold.
+
+    Raises:
+        ValueError: ``keep`` below 1.
+    """
+    if keep < 1:
+        raise ValueError(f"a model keeps at least one static cache, not {keep}")
     autocast = torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type)
     key = (batch_size, cache_length, str(device), next(model.parameters()).dtype, autocast)
-    caches = _STATIC_CACHES.setdefault(model, {})
-    if key not in caches:
+    caches = _STATIC_CACHES.setdefault(model, OrderedDict())
+    if key in caches:
+        caches.move_to_end(key)
+    else:
+        dropped = []
+        while len(caches) >= keep:
+            dropped.append(caches.popitem(last=False))
         caches[key] = StaticCache(config=model.config, max_cache_len=cache_length)
+        log.info(
+            "generate: a static KV cache for %d rows of %d tokens; %d kept for this model, %.1f MiB before this "
+            "one's first write%s",
+            batch_size,
+            cache_length,
+            len(caches),
+            sum(cache_bytes(c) for c in caches.values()) / 2**20,
+            "".join(
+                f"; the least recently used, {k[0]} rows of {k[1]} tokens ({cache_bytes(c) / 2**20:.1f} MiB), dropped"
+                for k, c in dropped
+            ),
+        )
     cache = caches[key]
     cache.reset()
     return cache
@@ -319,7 +364,9 @@ def generate(
         cache = {}
         if decoding.static_cache:
             length = decoding.cache_length(queries.size(1), max_new_tokens)
-            cache["cache"] = static_cache_for(model, queries.size(0), length, queries.device)
+            cache["cache"] = static_cache_for(
+                model, queries.size(0), length, queries.device, decoding.max_static_caches
+            )
         # synced_gpus off: transformers turns it on for a sharded model under torch.distributed (every
         # rank then steps until all have stopped); the callers sample from unsharded or gathered
         # parameters (DataParallel.gathered), so the ranks' calls are independent.

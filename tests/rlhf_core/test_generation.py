@@ -231,6 +231,29 @@ def test_one_static_cache_per_decoding_shape_is_kept_across_calls(smol_tokenizer
     assert len(storage()) == 3 and all(storage()[key][0] is cache for key, (cache, _) in kept.items())
 
 
+def test_a_model_keeps_at_most_max_static_caches_dropping_the_least_recently_used(smol_tokenizer, caplog):
+    """With ``max_static_caches`` 2, a third decoding shape drops the cache used longest ago (a
+    shape used again since is kept); the log gives the caches' memory and the one dropped."""
+    import rlhf_core.generation as generation
+
+    tok = smol_tokenizer
+    model = eos_prone_model(tok)
+    queries = left_padded(tok, QUERIES)
+    static = Decoding(static_cache=True, max_static_caches=2)
+    with caplog.at_level("INFO", logger="rlhf_core.generation"):
+        for rows in (3, 2, 3, 1):  # 3 used again after 2: 2 is the least recently used when 1 comes
+            sample_both(model, queries[:rows], tok.pad_token_id, None, [static])
+    caches = generation._STATIC_CACHES[model]
+    assert [key[0] for key in caches] == [3, 1]
+    per_row = generation.cache_bytes(caches[next(iter(caches))]) / 3
+    assert per_row > 0 and generation.cache_bytes(caches[list(caches)[1]]) == per_row
+    length = next(iter(caches))[1]
+    assert f"the least recently used, 2 rows of {length} tokens ({2 * per_row / 2**20:.1f} MiB), dropped" in caplog.text
+    assert caplog.text.count("generate: a static KV cache for") == 3  # 3, 2 and 1 rows; 3 again was kept
+    with pytest.raises(ValueError, match="at least one static cache"):
+        generation.static_cache_for(model, 1, length, torch.device("cpu"), keep=0)
+
+
 @pytest.mark.parametrize("stop_at_eos", [False, True], ids=["sample-through", "stop-at-eos"])
 def test_static_cache_under_bf16_autocast_with_float32_weights(smol_tokenizer, stop_at_eos):
     """The PPO rollout's setting: float32 weights under bf16 autocast. The static cache holds
