@@ -8,7 +8,9 @@ the store, beside its artifact, before they train it (:class:`StageClaim`):
   (``If-None-Match: *``): of two workers creating it at once, S3 lets exactly one succeed.
   It names the worker (host and process), when it started, and the lease.
 * The holder renews it every third of the lease with a write conditional on its own version
-  (``If-Match: <ETag>``), and deletes it when the stage has ended, finished or failed.
+  (``If-Match: <ETag>``), and deletes it when the stage has ended, finished or failed, with a
+  delete conditional on that version too: a claim taken over meanwhile stays. (A store whose
+  S3 API has no conditional deletes gets a read, then a delete; a takeover in between is lost.)
 * A worker that finds the claim taken waits, polling, until the stage's record is in the store
   (it then takes the artifact from there: :func:`tasks.stages.finished_record`), or until the
   claim has not been renewed for a whole lease: its holder is gone (a container removed, a
@@ -50,6 +52,13 @@ def _precondition_failed(exc: Exception) -> bool:
     """Whether a conditional write lost: 412, or 409 when S3 saw two such writes at once."""
     code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
     return code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+
+
+def _unsupported(exc: Exception) -> bool:
+    """Whether the store refused a request's condition as not implemented (an S3 API without
+    conditional deletes), rather than as not holding."""
+    code = getattr(exc, "response", {}).get("Error", {}).get("Code", "")
+    return code in ("NotImplemented", "501", "InvalidArgument", "InvalidRequest")
 
 
 class StageClaim:
@@ -169,6 +178,24 @@ class StageClaim:
                 return
 
     def _release(self) -> None:
+        """Delete the claim while it is still this worker's: a delete conditional on its version
+        (``If-Match: <ETag>``), so that a claim taken over since, even an instant before, stays.
+        A store that refuses conditional deletes (an S3 API without them) gets a read, then a
+        delete if the version read is this worker's: a takeover between the two is deleted."""
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self.object, IfMatch=self._etag or "")
+            return
+        except Exception as exc:
+            if _precondition_failed(exc):
+                self.log.info("stage %s: its claim was taken over by another worker; left to it", self.key)
+                return
+            if not _unsupported(exc):
+                raise
+            self.log.warning(
+                "stage %s: the store refuses conditional deletes (%s); the claim is read, then deleted",
+                self.key,
+                exc,
+            )
         held = self._read()
         if held is not None and held[1] == self._etag:  # still this worker's
             self._client.delete_object(Bucket=self.bucket, Key=self.object)

@@ -112,3 +112,25 @@ def test_the_claim_of_a_killed_worker_lapses_and_is_taken_over(store, tmp_path):
     stored = store["s3"].get_object(Bucket=store["bucket"], Key=f"{store['prefix']}/sft/k2.record.json")
     record = json.loads(stored["Body"].read())
     assert record["mlflow_run_id"] == str(second.pid)
+
+
+def test_a_claim_taken_over_as_its_holder_releases_it_stays(store, monkeypatch, caplog):
+    """The holder reads its claim as its own, and another worker takes it over before the
+    holder's delete: the delete, conditional on the holder's version (If-Match), leaves the new
+    holder's claim in place."""
+    from tasks.claims import StageClaim
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store["s3"].meta.endpoint_url)
+    root = f"s3://{store['bucket']}/{store['prefix']}"
+    claim = StageClaim(root, "sft/k3", finished=lambda: None, lease_seconds=60)
+    claim.__enter__()
+    assert claim.record is None
+    name = f"{store['prefix']}/sft/k3.claim.json"
+    mine = claim._read()
+    store["s3"].put_object(Bucket=store["bucket"], Key=name, Body=b'{"worker": "other:1"}')  # a takeover
+    monkeypatch.setattr(claim, "_read", lambda: mine)  # read just before it: still this worker's
+    with caplog.at_level("INFO", logger="tasks.claims"):
+        claim.__exit__(None, None, None)
+    left = store["s3"].get_object(Bucket=store["bucket"], Key=name)["Body"].read()
+    assert left == b'{"worker": "other:1"}'
+    assert "its claim was taken over by another worker; left to it" in caplog.text
