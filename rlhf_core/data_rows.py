@@ -276,12 +276,17 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
             break
     if not result.rows:
         raise DataError(f"{kind} split from source {spec.source!r} ({source}) has no valid rows after filtering")
+    _log_repeats(kind, spec.source, repeats)
+    return result
+
+
+def _log_repeats(kind: str, source: str, repeats: list[tuple[str, str]]) -> None:
+    """Log how many rows of a TRL-format split repeat an earlier row verbatim (kept), and the first."""
     if repeats:
         log.info(
             "%s split %r: %d row(s) repeat an earlier row verbatim and are kept, as TRL reads them (%s repeats %s)",
             kind,
-            spec.source,
+            source,
             len(repeats),
             *repeats[0],
         )
-    return result

@@ -279,8 +279,9 @@ class PPOTrainer:
     def generate_trajectory(self, queries: torch.Tensor) -> Trajectory:
         """Sample ``response_length`` tokens for each of this rank's left-padded ``queries``
         (``(B, query_length)`` long) and compute what PPO needs of them, in micro-batches of
-        ``ppo.rollout_batch_size`` (unset: ``ppo.micro_batch_size``): the log-probs of the policy and the reference, the values, and
-        the scores of the responses truncated after their first EOS (:meth:`score`)."""
+        ``ppo.rollout_batch_size`` (unset: ``ppo.micro_batch_size``): the log-probs of the policy
+        and the reference, the values, and the scores of the responses truncated after their
+        first EOS (:meth:`score`)."""
         cfg, pad, eos, R = self.cfg, self.pad_id, self.eos_id, self.response_length
         queries = trim_left_padding(queries, pad).to(self.device)
         context = queries.size(1)
@@ -463,7 +464,7 @@ class PPOTrainer:
             per_token_kl = k3_kl(new_logprobs, traj.ref_logprobs[idx], token_mask)
             kl = masked_mean(per_token_kl, token_mask)
             per_token, loss = per_token + cfg.kl_coef * per_token_kl, loss + cfg.kl_coef * kl
-        if cfg.loss_type == "paper":
+        if cfg.loss_type == "paper":  # computed as before loss_type existed, bitwise; aggregate_loss's sum
             (loss * scale).backward()
         else:
             rows, tokens = minibatch if minibatch is not None else (len(idx), int(token_mask.sum()))
