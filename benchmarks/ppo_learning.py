@@ -32,8 +32,8 @@ figures to ``--out`` (default ``benchmarks/results/ppo_learning.json``).
 
 Verdict, the exit status: 0 when the mean score of the last 5 updates exceeds the first
 update's (whose rollout precedes any training) by more than ``--margin`` (default 0.1, on
-the reward's [-1, 0] scale) and the KL stays below ``--max-kl`` (default 10 nats) at every
-update; 1 otherwise. With fewer than 6 updates there is no verdict (exit status 2).
+the reward's [-1, 0] scale), the rise's 95% interval (``learning_verdict``) lies above 0, and
+the KL stays below ``--max-kl`` (default 10 nats) at every update; 1 otherwise. With fewer than 6 updates there is no verdict (exit status 2).
 
 Settings that differ from the paper's, for a check of 10 updates: a constant learning rate
 (``--scheduler``; the paper's linear decay to 0 leaves the last updates almost nothing to
@@ -213,7 +213,14 @@ def precision_report(setting: bool | str) -> dict[str, Any]:
 def learning_verdict(
     scores: list[float], kls: list[float], margin: float, max_kl: float, last_k: int = LAST_K
 ) -> dict[str, Any]:
-    """Whether the score rose by more than ``margin`` with the KL below ``max_kl`` throughout.
+    """Whether the score rose by more than ``margin``, with its 95% interval above 0, and the KL
+    stayed below ``max_kl`` throughout.
+
+    The rise is the mean of the last ``last_k`` updates' scores minus the first update's. Its
+    interval is Student's t with ``last_k - 1`` degrees of freedom on the spread of the last
+    ``last_k`` update means (s): one update's mean and the mean of ``last_k`` of them, each with
+    that noise, differ by ``rise +- t * s * sqrt(1 + 1/last_k)``. A trend within the last updates
+    widens it (a conservative interval).
 
     Args:
         scores: per update, the batch's mean score (``objective/scores``); the first update's
@@ -221,25 +228,35 @@ def learning_verdict(
         kls: per update, the batch's mean KL to the reference policy (``objective/kl``, nats).
 
     Returns:
-        ``first``, ``last_mean`` (mean of the last ``last_k``), ``rise``, ``max_kl``,
-        ``passed`` (``None`` with ``last_k`` updates or fewer: no verdict).
+        ``first``, ``last_mean`` (mean of the last ``last_k``), ``rise``, ``rise_ci_low``,
+        ``rise_ci_high``, ``max_kl``, ``passed`` (``None`` with ``last_k`` updates or fewer: no
+        verdict).
     """
     if len(scores) <= last_k:
         return {
             "first": scores[0] if scores else None,
             "last_mean": None,
             "rise": None,
+            "rise_ci_low": None,
+            "rise_ci_high": None,
             "max_kl": max(kls) if kls else None,
             "passed": None,
         }
-    last_mean = sum(scores[-last_k:]) / last_k
+    from scipy import stats
+
+    last = scores[-last_k:]
+    last_mean = sum(last) / last_k
     rise = last_mean - scores[0]
+    spread = (sum((s - last_mean) ** 2 for s in last) / (last_k - 1)) ** 0.5
+    half = float(stats.t.ppf(0.975, last_k - 1)) * spread * (1 + 1 / last_k) ** 0.5
     return {
         "first": scores[0],
         "last_mean": last_mean,
         "rise": rise,
+        "rise_ci_low": rise - half,
+        "rise_ci_high": rise + half,
         "max_kl": max(kls),
-        "passed": bool(rise > margin and max(kls) < max_kl),
+        "passed": bool(rise > margin and rise - half > 0 and max(kls) < max_kl),
     }
 
 
@@ -386,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(
         f"score: first update {verdict['first']:+.4f}, mean of the last {LAST_K} {verdict['last_mean']:+.4f}, "
-        f"rise {verdict['rise']:+.4f} (required > {args.margin}); max KL {verdict['max_kl']:.3f} "
+        f"rise {verdict['rise']:+.4f} [{verdict['rise_ci_low']:+.4f}, {verdict['rise_ci_high']:+.4f}] "
+        f"(required > {args.margin}, interval above 0); max KL {verdict['max_kl']:.3f} "
         f"(required < {args.max_kl}) -> {'PASS' if verdict['passed'] else 'FAIL'}; figures in {args.out}"
     )
     return 0 if verdict["passed"] else 1
