@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from .errors import DataError
+
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
 CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
@@ -153,9 +155,13 @@ def _default_preference_splits() -> dict[str, SplitSpec]:
 
 
 #: TRL's column names (its ``dataset_formats`` page) that ``data.columns`` may map a user's columns onto.
-TRL_COLUMNS = ("prompt", "completion", "messages", "chosen", "rejected")
-#: The splits read under ``data.format: trl``, each from the file or hub split of its name.
-TRL_SPLITS = {"sft": ("train", "validation", "test"), "preference": ("train", "validation")}
+TRL_COLUMNS = ("prompt", "completion", "messages", "chosen", "rejected", "text")
+#: The kinds of split the data stage writes: SFT rows, preference pairs, and (``data.format:
+#: trl`` only, when ``data.prompt_splits`` names them) prompt-only rows for PPO.
+DATA_KINDS = ("sft", "preference", "prompt")
+#: The splits read under ``data.format: trl``, each from the file or hub split of its name;
+#: ``prompt`` splits only as ``data.prompt_splits`` names them.
+TRL_SPLITS = {"sft": ("train", "validation", "test"), "preference": ("train", "validation"), "prompt": ("train",)}
 
 
 class DataConfig(StrictModel):
@@ -167,7 +173,10 @@ class DataConfig(StrictModel):
     (:mod:`rlhf_core.data_trl`): ``prompt``/``completion`` or ``messages`` for SFT,
     ``prompt``/``chosen``/``rejected`` (or ``chosen``/``rejected`` alone, sharing a prompt) for
     preferences, each as strings (standard) or message lists (conversational, through the
-    tokenizer's chat template). ``columns`` maps those names onto the data's own
+    tokenizer's chat template), and ``prompt`` alone (TRL's prompt-only rows, a string or a
+    message list) in the splits of ``prompt_splits`` (``{train: {}}``: PPO samples its queries
+    from ``prompt/train`` instead of the SFT split's; read from ``prompt_train.jsonl`` or the hub
+    dataset ``prompt_dataset``). ``columns`` maps those names onto the data's own
     (``{prompt: question}``). Under ``trl`` the splits are the data's own (:data:`TRL_SPLITS`,
     :meth:`splits`): the configured splits give way, keeping only their ``max_rows`` and
     ``holdout``; prompts longer than ``max_query_length`` (unset: ``tldr_format``'s) tokens
@@ -198,6 +207,8 @@ class DataConfig(StrictModel):
     revision: str | None = None
     sft_splits: dict[str, SplitSpec] = Field(default_factory=_default_sft_splits)
     preference_splits: dict[str, SplitSpec] = Field(default_factory=_default_preference_splits)
+    prompt_splits: dict[str, SplitSpec] = Field(default_factory=dict)
+    prompt_dataset: str | None = None
     tldr_format: QueryFormat = Field(default_factory=QueryFormat)
     cnndm_format: QueryFormat = Field(
         default_factory=lambda: QueryFormat(template=CNNDM_QUERY_TEMPLATE, max_query_length=2047 - 128)
@@ -213,7 +224,14 @@ class DataConfig(StrictModel):
     @model_serializer(mode="wrap")
     def _no_trl_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         dumped = handler(self)
-        defaults = {"format": "tldr", "columns": {}, "prompt_truncation": "keep_end", "max_query_length": None}
+        defaults = {
+            "format": "tldr",
+            "columns": {},
+            "prompt_truncation": "keep_end",
+            "max_query_length": None,
+            "prompt_splits": {},
+            "prompt_dataset": None,
+        }
         for key, default in defaults.items():
             if dumped.get(key) == default:
                 dumped.pop(key, None)
@@ -237,16 +255,19 @@ class DataConfig(StrictModel):
             named[column] = name
         return columns
 
-    def splits(self, kind: Literal["sft", "preference"]) -> dict[str, SplitSpec]:
+    def splits(self, kind: Literal["sft", "preference", "prompt"]) -> dict[str, SplitSpec]:
         """The splits of ``kind`` the data stage reads: ``{kind}_splits`` under ``format: tldr``;
         under ``trl`` the data's own (:data:`TRL_SPLITS`), each read from the file or hub split of
-        its name, with the ``max_rows`` and ``holdout`` of the configured split of that name."""
+        its name, with the ``max_rows`` and ``holdout`` of the configured split of that name
+        (``prompt`` splits only where ``prompt_splits`` names them)."""
         configured: dict[str, SplitSpec] = getattr(self, f"{kind}_splits")
         if self.format == "tldr":
             return configured
         out = {}
         for name in TRL_SPLITS[kind]:
             spec = configured.get(name)
+            if kind == "prompt" and spec is None:
+                continue
             out[name] = SplitSpec(
                 source=name,
                 task="trl",
@@ -254,6 +275,18 @@ class DataConfig(StrictModel):
                 holdout=spec.holdout if spec else None,
             )
         return out
+
+    def dataset(self, kind: str) -> str:
+        """The hub dataset (or local directory in the hub layout) the splits of ``kind`` come from.
+
+        Raises:
+            DataError: ``prompt`` splits from the hub without ``data.prompt_dataset``.
+        """
+        if kind == "prompt":
+            if self.prompt_dataset is None:
+                raise DataError("data.prompt_splits from the hub need data.prompt_dataset (a prompt-only dataset)")
+            return self.prompt_dataset
+        return self.sft_dataset if kind == "sft" else self.preference_dataset
 
     @property
     def trl_max_query_length(self) -> int:
@@ -270,9 +303,26 @@ class DataConfig(StrictModel):
             subset_path(name)  # a missing file is named now, not when the rows are first read
         return name
 
+    @field_validator("prompt_splits", mode="before")
+    @classmethod
+    def _prompt_split_sources(cls, splits: Any) -> Any:
+        """``{train: {}}`` reads the split of its name: the source may be left out."""
+        if isinstance(splits, dict):
+            return {name: {"source": name, **spec} if isinstance(spec, dict) else spec for name, spec in splits.items()}
+        return splits
+
+    @model_validator(mode="after")
+    def _check_prompt_splits(self) -> DataConfig:
+        if self.prompt_splits and self.format != "trl":
+            raise ValueError("data.prompt_splits: prompt-only rows are read under data.format: trl")
+        for name in self.prompt_splits:
+            if name not in TRL_SPLITS["prompt"]:
+                raise ValueError(f"data.prompt_splits.{name}: PPO's prompts are the split 'train'; name it train")
+        return self
+
     @model_validator(mode="after")
     def _check_holdouts(self) -> DataConfig:
-        for kind in ("sft", "preference"):
+        for kind in DATA_KINDS:
             splits: dict[str, SplitSpec] = getattr(self, f"{kind}_splits")
             taken: dict[str, str] = {}  # held-out split -> the split it is held out of
             for name, spec in splits.items():

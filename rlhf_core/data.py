@@ -37,9 +37,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import PipelineConfig
-from .config_data import DataConfig, QueryFormat
+from .config_data import DATA_KINDS, DataConfig, QueryFormat
 from .data_rows import BadRow, load_split, template_fields
-from .data_trl import DROPPED_BY_SETTING, trl_query
+from .data_trl import DROPPED_BY_SETTING, LANGUAGE_MODELING, trl_query
 from .errors import DataError
 from .hub_subset import ensure_local_rows
 from .io import atomic_directory, content_digest, write_json_atomic
@@ -183,6 +183,8 @@ def _tokenize_split(
         )
         kept.append(row)
     ds = datasets.Dataset.from_list(kept)
+    if kind == "prompt":  # prompt-only rows: the query is all there is
+        return ds, dropped, dropped_where
     if kind == "sft":
 
         def add_response(x):
@@ -211,10 +213,11 @@ def _tokenize_split(
 class TokenizedSplits:
     """Every configured split, tokenised but not yet padded (the first step of :func:`prepare_data`).
 
-    ``datasets[kind][name]`` for kind ``sft`` or ``preference``; ``tasks["kind/name"]`` is
-    ``tldr`` or ``cnndm``; ``dropped["kind/name"]`` counts dropped rows by reason and
+    ``datasets[kind][name]`` for kind ``sft``, ``preference`` or ``prompt``; ``tasks["kind/name"]`` is
+    ``tldr``, ``cnndm`` or ``trl``; ``dropped["kind/name"]`` counts dropped rows by reason and
     ``dropped_examples`` names up to 20 of them per split (file and row); ``repaired`` counts
-    what was mended and kept (a UTF-8 byte-order mark).
+    what was mended and kept (a UTF-8 byte-order mark); ``forms["kind/name"]`` the form of a
+    TRL-format split's rows (:func:`rlhf_core.data_trl.row_form`).
     """
 
     datasets: dict[str, dict[str, datasets.Dataset]]
@@ -222,8 +225,11 @@ class TokenizedSplits:
     dropped: dict[str, Counter]
     dropped_examples: list[dict]
     repaired: dict[str, Counter] = field(default_factory=dict)
+    forms: dict[str, str] = field(default_factory=dict)
 
 
+#: The response columns of each kind of split (a prompt-only row has none).
+_RESPONSE_COLUMNS = {"sft": ("reference_response",), "preference": ("chosen", "rejected"), "prompt": ()}
 #: Token-length columns of each kind whose response cap (Detail 4) applies.
 _RESPONSE_LENGTH_COLUMNS = {
     "sft": ("reference_response_token_len",),
@@ -245,8 +251,8 @@ def tokenize_splits(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) ->
         DataError: a bad row with ``on_bad_row: error`` (naming file and row), or an empty split.
     """
     formats = {"tldr": data_cfg.tldr_format, "cnndm": data_cfg.cnndm_format}
-    out = TokenizedSplits({"sft": {}, "preference": {}}, {}, {}, [])
-    for kind in ("sft", "preference"):
+    out = TokenizedSplits({kind: {} for kind in DATA_KINDS}, {}, {}, [])
+    for kind in DATA_KINDS:
         for name, spec in data_cfg.splits(kind).items():
             key = f"{kind}/{name}"
             if spec.task == "trl":
@@ -271,6 +277,8 @@ def tokenize_splits(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase) ->
             out.dropped_examples += [{"split": key, "where": w, "reason": r} for w, r in where[:20]]
             out.datasets[kind][name] = ds
             out.tasks[key] = spec.task
+            if loaded.form is not None:
+                out.forms[key] = loaded.form
     return out
 
 
@@ -342,7 +350,7 @@ def apply_holdouts(splits: TokenizedSplits, data_cfg: DataConfig) -> None:
         DataError: a holdout takes every row of its split, or cannot take exactly its rows by
             whole queries; naming the ``holdout.rows`` key.
     """
-    for kind in ("sft", "preference"):
+    for kind in DATA_KINDS:
         specs = data_cfg.splits(kind)
         named = splits.datasets[kind]
         ordered: dict[str, datasets.Dataset] = {}
@@ -356,6 +364,8 @@ def apply_holdouts(splits: TokenizedSplits, data_cfg: DataConfig) -> None:
             held, kept = holdout_rows(ds, spec.holdout.rows, spec.holdout.seed, key)
             ordered[name], ordered[new] = ds.select(kept), ds.select(held)
             splits.tasks[f"{kind}/{new}"] = spec.task
+            if f"{kind}/{name}" in splits.forms:
+                splits.forms[f"{kind}/{new}"] = splits.forms[f"{kind}/{name}"]
             splits.dropped[f"{kind}/{new}"] = Counter()
             splits.repaired[f"{kind}/{new}"] = Counter()
             log.info("%s/%s: %d of %d rows held out into %s/%s", kind, name, len(held), len(ds), kind, new)
@@ -404,7 +414,11 @@ def pad_split(
 ) -> datasets.Dataset:
     """Add the padded token columns (Details 3, 4): queries left-padded, responses and
     query+response sequences right-padded with ``pad_id``; the unpadded columns are removed."""
-    if kind == "sft":
+    if kind == "prompt":
+
+        def pad(x):
+            return {"query_token": left_pad(x["query_token_unpadded"], padded["query"]["trl"], pad_id)}
+    elif kind == "sft":
 
         def pad(x):
             q, r = x["query_token_unpadded"], x["reference_response_token_unpadded"]
@@ -433,8 +447,7 @@ def pad_split(
 def split_statistics(ds: datasets.Dataset, kind: str, task: str) -> dict[str, Any]:
     """Rows, token-length summaries, truncation counts (and comparison batches) of one split."""
     lengths = {"query": _length_summary(ds["query_token_len"])}
-    response_columns = ("reference_response",) if kind == "sft" else ("chosen", "rejected")
-    for col in response_columns:
+    for col in _RESPONSE_COLUMNS[kind]:
         lengths[col] = _length_summary(ds[f"{col}_token_len"])
     split_stats: dict[str, Any] = {
         "rows": len(ds),
@@ -483,11 +496,13 @@ def _write_prepared(
     from .plots import plot_token_lengths
 
     def token_lengths(kind: str, name: str) -> dict[str, list[int]]:
-        cols = ["query", "reference_response"] if kind == "sft" else ["query", "chosen", "rejected"]
+        cols = ("query", *_RESPONSE_COLUMNS[kind])
         return {col: list(final[kind][name][f"{col}_token_len"]) for col in cols}
 
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         for kind, dd in final.items():
+            if not dd:  # no prompt splits: no prompt/ folder
+                continue
             dd.save_to_disk(str(tmp / kind))
             for name in dd:
                 _content_fingerprint(tmp / kind / name)
@@ -507,7 +522,8 @@ def prepare_data(
 ) -> dict:
     """Build the SFT and preference datasets of ``cfg`` and write them to ``out_dir``.
 
-    Writes, atomically: ``sft/{split}`` and ``preference/{split}`` (``save_to_disk``),
+    Writes, atomically: ``sft/{split}``, ``preference/{split}`` and, with ``data.prompt_splits``,
+    ``prompt/{split}`` (``save_to_disk``),
     ``tokenizer/`` (with its PAD), ``stats.json`` (token lengths, derived padded lengths,
     truncation counts, rows dropped by reason) and ``token_lengths.png``.
 
@@ -543,7 +559,7 @@ def prepare_data(
     split_stats: dict[str, dict] = {}
     holdouts = {
         f"{kind}/{spec.holdout.split}": (name, spec.holdout)
-        for kind in ("sft", "preference")
+        for kind in DATA_KINDS
         for name, spec in data_cfg.splits(kind).items()
         if spec.holdout is not None
     }
@@ -552,6 +568,8 @@ def prepare_data(
         for name, ds in named.items():
             key = f"{kind}/{name}"
             split_stats[key] = split_statistics(ds, kind, splits.tasks[key])
+            if key in splits.forms:  # TRL-format rows: standard, conversational, language_modeling
+                split_stats[key]["form"] = splits.forms[key]
             if key in holdouts:
                 parent, spec = holdouts[key]
                 split_stats[key] |= {"held_out_of": parent, "holdout_seed": spec.seed}
@@ -576,6 +594,25 @@ def prepare_data(
     return stats
 
 
+def require_prompts(stats: dict, split: str, key: str) -> None:
+    """Check that the SFT split ``split``, whose prompts the setting ``key`` samples from, has
+    prompts: TRL's language-modelling rows (``text`` alone, :data:`rlhf_core.data_trl.LANGUAGE_MODELING`)
+    train SFT and hold none.
+
+    Args:
+        stats: the data stage's ``stats.json`` (:func:`load_prepared`).
+
+    Raises:
+        DataError: naming ``key``, the split and what to do.
+    """
+    if stats["splits"].get(f"sft/{split}", {}).get("form") == LANGUAGE_MODELING:
+        raise DataError(
+            f"{key}: the SFT split {split!r} holds TRL language-modelling rows (text alone), with no prompt to "
+            "sample from; name a split of prompt/completion or messages rows"
+            + (", or give PPO prompt-only rows (data.prompt_splits)" if key.startswith("ppo") else "")
+        )
+
+
 def load_data_tokenizer(data_dir: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer saved by :func:`prepare_data` (with its PAD token)."""
     from transformers import AutoTokenizer
@@ -594,3 +631,10 @@ def load_prepared(data_dir: str | os.PathLike) -> tuple[datasets.DatasetDict, da
         raise DataError(f"{root} is not a prepared data directory (no stats.json); run `rlhf data` first")
     stats = json.loads((root / "stats.json").read_text())
     return datasets.load_from_disk(str(root / "sft")), datasets.load_from_disk(str(root / "preference")), stats
+
+
+def load_prompts(data_dir: str | os.PathLike) -> datasets.DatasetDict | None:
+    """The prompt-only splits written by :func:`prepare_data` (``data.prompt_splits``), each with
+    ``query`` and ``query_token`` (left-padded), or ``None`` when the data has none."""
+    root = Path(data_dir) / "prompt"
+    return datasets.load_from_disk(str(root)) if root.is_dir() else None

@@ -175,9 +175,11 @@ def content_id(row: dict, taken: Counter) -> str:
 
 @dataclass
 class SplitLoad:
-    """Rows of one output split after validation, with what was dropped and why."""
+    """Rows of one output split after validation, with what was dropped and why, and (TRL-format
+    rows) the split's form (:func:`rlhf_core.data_trl.row_form`)."""
 
     rows: list[dict] = field(default_factory=list)
+    form: str | None = None
     dropped: Counter = field(default_factory=Counter)
     dropped_where: list[tuple[str, str]] = field(default_factory=list)
     repaired: Counter = field(default_factory=Counter)
@@ -214,9 +216,8 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
             for item in iter_rows(path, result.repaired)
         )
     else:
-        name = data_cfg.sft_dataset if kind == "sft" else data_cfg.preference_dataset
-        config = None if kind == "sft" else data_cfg.preference_config
-        raw = iter_hub_split(name, config, spec.source, data_cfg.revision)
+        config = data_cfg.preference_config if kind == "preference" else None
+        raw = iter_hub_split(data_cfg.dataset(kind), config, spec.source, data_cfg.revision)
 
     seen: dict[str, str] = {}  # duplicate key -> where its first copy is
     taken: Counter = Counter()  # content ids given so far (content_id)
@@ -276,6 +277,7 @@ def load_split(data_cfg: DataConfig, kind: str, spec: SplitSpec, fmt: QueryForma
             break
     if not result.rows:
         raise DataError(f"{kind} split from source {spec.source!r} ({source}) has no valid rows after filtering")
+    result.form = first_form[0] if first_form else None
     _log_repeats(kind, spec.source, repeats)
     return result
 

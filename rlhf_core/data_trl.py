@@ -4,11 +4,17 @@ The formats are TRL's (its ``dataset_formats`` page), which OpenRLHF and NeMo-RL
 
 - SFT, standard: ``prompt`` and ``completion`` strings; conversational: ``messages``, a list of
   ``{role, content}`` whose last message is the assistant's response, or ``prompt`` and
-  ``completion`` as message lists.
+  ``completion`` as message lists; language modelling: ``text`` alone (form
+  ``language_modeling``), trained on whole as TRL's ``SFTTrainer`` trains it: the tokenizer's
+  own prefix (BOS, or nothing) as the query, the text and EOS as the response. Such a split
+  holds no prompts: SFT trains on it, and a stage that samples from a split's prompts refuses
+  it (:func:`rlhf_core.data.require_prompts`).
 - Preferences, standard: ``prompt``, ``chosen`` and ``rejected`` strings; conversational: the
   same as message lists. Without ``prompt`` (TRL's implicit prompt), ``chosen`` and
   ``rejected`` are whole texts or conversations split at their common prefix
   (:func:`split_implicit_prompt`).
+- Prompts (PPO's, ``data.prompt_splits``): ``prompt`` alone, a string (standard) or a message
+  list (conversational), TRL's prompt-only format.
 
 ``data.columns`` renames the data's columns onto these first. A row comes out in the flat form
 of :func:`rlhf_core.data_rows.normalise_row`, so the rest of the pipeline reads it as a TL;DR
@@ -18,7 +24,7 @@ a response brings its own leading space, if any), ``subreddit`` and ``title`` ar
 the metadata the evaluation groups by (``batch``, ``chosen_policy``, ``rejected_policy``,
 ``confidence``, ``split``) and the labeller (``worker``) are kept when present, else ``None``. The prompt itself is kept in
 ``prompt`` (a string) or ``prompt_messages`` (the conversation as JSON), and made a query by
-:func:`trl_query` with the tokenizer.
+:func:`trl_query` with the tokenizer. A prompt-only row has no response field.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from .errors import BadRow, DataError
 
 #: Reasons a row is dropped by a setting rather than for being bad: counted, never an error.
 DROPPED_BY_SETTING = ("prompt_too_long",)
+#: The form of TRL's language-modelling rows (``text`` alone): no prompt, the whole text trained.
+LANGUAGE_MODELING = "language_modeling"
 #: Metadata a preference row may carry, used by the reward model's per-group tables.
 PREFERENCE_METADATA = ("batch", "chosen_policy", "rejected_policy", "split", "worker")
 
@@ -117,7 +125,8 @@ def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
 
 
 def row_form(rec: dict, kind: str) -> str:
-    """``standard`` or ``conversational``, from the row's columns (after renaming).
+    """``standard``, ``conversational`` or (SFT's ``text`` rows) ``language_modeling``, from the
+    row's columns (after renaming).
 
     Raises:
         BadRow: ``missing_field:...`` when the columns make no form of ``kind``.
@@ -125,9 +134,15 @@ def row_form(rec: dict, kind: str) -> str:
     if kind == "sft":
         if "messages" in rec:
             return "conversational"
+        if "text" in rec and "prompt" not in rec:
+            return LANGUAGE_MODELING
         for name in ("prompt", "completion"):
             if name not in rec:
-                raise BadRow(f"missing_field:{name}", "an SFT row needs prompt and completion, or messages")
+                raise BadRow(f"missing_field:{name}", "an SFT row needs prompt and completion, messages, or text")
+        return "conversational" if isinstance(rec["prompt"], list) else "standard"
+    if kind == "prompt":
+        if "prompt" not in rec:
+            raise BadRow("missing_field:prompt", "a prompt-only row needs prompt")
         return "conversational" if isinstance(rec["prompt"], list) else "standard"
     for name in ("chosen", "rejected"):
         if name not in rec:
@@ -159,8 +174,13 @@ def normalise_trl_row(rec: dict, kind: str, columns: dict[str, str]) -> tuple[st
         elif form == "conversational":
             prompt = _messages(rec["prompt"], "prompt")
             responses = {"summary": _assistant_text(_messages(rec["completion"], "completion"), "completion")}
+        elif form == LANGUAGE_MODELING:
+            prompt, responses = "", {"summary": _string(rec["text"], "text")}
         else:
             prompt, responses = _string(rec["prompt"], "prompt"), {"summary": _string(rec["completion"], "completion")}
+    elif kind == "prompt":
+        form_prompt = _messages if form == "conversational" else _string
+        prompt, responses = form_prompt(rec["prompt"], "prompt"), {}
     else:
         chosen, rejected = rec["chosen"], rec["rejected"]
         if "prompt" in rec:

@@ -25,7 +25,7 @@ import torch
 
 from . import diagnostics as diag
 from .config import EvalConfig, PipelineConfig
-from .data import load_data_tokenizer, load_prepared
+from .data import load_data_tokenizer, load_prepared, require_prompts
 from .generation import Summaries, summarize, trim_left_padding
 from .io import write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
@@ -136,6 +136,7 @@ def load_eval_prompts(data_dir: str | os.PathLike, ecfg: EvalConfig) -> EvalProm
     sft_data, _, stats = load_prepared(data_dir)
     if ecfg.split not in sft_data:
         raise KeyError(f"eval.split names {ecfg.split!r}, not an SFT split ({', '.join(sft_data)})")
+    require_prompts(stats, ecfg.split, "eval.split")
     ds = sft_data[ecfg.split]
     ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
     return EvalPrompts(

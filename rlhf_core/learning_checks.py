@@ -39,6 +39,11 @@ def rm_splits(data_format: str = "tldr") -> dict[str, tuple[str, str]]:
 
 Checks = tuple[list[dict], dict[str, float]]
 
+#: The target of PPO's objective check when the reward model it optimises failed its own check
+#: (at chance, or no better than "longer wins" or "the preferred policy wins"): a gain against
+#: that reward says nothing of the summaries, so it is shown and not held to a target.
+NOT_GATED = "reported, not gated: the reward model failed its check (above)"
+
 #: Check (c): a policy's greedy summaries may fall into repetition loops at most this many
 #: percentage points more often than SFT's on the same prompts. SFT's own rate on the cpu-demo's
 #: 64 prompts was 7.8%, 15.6% and 12.5% on three seeds (benchmarks/results/cpu-seeds.json), and
@@ -76,7 +81,8 @@ def learning_checks(
       reward-model score (with the EOS trick, Detail 23) minus ``kl_coef`` times the summary's
       KL from the SFT policy, minus SFT's score on the same prompt, with a 95% paired t interval
       (PPO's target: above 0, Huang et al. 2024: "our PPO implementation at least optimizes the
-      RLHF objective"; DPO's reported: it optimises its own); (b) the EOS rate (target at least
+      RLHF objective", unless the reward model failed its own check: PPO against it is then
+      reported, not gated, :data:`NOT_GATED`; DPO's reported: it optimises its own); (b) the EOS rate (target at least
       90%); (c) the share of greedy summaries in a repetition loop
       (:func:`rlhf_core.diagnostics.repetition_loop`; target: at most SFT's plus
       :data:`REPETITION_TOLERANCE`); (d) the score gain over SFT and the KL from SFT (reported);
@@ -101,10 +107,12 @@ def learning_checks(
     rows: list[dict] = []
     metrics: dict[str, float] = {}
     kl = kl or {}
+    rm_step = reward_model_checks(rm_metrics, data_format)
+    rm_failed = any(row["met"] is False for row in rm_step[0])  # its targeted split, below a baseline or chance
     steps = [
         sft_checks(sft_metrics, sft_samples),
-        reward_model_checks(rm_metrics, data_format),
-        policy_checks("PPO", ppo, sft, texts, kl.get("ppo"), kl_coef, ppo_last),
+        rm_step,
+        policy_checks("PPO", ppo, sft, texts, kl.get("ppo"), kl_coef, ppo_last, gated=not rm_failed),
     ]
     if dpo_metrics:
         steps.append(reward_model_checks(dpo_metrics, data_format, "DPO"))
@@ -228,10 +236,12 @@ def policy_checks(
     kl: list[float] | None,
     kl_coef: float | None,
     last_update: dict[str, float] | None = None,
+    gated: bool = True,
 ) -> Checks:
     """The rows of :func:`learning_checks` of one policy (``stage`` "PPO" or "DPO") against
     SFT's summaries of the same prompts: (a) the RLHF objective's gain (with ``kl``, the
-    summaries' KL from SFT, and ``kl_coef``; PPO's target), (b) its EOS rate, (c) its
+    summaries' KL from SFT, and ``kl_coef``; PPO's target when ``gated``, else
+    :data:`NOT_GATED`), (b) its EOS rate, (c) its
     repetition loops against SFT's, (d) its score gain and mean KL (reported), and PPO's KL
     from its ``last_update``'s samples (reported). Metrics ``eval/checks/{ppo|dpo}_...``."""
     rows, metrics = [], {}
@@ -243,7 +253,10 @@ def policy_checks(
             diff = diag.paired_difference(objective, sft_scores)
             check = f"RLHF objective (RM score - {kl_coef:g} x KL from SFT) minus SFT's, same prompts"
             result = f"{diff['mean']:+.3f} (KL {sum(kl) / len(kl):.2f} nats a summary)"
-            target, met = ("interval above 0", bool(diff["ci_low"] > 0)) if stage == "PPO" else ("reported", None)
+            if stage != "PPO":
+                target, met = "reported", None
+            else:
+                target, met = ("interval above 0", bool(diff["ci_low"] > 0)) if gated else (NOT_GATED, None)
             rows.append(_row(stage, check, result, _interval(diff["ci_low"], diff["ci_high"]), diff["n"], target, met))
             metrics |= {
                 f"eval/checks/{key}_objective_gain": diff["mean"],

@@ -7,7 +7,8 @@ one call in :func:`run_ppo`'s loop:
 
 1. generate the trajectory (:meth:`PPOTrainer.generate_trajectory`, a
    :class:`rlhf_core.ppo_rollout.Trajectory`): ``batch_size`` prompts from the shuffled SFT
-   train split, reshuffled whenever it is used up (Detail 21); exactly ``response_length``
+   train split (or the prompt-only ``prompt/train`` of ``data.prompt_splits``), reshuffled
+   whenever it is used up (Detail 21); exactly ``response_length``
    tokens sampled at ``temperature``, never PAD, with the log-probabilities of policy and
    reference from the same distribution (logits divided by the temperature, PAD excluded:
    :func:`rlhf_core.ppo.sampling_logits`) and the values (Detail 23); each response truncated
@@ -54,7 +55,7 @@ from transformers import get_scheduler
 
 from . import lora
 from .config import PPOConfig
-from .data import load_data_tokenizer, load_prepared
+from .data import load_data_tokenizer, load_prepared, load_prompts, require_prompts
 from .distributed import (
     DataParallel,
     all_gather_object,
@@ -158,7 +159,11 @@ class PPOTrainer:
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
         self.rollout_batch_size = cfg.rollout_batch_size or cfg.micro_batch_size
-        self.queries = torch.tensor(sft["train"]["query_token"])
+        prompt_only = load_prompts(data_dir)  # data.prompt_splits: PPO's own prompt-only rows
+        if prompt_only is None:
+            require_prompts(self.stats, "train", "ppo (its prompts, the SFT split 'train')")
+        require_prompts(self.stats, "validation", "ppo (its evaluation prompts, the SFT split 'validation')")
+        self.queries = torch.tensor((sft if prompt_only is None else prompt_only)["train"]["query_token"])
         self.world = world()
         prompts = cfg.batch_size // cfg.samples_per_prompt
         if prompts % self.world.size or (cfg.batch_size // self.world.size) % cfg.num_minibatches:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from .config import ConfigError, DataConfig, PipelineConfig
+from .config_data import DATA_KINDS
 from .errors import DataError, ModelSourceError
 from .pipeline import STAGES, stages_until
 from .sources import RewardSpecError, external_reward_source, local_split_files, parse_reward_spec, resolve_source
@@ -41,7 +42,7 @@ JUDGE_KEY_VARIABLE = "ANTHROPIC_API_KEY"
 #: Seconds a hub metadata request may take before the hub counts as unreachable.
 HUB_TIMEOUT = 10.0
 
-SplitKind = Literal["sft", "preference"]
+SplitKind = Literal["sft", "preference", "prompt"]
 
 #: The split settings and the stages that read them: ``(stage, key, kind)``; the value of ``key``
 #: is a split name or a list of them, of the data's ``kind`` splits.
@@ -165,7 +166,7 @@ def check_local_data(data: DataConfig) -> None:
     if not local_dir or not Path(local_dir).is_dir():
         where = f"{local_dir} does not exist" if local_dir else "neither it nor RLHF_TLDR_DIR is set"
         raise DataError(f"data.local_dir: the data source is local but {where}; set data.local_dir or RLHF_TLDR_DIR")
-    for kind in ("sft", "preference"):
+    for kind in DATA_KINDS:
         for name, spec in data.splits(kind).items():
             try:
                 local_split_files(local_dir, kind, spec.source, data.format == "trl")
@@ -186,7 +187,10 @@ def check_hub_datasets(data: DataConfig) -> None:
     """
     if data.resolved_source() != "hub":
         return
-    for key, name in (("data.sft_dataset", data.sft_dataset), ("data.preference_dataset", data.preference_dataset)):
+    datasets = [("data.sft_dataset", data.sft_dataset), ("data.preference_dataset", data.preference_dataset)]
+    if data.splits("prompt"):
+        datasets.append(("data.prompt_dataset", data.dataset("prompt")))
+    for key, name in datasets:
         path = Path(name).expanduser()
         if path.is_dir():
             continue

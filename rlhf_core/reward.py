@@ -52,7 +52,7 @@ from transformers import (
 )
 
 from .config import RewardConfig
-from .data import load_data_tokenizer, load_prepared
+from .data import load_data_tokenizer, load_prepared, require_prompts
 from .distributed import DataParallel, all_reduce_sum, is_sharded
 from .external_reward import EXTERNAL_REWARD_KEY, ExternalRewardModel
 from .generation import ends_with_eos, last_token_indices, trim_left_padding
@@ -559,7 +559,8 @@ def normalize_reward_model(
     """
     tracker = tracker or NullTracker()
     out_dir = Path(out_dir)
-    sft, _, _ = load_prepared(data_dir)
+    sft, _, stats = load_prepared(data_dir)
+    require_prompts(stats, cfg.normalization_split, "reward.normalization_split")
     tokenizer = load_data_tokenizer(data_dir)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     device = pick_device()

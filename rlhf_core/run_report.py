@@ -24,7 +24,7 @@ from .config import EvalConfig, PipelineConfig, PPOConfig
 from .evaluation import POLICIES, Evaluation
 from .io import METRICS_FILE, METRICS_LOG, SAMPLES_FILE, atomic_file, write_json_atomic
 from .judging import win_counts
-from .learning_checks import learning_checks, rm_splits
+from .learning_checks import NOT_GATED, learning_checks, rm_splits
 from .report import plot_training_curves, write_report
 from .reward_eval import BASELINES, CALIBRATION_PLOT, REWARD_LOGITS
 from .tracking import NullTracker, Tracker, read_metrics
@@ -129,7 +129,7 @@ def write_run_report(cfg: PipelineConfig, evaluation: Evaluation, stages: StageO
         }
         if shift_html
         else None,
-        notes=report_notes(cfg, evaluation),
+        notes=report_notes(cfg, evaluation) + gating_notes(checks),
     )
     return check_metrics
 
@@ -273,6 +273,19 @@ def report_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
     return notes
 
 
+def gating_notes(checks: list[dict]) -> list[str]:
+    """The report's note, when PPO's objective check is reported and not gated
+    (:data:`rlhf_core.learning_checks.NOT_GATED`): why, and where PPO's learning is checked."""
+    if not any(row["target"] == NOT_GATED for row in checks):
+        return []
+    return [
+        "PPO against this reward model is reported, not gated: the reward model failed its own check (its row in "
+        "the first table, beside its baselines 'longer wins' and 'the preferred policy wins'), so a gain in its "
+        "score says nothing of the summaries' quality. PPO's learning is checked against a reward it can learn, "
+        "a rule reward, by benchmarks/ppo_learning.py (docs/results/learning.md)."
+    ]
+
+
 def estimator_note(ppo: PPOConfig) -> str:
     """The report's note on how PPO estimated its advantages (``ppo.advantage_estimator``)."""
     k = ppo.samples_per_prompt
@@ -284,13 +297,21 @@ def estimator_note(ppo: PPOConfig) -> str:
             f"PPO's advantages: GAE (gamma {ppo.gamma}, lambda {ppo.lam}) with a value model, whitened (the paper's, "
             f"Detail 25); {samples}."
         )
-    baseline = {
-        "rloo": "its return minus the mean return of the prompt's other samples (RLOO, arXiv 2402.14740)",
-        "grpo": "its return's distance from the prompt's mean in standard deviations (GRPO, arXiv 2402.03300)",
-    }[ppo.advantage_estimator]
+    if ppo.advantage_estimator == "rloo":
+        return (
+            f"PPO's advantages: critic-free, no value model; {samples}, each response's advantage its return minus "
+            "the mean return of the prompt's other samples (RLOO, arXiv 2402.14740), the return being its score "
+            "minus kl_coef times its KL from SFT."
+        )
+    scale = {
+        "group": "divided by the standard deviation of the prompt's scores",
+        "batch": "divided by the standard deviation of the batch's scores",
+        "none": "not divided (Dr. GRPO, arXiv 2503.20783)",
+    }[ppo.scale_rewards]
     return (
-        f"PPO's advantages: critic-free, no value model; {samples}, each response's advantage {baseline}, "
-        "the return being its score minus kl_coef times its KL from SFT."
+        f"PPO's advantages: critic-free, no value model; {samples}, each response's advantage its score minus the "
+        f"mean score of the prompt's samples, {scale} (GRPO, arXiv 2402.03300, ppo.scale_rewards: "
+        f"{ppo.scale_rewards}); the KL from SFT is a per-token k3 term of the loss, weighted by kl_coef."
     )
 
 

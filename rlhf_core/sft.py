@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .config import SFTConfig
+from .data import require_prompts
 from .diagnostics import rouge_l
 from .distributed import DataParallel, all_reduce_sum
 from .generation import summarize
@@ -297,6 +298,7 @@ def run_sft(
         non-finite loss or a checkpoint from another configuration.
     """
     stage = start_stage("sft", cfg, data_dir, out_dir, tracker)
+    require_prompts(stage.stats, cfg.eval_split, "sft.eval_split")  # before training, not after it
     device, pad_id = stage.device, stage.pad_id
     torch.manual_seed(cfg.seed)
     model = load_causal_lm(base_model_dir).to(device)

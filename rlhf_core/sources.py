@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import EXTERNAL_REWARD_SPEC, REWARD_SPEC, DataConfig
+from .config_data import DATA_KINDS
 from .errors import ConfigError, DataError, ModelSourceError
 from .io import cache_root, content_digest, file_sha256
 from .presets import PRESET_DIR
@@ -192,13 +193,13 @@ def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
             raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
         files = {
             path
-            for kind in ("sft", "preference")
+            for kind in DATA_KINDS
             for spec in data_cfg.splits(kind).values()
             for path in local_split_files(local_dir, kind, spec.source, data_cfg.format == "trl")
         }
         return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}
     hub: dict[str, Any] = {"source": "hub", "revision": data_cfg.revision}
-    for name in (data_cfg.sft_dataset, data_cfg.preference_dataset):
+    for name in [data_cfg.dataset(kind) for kind in DATA_KINDS if kind != "prompt" or data_cfg.splits(kind)]:
         path = Path(name).expanduser()
         hub[name] = content_digest([path]) if path.is_dir() else None
     return hub

@@ -24,6 +24,7 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from rlhf_core.config_data import DATA_KINDS
 from rlhf_core.io import exclusive_lock
 
 from .storage import ArtifactStore
@@ -238,7 +239,7 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
     root = Path(data_dir)
     d = cfg.data
     inputs = []
-    for kind in ("sft", "preference"):
+    for kind in DATA_KINDS:
         for split, spec in d.splits(kind).items():
             if not (root / kind / split).is_dir():
                 continue
@@ -250,7 +251,7 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if d.resolved_source() == "hub":
-                    hub = d.sft_dataset if kind == "sft" else d.preference_dataset
+                    hub = d.dataset(kind)
                     dataset = mlflow.data.from_huggingface(ds, path=hub, revision=d.revision, name=name, digest=digest)
                 else:
                     source = str(Path(d.resolved_local_dir() or ".") / f"{kind}_{spec.source}.jsonl")

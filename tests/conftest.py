@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
+import absl.logging  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+# absl (imported by rouge_score, for ROUGE-L) makes a logging handler on the sys.stderr of its import,
+# which pytest swaps for its capture; Prefect's logging setup (logging.config.dictConfig) closes every
+# handler, and absl's closes its stream unless it is sys.stderr: pytest's capture, then, and every later
+# test's output fails. On the process's own stderr absl leaves the stream open.
+absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
 # Property-based tests (tests/rlhf_core/test_properties.py): few examples, the same ones every
 # run (derandomised) in the suite; HYPOTHESIS_PROFILE=thorough searches many more, afresh.

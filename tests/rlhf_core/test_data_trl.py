@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from rlhf_core.config import load_config
-from rlhf_core.data import load_prepared, prepare_data, tokenize_splits
+from rlhf_core.data import load_prepared, load_prompts, prepare_data, tokenize_splits
 from rlhf_core.data_trl import normalise_trl_row, split_implicit_prompt, trl_query
 from rlhf_core.errors import BadRow, ConfigError, DataError
 from rlhf_core.models import load_tokenizer
+from rlhf_core.ppo_trainer import PPOTrainer
 from tests.conftest import SMOL_GGUF
 from tests.stages import BITWISE_ENV
 
@@ -80,6 +81,134 @@ def test_preference_rows_with_explicit_and_implicit_prompts():
     form, row = normalise_trl_row(whole, "preference", {})
     assert form == "conversational" and json.loads(row["prompt_messages"]) == q
     assert (row["chosen"], row["rejected"]) == ("It is blue.", "It is green.")
+
+
+def test_prompt_only_rows_normalise_to_a_prompt_and_no_response():
+    """TRL's prompt-only format, PPO's prompts: ``prompt`` alone, a string or messages."""
+    form, row = normalise_trl_row({"prompt": "The sky is", "completion": " ignored"}, "prompt", {})
+    assert form == "standard" and row["prompt"] == "The sky is" and row["post"] == "The sky is"
+    assert not {"summary", "chosen", "rejected", "completion"} & set(row)
+    conversation = [msg("system", "Be brief."), msg(USER, "What color is the sky?")]
+    form, row = normalise_trl_row({"question": conversation}, "prompt", {"prompt": "question"})
+    assert form == "conversational" and json.loads(row["prompt_messages"]) == conversation
+    assert row["post"] == "What color is the sky?"
+    with pytest.raises(BadRow, match="missing_field:prompt"):
+        normalise_trl_row({"completion": " blue."}, "prompt", {})
+    with pytest.raises(BadRow, match="empty_field:prompt"):
+        normalise_trl_row({"prompt": " "}, "prompt", {})
+    with pytest.raises(BadRow, match="bad_messages:prompt"):
+        normalise_trl_row({"prompt": [{"content": "no role"}]}, "prompt", {})
+
+
+def test_prompt_splits_are_refused_where_they_cannot_be_read():
+    with pytest.raises(ConfigError, match=r"data\.prompt_splits: prompt-only rows are read under data\.format: trl"):
+        load_config("smoke", ['data.prompt_splits={"train": {}}'])
+    with pytest.raises(ConfigError, match=r"data\.prompt_splits\.rollouts: PPO's prompts are the split 'train'"):
+        load_config("smoke", ["data.format=trl", 'data.prompt_splits={"rollouts": {}}'])
+    hub = load_config("smoke", ["data.format=trl", "data.source=hub", 'data.prompt_splits={"train": {}}'])
+    with pytest.raises(DataError, match=r"data\.prompt_splits from the hub need data\.prompt_dataset"):
+        hub.data.dataset("prompt")
+    assert list(hub.data.splits("prompt")) == ["train"]
+    assert load_config("smoke", ["data.format=trl"]).data.splits("prompt") == {}
+
+
+def test_the_prompt_file_is_part_of_the_data_key(tmp_path):
+    """The data stage's fingerprint reads ``prompt_train.jsonl`` when ``data.prompt_splits`` names
+    it, and only then: one edited prompt moves the key."""
+    from rlhf_core.sources import data_fingerprint
+
+    for name in ("sft_train", "sft_validation", "sft_test", "preference_train", "preference_validation"):
+        write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": "P", "completion": " c", "chosen": " a", "rejected": " b"}])
+    write_jsonl(tmp_path / "prompt_train.jsonl", [{"prompt": "Q1"}, {"prompt": "Q2"}])
+    trl = ["data.format=trl", f"data.local_dir={tmp_path}"]
+    with_prompts, without = load_config("smoke", [*trl, 'data.prompt_splits={"train": {}}']), load_config("smoke", trl)
+    before, unused = data_fingerprint(with_prompts.data), data_fingerprint(without.data)
+    write_jsonl(tmp_path / "prompt_train.jsonl", [{"prompt": "Q1"}, {"prompt": "Q3"}])
+    assert data_fingerprint(with_prompts.data) != before and data_fingerprint(without.data) == unused
+
+
+def text_rows_folder(folder: Path) -> Path:
+    """The smoke rows as TRL standard rows, with ``sft_train.jsonl`` as TRL's language-modelling
+    rows: each SFT row's prompt and completion as one ``text``."""
+    converted(folder, "standard")
+    rows = [json.loads(line) for line in (folder / "sft_train.jsonl").read_text().splitlines()]
+    write_jsonl(folder / "sft_train.jsonl", [{"text": row["prompt"] + row["completion"]} for row in rows])
+    return folder
+
+
+def test_text_rows_train_sft_whole_as_trls_sft_trainer_tokenises_them(tmp_path, llama_tokenizer, smol_tokenizer):
+    """A ``text`` row is the tokenizer's own prefix (Llama 3.2's BOS; nothing for SmolLM2) as the
+    query and the text plus EOS as the response: the sequence SFT trains on is
+    ``tokenizer(text) + [EOS]``, TRL's language-modelling tokenisation. The split's form is kept."""
+    form, row = normalise_trl_row({"text": "The sky is blue."}, "sft", {})
+    assert form == "language_modeling" and (row["prompt"], row["summary"]) == ("", "The sky is blue.")
+    with pytest.raises(BadRow, match="empty_field:text"):
+        normalise_trl_row({"text": " "}, "sft", {})
+    folder = text_rows_folder(tmp_path / "rows")
+    texts = [json.loads(line)["text"] for line in (folder / "sft_train.jsonl").read_text().splitlines()]
+    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={folder}", "data.max_query_length=2048"])
+    for tokenizer in (llama_tokenizer, smol_tokenizer):
+        train = tokenize_splits(cfg.data, tokenizer).datasets["sft"]["train"]
+        for text, query, response in zip(
+            texts, train["query_token_unpadded"], train["reference_response_token_unpadded"]
+        ):
+            assert query + response == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+        assert len(train) == len(texts) and train["query_token_len"][0] == (tokenizer is llama_tokenizer)
+    stats = prepare_data(cfg, tmp_path / "data")
+    assert stats["splits"]["sft/train"]["form"] == "language_modeling"
+    assert stats["splits"]["sft/validation"]["form"] == "standard"
+
+
+def test_stages_that_sample_prompts_refuse_a_split_of_text_rows(tmp_path, smoke_stages):
+    """SFT trains on ``text`` rows; its evaluation, the reward normalisation, PPO and the
+    evaluation sample from a split's prompts, and a split of text rows has none: each names its
+    setting before any work."""
+    from rlhf_core.data import require_prompts
+    from rlhf_core.sft import run_sft
+
+    folder = text_rows_folder(tmp_path / "rows")
+    cfg = load_config(
+        "smoke", ["data.format=trl", f"data.local_dir={folder}", "sft.max_steps=1", "sft.eval_max_samples=2"]
+    )
+    prepare_data(cfg, tmp_path / "data")
+    _, _, stats = load_prepared(tmp_path / "data")
+    require_prompts(stats, "validation", "eval.split")  # prompt/completion rows: no error
+    with pytest.raises(DataError, match=r"reward\.normalization_split: the SFT split 'train' holds TRL language"):
+        require_prompts(stats, "train", "reward.normalization_split")
+    with pytest.raises(DataError, match=r"sft\.eval_split: the SFT split 'train' holds"):
+        run_sft(
+            cfg.sft.model_copy(update={"eval_split": "train"}), tmp_path / "data", smoke_stages / "base", tmp_path / "e"
+        )
+    with pytest.raises(DataError, match=r"ppo \(its prompts, the SFT split 'train'\).*data\.prompt_splits"):
+        PPOTrainer(cfg.ppo, tmp_path / "data", smoke_stages / "base", smoke_stages / "rm")
+    metrics = run_sft(cfg.sft, tmp_path / "data", smoke_stages / "base", tmp_path / "sft")
+    assert metrics["train/steps"] == 1 and metrics["eval/samples"] > 0
+
+
+def test_ppo_samples_its_queries_from_the_prompt_only_rows(tmp_path, smoke_stages):
+    """With ``data.prompt_splits``, the data stage writes ``prompt/train`` (the prompt-only rows'
+    queries, tokenised and left-padded as the SFT queries are) and PPO samples from it, not from
+    the SFT split ``train``; without it, from the SFT split, as the paper does."""
+    folder = converted(tmp_path / "rows", "standard")
+    prompts = [{"prompt": f"Prompt number {i}: say something short.", "completion": " unused"} for i in range(6)]
+    write_jsonl(folder / "prompt_train.jsonl", prompts)
+    trl = ["data.format=trl", f"data.local_dir={folder}"]
+    cfg = load_config("smoke", [*trl, 'data.prompt_splits={"train": {}}'])
+    stats = prepare_data(cfg, tmp_path / "data")
+    split = load_prompts(tmp_path / "data")["train"]
+    assert split["post"] == [p["prompt"] for p in prompts] and stats["splits"]["prompt/train"]["rows"] == 6
+    tokenizer = load_tokenizer(cfg.model)
+    pad = tokenizer.pad_token_id
+    assert [[t for t in q if t != pad] for q in split["query_token"]] == [
+        tokenizer(p["prompt"])["input_ids"] for p in prompts
+    ]
+    trainer = PPOTrainer(cfg.ppo, tmp_path / "data", smoke_stages / "base", smoke_stages / "rm")
+    assert trainer.queries.tolist() == split["query_token"]
+    prepare_data(load_config("smoke", trl), tmp_path / "plain")
+    sft, _, _ = load_prepared(tmp_path / "plain")
+    assert load_prompts(tmp_path / "plain") is None
+    plain = PPOTrainer(cfg.ppo, tmp_path / "plain", smoke_stages / "base", smoke_stages / "rm")
+    assert plain.queries.tolist() == sft["train"]["query_token"]
 
 
 TRL_CASES = Path(__file__).resolve().parents[1] / "data" / "trl_extract_prompt_cases.json"
@@ -309,7 +438,11 @@ def test_every_stage_runs_on_trl_rows_without_ids_and_with_repeats(tmp_path, for
 
     folder = tmp_path / "rows"
     rows_as_users_have_them(converted(folder, form))
-    overrides = ["data.format=trl", f"data.local_dir={folder}"]
+    # PPO's prompts, TRL's prompt-only rows: the preference pairs' prompts, not the SFT rows'
+    pairs = [json.loads(line) for line in (folder / "preference_train.jsonl").read_text().splitlines()]
+    prompts = list({json.dumps(pair["prompt"]): {"prompt": pair["prompt"]} for pair in pairs}.values())[:8]
+    write_jsonl(folder / "prompt_train.jsonl", prompts)
+    overrides = ["data.format=trl", f"data.local_dir={folder}", 'data.prompt_splits={"train": {}}']
     overrides += [CHAT_TOKENIZER] if form == "conversational" else []
     # each stage as short as it goes: one optimiser step or PPO update, a few rows evaluated
     overrides += ["sft.max_steps=1", "reward.max_steps=1", "dpo.max_steps=1", "ppo.total_episodes=8"]
@@ -337,6 +470,13 @@ def test_every_stage_runs_on_trl_rows_without_ids_and_with_repeats(tmp_path, for
     assert first["prompt_sha256"] == prompt_sha256(comparison.prompt(first["response_is_a"]))
     assert row["post"] in sft["validation"]["post"] and not row["post"].startswith("<|im_start|>")
     assert "with a neutral pairwise prompt (TRL-format data)" in (root / "evaluation" / "report.md").read_text()
+    # PPO sampled its queries from the prompt-only rows
+    prompt_split = load_prompts(root / "data")["train"]
+    written = [p["prompt"] if form == "standard" else p["prompt"][-1]["content"] for p in prompts]
+    assert prompt_split["post"] == written and not set(written) & set(sft["train"]["post"])
+    cfg = load_config("smoke", overrides)
+    trainer = PPOTrainer(cfg.ppo, root / "data", root / "sft" / "model", root / "reward_norm" / "model")
+    assert trainer.queries.tolist() == prompt_split["query_token"]
 
 
 def test_a_bad_judge_prompt_file_is_found_before_any_stage_runs(tmp_path):

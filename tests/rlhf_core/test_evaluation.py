@@ -354,6 +354,36 @@ def test_the_reward_models_check_must_beat_its_best_baseline_on_the_same_pairs()
     assert [(r["check"], r["met"]) for r in dpo] == [(f"implicit reward model {IN_DIST_CHECK}", False)]
 
 
+def test_ppo_against_a_reward_model_that_failed_its_check_is_reported_not_gated():
+    """A reward model no better than 'longer wins' (the CPU preset's, on every seed measured):
+    PPO's objective gain against it is shown, not held to a target, and the report says why;
+    a reward model that passes its check gates PPO again."""
+    from rlhf_core.learning_checks import NOT_GATED
+    from rlhf_core.run_report import gating_notes
+
+    n = 16
+    sft = ResponseScores(raw_scores=torch.zeros(n), scores=torch.zeros(n), has_eos=torch.ones(n, dtype=torch.bool))
+    scores = torch.linspace(0.2, 0.6, n)
+    ppo = ResponseScores(raw_scores=scores, scores=scores, has_eos=torch.ones(n, dtype=torch.bool))
+    held = "eval/validation_in_dist"
+    rm = {f"{held}/accuracy": 0.55, f"{held}/count": 64.0, f"{held}/accuracy_ci_low": 0.43}
+    rm |= {f"{held}/accuracy_ci_high": 0.67, f"{held}/baseline/longer_wins/accuracy": 0.61}
+    objective = "RLHF objective (RM score - 0.1 x KL from SFT) minus SFT's, same prompts"
+    rows, metrics = learning_checks({}, [], rm, {}, ppo, sft, kl={"ppo": [1.0] * n}, kl_coef=0.1)
+    by_check = {r["check"]: r for r in rows}
+    assert (
+        by_check[IN_DIST_CHECK]["met"] is False and "no better than 'longer wins'" in by_check[IN_DIST_CHECK]["result"]
+    )
+    assert (by_check[objective]["target"], by_check[objective]["met"]) == (NOT_GATED, None)
+    assert metrics["eval/checks/ppo_objective_gain"] == pytest.approx(0.3)  # still measured and shown
+    [note] = gating_notes(rows)
+    assert note.startswith("PPO against this reward model is reported, not gated") and "'longer wins'" in note
+    passing = rm | {f"{held}/accuracy_ci_low": 0.62, f"{held}/accuracy": 0.7}
+    rows, _ = learning_checks({}, [], passing, {}, ppo, sft, kl={"ppo": [1.0] * n}, kl_coef=0.1)
+    row = {r["check"]: r for r in rows}[objective]
+    assert (row["target"], row["met"]) == ("interval above 0", True) and gating_notes(rows) == []
+
+
 def test_dpo_is_checked_as_ppo_is_against_sft_with_its_objective_reported():
     n = 20
     sft = ResponseScores(raw_scores=torch.zeros(n), scores=torch.zeros(n), has_eos=torch.ones(n, dtype=torch.bool))
@@ -472,4 +502,7 @@ def test_the_report_names_ppos_advantage_estimator():
     rloo = estimator_note(load_config("cpu-demo", ["ppo.advantage_estimator=rloo"]).ppo)
     assert "critic-free, no value model; 4 samples of each of 4 prompts" in rloo and "RLOO" in rloo
     grpo = estimator_note(load_config("cpu-demo", ["ppo.advantage_estimator=grpo"]).ppo)
-    assert "GRPO" in grpo and "standard deviations" in grpo
+    assert "GRPO" in grpo and "standard deviation of the prompt's scores" in grpo and "k3 term" in grpo
+    assert "return" not in grpo  # the KL is in GRPO's loss, not its advantages
+    dr_grpo = estimator_note(load_config("cpu-demo", ["ppo.advantage_estimator=grpo", "ppo.scale_rewards=none"]).ppo)
+    assert "not divided (Dr. GRPO" in dr_grpo
