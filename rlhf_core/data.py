@@ -638,3 +638,19 @@ def load_prompts(data_dir: str | os.PathLike) -> datasets.DatasetDict | None:
     ``query`` and ``query_token`` (left-padded), or ``None`` when the data has none."""
     root = Path(data_dir) / "prompt"
     return datasets.load_from_disk(str(root)) if root.is_dir() else None
+
+
+def ppo_query_tokens(data_dir: str | os.PathLike, sft: datasets.DatasetDict, stats: dict) -> list[list[int]]:
+    """The queries PPO samples from, left-padded token ids (``query_token``): the prompt-only split
+    ``prompt/train`` of ``data.prompt_splits`` when the data has one (:func:`load_prompts`), else
+    the SFT split ``train`` (Detail 21).
+
+    Raises:
+        DataError: the SFT split ``train`` (read for prompts) or ``validation`` (PPO's evaluation
+            prompts) holds TRL language-modelling rows (:func:`require_prompts`).
+    """
+    prompt_only = load_prompts(data_dir)
+    if prompt_only is None:
+        require_prompts(stats, "train", "ppo (its prompts, the SFT split 'train')")
+    require_prompts(stats, "validation", "ppo (its evaluation prompts, the SFT split 'validation')")
+    return list((sft if prompt_only is None else prompt_only)["train"]["query_token"])

@@ -55,7 +55,7 @@ from transformers import get_scheduler
 
 from . import lora
 from .config import PPOConfig
-from .data import load_data_tokenizer, load_prepared, load_prompts, require_prompts
+from .data import load_data_tokenizer, load_prepared, ppo_query_tokens
 from .distributed import (
     DataParallel,
     all_gather_object,
@@ -159,11 +159,7 @@ class PPOTrainer:
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
         self.rollout_batch_size = cfg.rollout_batch_size or cfg.micro_batch_size
-        prompt_only = load_prompts(data_dir)  # data.prompt_splits: PPO's own prompt-only rows
-        if prompt_only is None:
-            require_prompts(self.stats, "train", "ppo (its prompts, the SFT split 'train')")
-        require_prompts(self.stats, "validation", "ppo (its evaluation prompts, the SFT split 'validation')")
-        self.queries = torch.tensor((sft if prompt_only is None else prompt_only)["train"]["query_token"])
+        self.queries = torch.tensor(ppo_query_tokens(data_dir, sft, self.stats))
         self.world = world()
         prompts = cfg.batch_size // cfg.samples_per_prompt
         if prompts % self.world.size or (cfg.batch_size // self.world.size) % cfg.num_minibatches:
