@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def _config(spec: dict):
-    from rlhf_core.config import load_config
+    from rlhf_core.presets import load_config
 
     return load_config(spec["preset"], spec.get("overrides", []))
 
@@ -54,9 +54,9 @@ def dpo_rows(chosen: list[list[int]], rejected: list[list[int]], query_lengths: 
 def prep(spec: dict) -> dict:
     """Data, base model, our reward model, and the rows of every requested stage."""
     from rlhf_core.cli import run_stages
-    from rlhf_core.data import load_prepared
     from rlhf_core.models import save_pretrained_atomic
     from rlhf_core.ppo_rollout import prompt_indices
+    from rlhf_core.prepared import load_prepared
     from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
     from rlhf_core.training import batch_order
 

@@ -37,8 +37,9 @@ def main() -> None:
 
     import torch
 
-    from rlhf_core.config import load_config
-    from rlhf_core.dpo import evaluate_dpo_reward, run_dpo
+    from rlhf_core.dpo import run_dpo
+    from rlhf_core.dpo_eval import evaluate_dpo_reward
+    from rlhf_core.presets import load_config
     from rlhf_core.tracking import JsonlTracker, read_metrics
     from rlhf_core.training import resolve_bf16
 

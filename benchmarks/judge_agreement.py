@@ -11,7 +11,7 @@ same judgements:
 - ``both``: the two orders together (:attr:`rlhf_core.judging.Judgement.outcome`: the sum of
   the two orders' letter margins, so a constant preference for one position cancels out).
 
-Per mode (:func:`rlhf_core.diagnostics.judge_label_agreement`): ``n``, ``agreement`` with the
+Per mode (:func:`rlhf_core.measures.judge_label_agreement`): ``n``, ``agreement`` with the
 human label and its Wilson 95% interval ``agreement_ci``, ``a_share`` (share of verdicts for
 the summary shown as "A" in the seeded order) and ``order_consistency`` (share of comparisons
 whose two single-order verdicts pick the same summary: a property of the judge, the same in
@@ -64,9 +64,9 @@ def main() -> None:
 
     from benchmarks.truncation import cpu_model
     from rlhf_core.config import ModelConfig
-    from rlhf_core.diagnostics import judge_label_agreement
     from rlhf_core.judging import Comparison, JudgementCache, OfflineJudge, judge_comparisons
-    from rlhf_core.models import import_base_model
+    from rlhf_core.measures import judge_label_agreement
+    from rlhf_core.model_sources import import_base_model
 
     path = Path(os.environ["RLHF_TLDR_DIR"]) / "preference_validation.jsonl"
     rows = [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]

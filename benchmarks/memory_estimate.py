@@ -207,7 +207,7 @@ def lora_stage_bytes(
 
 def lora_rows() -> list[dict]:
     """The LoRA presets' stages on the single GPUs they are meant for (:data:`LORA_PRESETS`)."""
-    from rlhf_core.config import load_config
+    from rlhf_core.presets import load_config
 
     rows = []
     for preset, (model_name, capacities) in LORA_PRESETS.items():
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/memory_estimate.json")
     args = parser.parse_args()
 
-    from rlhf_core.config import load_config
+    from rlhf_core.presets import load_config
 
     machines = {"8 x 80 GB": (8, 80), "1 x 141 GB": (1, 141)}
     rows = []

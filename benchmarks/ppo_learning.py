@@ -314,7 +314,7 @@ def sft_model(cfg, data_dir: Path, work: Path) -> tuple[Path, dict[str, float]]:
         The SFT model directory and the SFT metrics (``eval/eos_rate``: share of its validation
         summaries that end with EOS).
     """
-    from rlhf_core.models import import_base_model
+    from rlhf_core.model_sources import import_base_model
     from rlhf_core.sft import run_sft
 
     base = work / f"base-{digest(cfg.model.model_dump(mode='json'))}"
@@ -333,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from rlhf_core.config import load_config
     from rlhf_core.ppo_trainer import run_ppo
+    from rlhf_core.presets import load_config
     from rlhf_core.tracking import JsonlTracker, TeeTracker
 
     begin = time.perf_counter()

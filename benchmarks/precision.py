@@ -38,11 +38,13 @@ def main() -> None:
 
     import torch
 
-    from rlhf_core.config import load_config
     from rlhf_core.data import truncate_query
     from rlhf_core.data_rows import load_split
     from rlhf_core.generation import generate
-    from rlhf_core.models import import_base_model, load_causal_lm, load_tokenizer
+    from rlhf_core.model_sources import import_base_model
+    from rlhf_core.models import load_causal_lm
+    from rlhf_core.presets import load_config
+    from rlhf_core.tokenizer_sources import load_tokenizer
     from rlhf_core.training import NATIVE_BF16_CPU_FEATURES, autocast, cpu_features, precision_name
 
     torch.set_num_threads(args.threads)

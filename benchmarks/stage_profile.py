@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rlhf_core.config import load_config
     from rlhf_core.pipeline import STAGES
+    from rlhf_core.presets import load_config
 
     cfg = load_config(args.preset, args.overrides)
     if args.stage == "ppo":

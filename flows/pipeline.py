@@ -16,9 +16,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from rlhf_core.config import PipelineConfig, flatten, load_config
+from rlhf_core.config import PipelineConfig
 from rlhf_core.io import exclusive_lock, json_digest
 from rlhf_core.pipeline import STAGES, stages_until
+from rlhf_core.presets import flatten, load_config
 from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_models import MLFLOW_MODELS
 from tasks.mlflow_tracking import (

@@ -28,32 +28,23 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
 
 import yaml
 
 from . import __version__
-from .config import ConfigError, PipelineConfig, load_config
+from .config import ConfigError, PipelineConfig
 from .credentials import redact
 from .errors import DataError, ForeignFilesError, ModelSourceError, TrainingError
-from .memory import release_free_memory
-from .pipeline import STAGES, stage_keys
-from .presets import available_presets
+from .pipeline import STAGES, key_parts
+from .presets import available_presets, load_config
+from .runner import PlannedStage
 from .sources import RewardSpecError
-
-if TYPE_CHECKING:
-    from .io import ManifestCheck
 
 log = logging.getLogger("rlhf")
 
 #: The preset of a command given none: the deployment's (infra/prefect.yaml), which runs on a
 #: CPU. The paper's settings are a preset too (``pythia-1b``), never a silent default.
 DEFAULT_PRESET = "cpu-demo"
-
-
-def _stage_marker(out: Path) -> dict:
-    marker = out / "stage.json"
-    return json.loads(marker.read_text()) if marker.is_file() else {}
 
 
 #: The file that marks a run directory as the stage commands': written when a command creates
@@ -172,75 +163,30 @@ def run_stages(cfg: PipelineConfig, root: Path, until: str, overwrite: bool = Fa
         return _run_stages_locked(cfg, root, until, overwrite, nproc)
 
 
-class FinishedOutput(NamedTuple):
-    """A stage folder's finished output made with the key asked for (:func:`finished_output`):
-    its ``stage.json`` (``marker``), what checking its files against the manifest found
-    (``check``, ``None`` without a manifest) and why it cannot be reused (``damage``, the first
-    problem; ``None`` when it can)."""
-
-    marker: dict
-    check: ManifestCheck | None
-    damage: str | None
-
-
-def finished_output(out: Path, key: str) -> FinishedOutput | None:
-    """``None`` unless the stage folder ``out`` holds a finished output (``stage.json`` with
-    status ``done``) made with key ``key``; else that output and whether its files still match
-    the manifest (:func:`rlhf_core.io.check_manifest`, stopping at the first problem; only
-    files whose size or time differ from the record are read). Writes nothing. How ``rlhf
-    stages`` decides to reuse a stage (:func:`run_stages`) and what ``rlhf plan`` reports."""
-    from .io import check_manifest
-
-    marker = _stage_marker(out)
-    if marker.get("key") != key or marker.get("status") != "done":
-        return None
-    check = check_manifest(out, marker["manifest"], first=True) if "manifest" in marker else None
-    damage = "stage.json has no manifest" if check is None else next(iter(check.problems), None)
-    return FinishedOutput(marker, check, damage)
-
-
-class PlannedStage(NamedTuple):
-    """One line of ``rlhf plan``: a stage, its key (:func:`rlhf_core.pipeline.stage_key`),
-    whether its finished output will be reused (``cached``) and why it runs or where the
-    output is (``reason``)."""
-
-    name: str
-    key: str
-    cached: bool
-    reason: str
-
-
 def plan_stages(cfg: PipelineConfig, root: Path | None, until: str | None = None) -> list[PlannedStage]:
     """What ``rlhf stages --out root --until until`` would do with ``cfg``, stage by stage, in
-    order (:func:`rlhf_core.pipeline.stage_keys`): reuse the finished output in ``root/<stage>``
-    (:func:`finished_output`, as :func:`run_stages` decides) or run the stage. Reads the stage
-    markers and the files whose size or time differ from them; writes nothing, and loads no
-    torch, transformers or datasets. ``root=None``: no run directory, every stage runs.
+    order (:func:`rlhf_core.pipeline.key_parts`): reuse the finished output in ``root/<stage>``
+    (:func:`rlhf_core.runner.finished_output`, as :func:`run_stages` decides) or run the stage,
+    and why (:func:`rlhf_core.runner.why_it_runs`: which settings, which modules of its code,
+    which inputs or files changed since its output was made). Reads the stage markers and the
+    files whose size or time differ from them; writes nothing, and loads no torch, transformers
+    or datasets. ``root=None``: no run directory, every stage runs.
 
     Raises:
         KeyError: ``until`` is not a stage.
         DataError, ModelSourceError: what a stage reads cannot be found (its key needs it).
     """
+    from .io import json_digest
+    from .runner import finished_output, why_it_runs
+
     planned = []
-    for name, key in stage_keys(cfg, until).items():
-        out = None if root is None else root / name
+    for name, parts in key_parts(cfg, until).items():
+        key, out = json_digest(parts, length=24), None if root is None else root / name
         found = None if out is None else finished_output(out, key)
         if found is not None and found.damage is None:
             planned.append(PlannedStage(name, key, True, f"finished in {out}"))
-            continue
-        if found is not None:
-            reason = f"its finished output is damaged: {found.damage}"
-        elif out is None:
-            reason = "no run directory"
         else:
-            marker = _stage_marker(out)
-            if not marker:
-                reason = "not run yet"
-            elif marker.get("key") != key:
-                reason = f"its output has another key ({str(marker.get('key'))[:12]}...)"
-            else:
-                reason = f"its output is {marker.get('status', 'unfinished')} (resumes from its checkpoints)"
-        planned.append(PlannedStage(name, key, False, reason))
+            planned.append(PlannedStage(name, key, False, why_it_runs(out, key, parts)))
     return planned
 
 
@@ -263,57 +209,23 @@ def print_plan(cfg: PipelineConfig, planned: list[PlannedStage]) -> None:
 
 
 def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: bool, nproc: int) -> dict:
-    import shutil
+    from .io import json_digest, write_json_atomic
+    from .pipeline import key_record
+    from .runner import run_stage
+    from .tracking import JsonlTracker
 
-    from .io import tree_manifest, write_json_atomic
-    from .launch import DATA_PARALLEL, launch_torchrun
-    from .tracking import JsonlTracker, NullTracker
-
-    keys = stage_keys(cfg, until)
-    _check_stage_folders(root, keys)
+    parts = key_parts(cfg, until)
+    _check_stage_folders(root, parts)
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = {}
-    for name, key in keys.items():
-        stage = STAGES[name]
-        out = root / name
-        marker = _stage_marker(out)
-        found = None if overwrite else finished_output(out, key)
-        if found is not None and found.damage is None and found.check is not None:
-            if found.check.restamped:  # unchanged files with new times (a copy): not read next time
-                write_json_atomic(out / "stage.json", {**marker, "manifest": found.check.restamp(marker["manifest"])})
-            log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
-            summary[name] = {"reused": True}
-            continue
-        if found is not None:
-            log.warning(
-                "stage %s: its finished output in %s is damaged (%s); running it again", name, out, found.damage
-            )
-            overwrite_this = True
-        else:
-            overwrite_this = overwrite
-        if out.exists() and (marker.get("key") != key or overwrite_this):
-            shutil.rmtree(out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out / "stage.json", {"key": key, "status": "running"})
-        log.info("stage %s: running into %s", name, out)
-        start = time.perf_counter()
-        inputs = [root / dep for dep in stage.inputs]
-        if nproc > 1 and name in DATA_PARALLEL:  # rank 0 of the job writes out/metrics.jsonl itself
-            result = launch_torchrun(name, cfg, inputs, out, nproc, NullTracker())
-        else:
-            result = stage.run(cfg, inputs, out, JsonlTracker(out / "metrics.jsonl"))
-        seconds = time.perf_counter() - start
-        release_free_memory(after=name)  # the next stage starts from what is live, not this one's peak
-        # what a later run checks before reusing the output: every file's size, time and SHA-256
-        manifest = tree_manifest(out, exclude=("checkpoints", "stage.json"))
-        write_json_atomic(
-            out / "stage.json", {"key": key, "status": "done", "seconds": round(seconds, 3), "manifest": manifest}
-        )
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)  # finished: nothing to resume from
-        summary[name] = {"reused": False, "seconds": round(seconds, 1)}
-        if isinstance(result, dict) and name not in ("data", "base_model"):
-            summary[name]["metrics"] = {k: v for k, v in result.items() if isinstance(v, (int, float))}
-        log.info("stage %s: done in %.1f s", name, seconds)
+    for name, stage_parts in parts.items():
+        key, out = json_digest(stage_parts, length=24), root / name
+        inputs = [root / dep for dep in STAGES[name].inputs]
+        tracker = JsonlTracker(out / "metrics.jsonl")
+        run = run_stage(name, cfg, inputs, out, key, key_record(stage_parts), tracker, nproc=nproc, overwrite=overwrite)
+        summary[name] = {"reused": run.reused} if run.reused else {"reused": False, "seconds": round(run.seconds, 1)}
+        if not run.reused and name not in ("data", "base_model"):
+            summary[name]["metrics"] = run.metrics
     write_json_atomic(root / "summary.json", summary)
     return summary
 
@@ -325,7 +237,7 @@ def cmd_config(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
 #: What ``rlhf data`` writes (:func:`rlhf_core.data.prepare_data`), its record first.
 DATA_OUTPUT = ("stats.json", "sft", "preference", "tokenizer", "token_lengths.png")
-#: What ``rlhf model`` writes (:func:`rlhf_core.models.import_base_model`), its record first:
+#: What ``rlhf model`` writes (:func:`rlhf_core.model_sources.import_base_model`), its record first:
 #: the model's and the tokenizer's files as ``save_pretrained`` names them.
 MODEL_OUTPUT = (
     "import.json",
@@ -370,6 +282,10 @@ def cmd_data(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if args.overwrite:
         check_replaceable(args.out, DATA_OUTPUT, "data")
     stats = prepare_data(cfg, args.out, overwrite=args.overwrite)
+    from .plots import plot_token_lengths
+    from .prepared import token_lengths
+
+    plot_token_lengths(token_lengths(args.out), args.out / "token_lengths.png")  # Figures 9-10, beside the data
     print(
         json.dumps(
             {
@@ -385,7 +301,7 @@ def cmd_data(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_model(cfg: PipelineConfig, args: argparse.Namespace) -> int:
-    from .models import import_base_model
+    from .model_sources import import_base_model
 
     if args.overwrite:
         check_replaceable(args.out, MODEL_OUTPUT, "model")

@@ -11,15 +11,12 @@ rest (read as plain mappings by :mod:`rlhf_core.presets`). Unknown keys and wron
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -27,10 +24,7 @@ from pydantic import (
 )
 
 from .config_data import DataConfig, StrictModel
-from .credentials import check_no_credentials, format_validation_error
 from .errors import ConfigError
-from .presets import PRESET_DIR, flatten, settings_tree
-from .stage_names import STAGE_NAMES
 
 #: ``ppo.reward`` other than ``model``: ``python:`` + a dotted module path + ``:`` + a function name.
 REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w*)")
@@ -38,6 +32,22 @@ REWARD_SPEC = re.compile(r"python:([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):([A-Za-z_]\w
 EXTERNAL_REWARD_SPEC = re.compile(r"model:([^@\s]+)(?:@([^@\s]+))?")
 
 # -------------------------------------------------------------------------- model
+
+
+#: The pipeline's stage names, in run order: what ``orchestration.timeout_seconds`` is checked
+#: against; the stage table (:data:`rlhf_core.pipeline.STAGES`) has one stage per name, in this order.
+STAGE_NAMES = (
+    "data",
+    "base_model",
+    "sft",
+    "reward",
+    "reward_norm",
+    "reward_eval",
+    "ppo",
+    "dpo",
+    "dpo_eval",
+    "evaluation",
+)
 
 
 class RandomInitConfig(StrictModel):
@@ -308,7 +318,7 @@ class PPOConfig(TrainerConfig):
     #: model as it is (the paper's); ``zero_head``, its backbone with the head's weight and bias
     #: zeroed, so every value is 0 until the value model learns and the first advantages are the
     #: whitened returns. Without a reward model on the policy's tokens (a rule reward, model:SOURCE)
-    #: the start is always the SFT backbone with a zero head (rlhf_core.ppo_trainer.PPOTrainer.initial_value_model).
+    #: the start is always the SFT backbone with a zero head (rlhf_core.ppo_models.initial_value_model).
     value_init: Literal["reward_model", "zero_head"] = "reward_model"
     #: How step 3 turns rewards into advantages (rlhf_core.ppo_rollout.estimate_advantages):
     #: gae, the paper's, with a value model trained beside the policy (Details 22, 25); rloo or
@@ -553,43 +563,3 @@ def check_world_size(cfg: PipelineConfig, world_size: int) -> None:
         raise ConfigError(
             f"invalid configuration for {world_size} processes (RLHF_NPROC_PER_NODE): " + "; ".join(errors)
         )
-
-
-# ------------------------------------------------------------------------ loading
-
-
-def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
-    """Validate a nested dict as a :class:`PipelineConfig`.
-
-    Raises:
-        ConfigError: naming each bad dotted key (unknown key, wrong type, bad value), or the key
-            of a value that looks like a credential (never shown).
-    """
-    check_no_credentials(flatten(tree), origin)
-    try:
-        return PipelineConfig.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, origin, PipelineConfig)) from None
-
-
-def load_config(
-    preset: str | os.PathLike | None = None,
-    overrides: list[str] | tuple[str, ...] = (),
-    preset_dir: Path = PRESET_DIR,
-) -> PipelineConfig:
-    """Load a preset (a name in ``configs/`` or a YAML path) and apply ``key=value`` overrides.
-
-    Args:
-        preset: preset name such as ``"smoke"``, a path to a YAML file, or ``None`` for
-            the paper defaults.
-        overrides: strings such as ``"ppo.kl_coef=0.1"``; values are parsed as YAML.
-
-    Returns:
-        The validated configuration.
-
-    Raises:
-        ConfigError: unknown preset, unreadable YAML, unknown key or wrong type (the
-            message names the dotted key).
-    """
-    tree, origin = settings_tree(preset, overrides, preset_dir)
-    return config_from_dict(tree, origin)

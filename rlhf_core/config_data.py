@@ -3,14 +3,20 @@
 :class:`DataConfig` and its parts (:class:`QueryFormat`, :class:`SplitSpec`,
 :class:`HoldoutSpec`), and :class:`StrictModel`, the base of every section: unknown keys and
 booleans given for numbers are refused. :mod:`rlhf_core.config` composes them with the other
-sections and loads the whole.
+sections. The subset files ``data.hub_subset`` names (``configs/data/NAME.json``): where one is,
+what it holds, and the cache folder its rows are fetched into (:func:`load_subset`,
+:func:`subset_dir`); read here without loading ``datasets`` or the data stage.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import string
 import typing
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -25,7 +31,12 @@ from pydantic import (
 )
 
 from .errors import DataError
+from .io import cache_root
 
+#: The form of TRL's language-modelling rows (``text`` alone): no prompt, the whole text trained.
+LANGUAGE_MODELING = "language_modeling"
+#: The response columns of each kind of split, beside ``query``; each has a ``{column}_token_len``.
+RESPONSE_COLUMNS = {"sft": ("reference_response",), "preference": ("chosen", "rejected"), "prompt": ()}
 TLDR_QUERY_TEMPLATE = "SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
 CNNDM_QUERY_TEMPLATE = "Article:\n{post}\n\nTL;DR:\n"
 CNNDM_BATCHES = ["batch0_cnndm", "cnndm0", "cnndm2"]
@@ -298,8 +309,6 @@ class DataConfig(StrictModel):
     @classmethod
     def _check_subset(cls, name: str | None) -> str | None:
         if name is not None:
-            from .subset_files import subset_path
-
             subset_path(name)  # a missing file is named now, not when the rows are first read
         return name
 
@@ -368,12 +377,114 @@ class DataConfig(StrictModel):
 
     def resolved_local_dir(self) -> str | None:
         """``local_dir``, else ``$RLHF_TLDR_DIR``, else the cache folder of ``hub_subset`` under
-        ``auto`` (:func:`rlhf_core.subset_files.subset_dir`; there or not yet), else ``None``.
+        ``auto`` (:func:`subset_dir`; there or not yet), else ``None``.
         Under ``format: trl`` only ``local_dir``: the other two hold TL;DR rows."""
         if self.format == "trl":
             return self.local_dir or None
         if self.subset_in_use():
-            from .subset_files import subset_dir
-
             return str(subset_dir(self.hub_subset))  # type: ignore[arg-type]
         return self.local_dir or os.environ.get("RLHF_TLDR_DIR") or None
+
+
+# ------------------------------------------------------------- subset files
+# The subset files of the hub's TL;DR rows (``configs/data/NAME.json``, named by
+# ``data.hub_subset``): where one is, what it holds, and the cache folder its rows are fetched
+# into. A subset file lists, for each file of a local data folder, the identity of every row and
+# the hub dataset, revision and split it comes from (:mod:`rlhf_core.hub_subset` fetches them).
+
+
+#: Where ``data.hub_subset`` names are looked up: ``configs/data/NAME.json``.
+SUBSET_DIR = Path(__file__).resolve().parent.parent / "configs" / "data"
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """One hub dataset a subset reads: its id, config (``None`` for none) and revision."""
+
+    id: str
+    config: str | None
+    revision: str
+
+
+@dataclass(frozen=True)
+class SubsetFile:
+    """One file of the local folder: its rows' kind, the hub split they come from, where the
+    local file's rows came from (``source``, for messages) and their identities in order."""
+
+    name: str
+    kind: str
+    split: str
+    source: str
+    rows: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class HubSubset:
+    """A subset file (:func:`load_subset`): its path, the bytes' digest, the hub dataset of each
+    kind of row and the files."""
+
+    path: Path
+    digest: str
+    datasets: dict[str, HubDataset]
+    files: tuple[SubsetFile, ...]
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+
+def subset_path(name: str) -> Path:
+    """The file a ``data.hub_subset`` setting names: ``configs/data/NAME.json``, or a path.
+
+    Raises:
+        DataError: no such file.
+    """
+    path = Path(name).expanduser()
+    if path.suffix != ".json" or not path.is_file():
+        path = SUBSET_DIR / f"{name}.json"
+    if not path.is_file():
+        present = ", ".join(sorted(p.stem for p in SUBSET_DIR.glob("*.json"))) or "none"
+        raise DataError(f"data.hub_subset {name!r}: no file {name} nor {path} (in configs/data/: {present})")
+    return path
+
+
+def load_subset(name: str) -> HubSubset:
+    """Read and check the subset file ``name`` (:func:`subset_path`).
+
+    Raises:
+        DataError: the file is missing or is not a valid subset file, naming the file and the key.
+    """
+    path = subset_path(name)
+    raw = path.read_bytes()
+    try:
+        doc = json.loads(raw)
+        sets = {
+            kind: HubDataset(str(d["id"]), d.get("config"), str(d.get("revision") or "main"))
+            for kind, d in doc["datasets"].items()
+        }
+        files = tuple(
+            SubsetFile(fname, f["kind"], f["split"], f.get("source", ""), tuple(f["rows"]))
+            for fname, f in doc["files"].items()
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DataError(f"{path}: not a subset file ({type(exc).__name__}: {exc})") from None
+    for f in files:
+        if f.kind not in sets:
+            raise DataError(f"{path}: files.{f.name}.kind {f.kind!r} names no entry of datasets ({', '.join(sets)})")
+        if len(set(f.rows)) != len(f.rows):
+            raise DataError(f"{path}: files.{f.name}.rows names a row twice")
+    return HubSubset(path, hashlib.sha256(raw).hexdigest()[:12], sets, files)
+
+
+def subset_dir(name: str) -> Path:
+    """The cache folder of subset ``name``: ``rows/<name>@<revisions>-<digest>`` under
+    :func:`rlhf_core.io.cache_root` (``$RLHF_CACHE_DIR``, else ``$XDG_CACHE_HOME/rlhf``, else
+    ``~/.cache/rlhf``), named with the hub revisions it reads and the digest of the subset file,
+    so an edited subset or another revision is fetched into a folder of its own.
+
+    Raises:
+        DataError: the subset file is missing or invalid.
+    """
+    subset = load_subset(name)
+    revisions = "+".join(d.revision.replace("/", "_")[:12] for d in subset.datasets.values())
+    return cache_root() / "rows" / f"{subset.name}@{revisions}-{subset.digest}"

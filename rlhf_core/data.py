@@ -37,13 +37,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import PipelineConfig
-from .config_data import DATA_KINDS, DataConfig, QueryFormat
+from .config_data import DATA_KINDS, RESPONSE_COLUMNS, DataConfig, QueryFormat
+from .data_files import data_fingerprint
 from .data_rows import BadRow, load_split, template_fields
-from .data_trl import DROPPED_BY_SETTING, LANGUAGE_MODELING, trl_query
+from .data_trl import DROPPED_BY_SETTING, trl_query
 from .errors import DataError
 from .hub_subset import ensure_local_rows
 from .io import atomic_directory, content_digest, write_json_atomic
-from .sources import data_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,6 @@ class TokenizedSplits:
 
 
 #: The response columns of each kind of split (a prompt-only row has none).
-_RESPONSE_COLUMNS = {"sft": ("reference_response",), "preference": ("chosen", "rejected"), "prompt": ()}
 #: Token-length columns of each kind whose response cap (Detail 4) applies.
 _RESPONSE_LENGTH_COLUMNS = {
     "sft": ("reference_response_token_len",),
@@ -447,7 +446,7 @@ def pad_split(
 def split_statistics(ds: datasets.Dataset, kind: str, task: str) -> dict[str, Any]:
     """Rows, token-length summaries, truncation counts (and comparison batches) of one split."""
     lengths = {"query": _length_summary(ds["query_token_len"])}
-    for col in _RESPONSE_COLUMNS[kind]:
+    for col in RESPONSE_COLUMNS[kind]:
         lengths[col] = _length_summary(ds[f"{col}_token_len"])
     split_stats: dict[str, Any] = {
         "rows": len(ds),
@@ -493,12 +492,6 @@ def _write_prepared(
     stats: dict[str, Any],
     overwrite: bool,
 ) -> None:
-    from .plots import plot_token_lengths
-
-    def token_lengths(kind: str, name: str) -> dict[str, list[int]]:
-        cols = ("query", *_RESPONSE_COLUMNS[kind])
-        return {col: list(final[kind][name][f"{col}_token_len"]) for col in cols}
-
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:
         for kind, dd in final.items():
             if not dd:  # no prompt splits: no prompt/ folder
@@ -507,10 +500,6 @@ def _write_prepared(
             for name in dd:
                 _content_fingerprint(tmp / kind / name)
         tokenizer.save_pretrained(tmp / "tokenizer")
-        plot_token_lengths(
-            {key: token_lengths(*key.split("/")) for key in stats["splits"]},
-            tmp / "token_lengths.png",
-        )
         write_json_atomic(tmp / "stats.json", stats)
 
 
@@ -525,7 +514,9 @@ def prepare_data(
     Writes, atomically: ``sft/{split}``, ``preference/{split}`` and, with ``data.prompt_splits``,
     ``prompt/{split}`` (``save_to_disk``),
     ``tokenizer/`` (with its PAD), ``stats.json`` (token lengths, derived padded lengths,
-    truncation counts, rows dropped by reason) and ``token_lengths.png``.
+    truncation counts, rows dropped by reason). Its token lengths are drawn by whoever shows
+    them (:func:`rlhf_core.prepared.token_lengths`, :func:`rlhf_core.plots.plot_token_lengths`):
+    no plotting code runs in the data stage, whose output every stage after it reads.
 
     Padded lengths (Detail 4) are the maxima seen in the data unless
     ``cfg.data.max_sft_response_length`` / ``max_rm_response_length`` cap them; rows
@@ -541,7 +532,7 @@ def prepare_data(
             is missing or equal to EOS (Detail 3).
         FileExistsError: ``out_dir`` exists and ``overwrite`` is false.
     """
-    from .models import load_tokenizer
+    from .tokenizer_sources import load_tokenizer
 
     data_cfg = cfg.data
     ensure_local_rows(data_cfg)  # the rows of data.hub_subset, fetched into their folder if needed
@@ -592,65 +583,3 @@ def prepare_data(
     _write_prepared(out_dir, final, tokenizer, stats, overwrite)
     log.info("data written to %s: %s", out_dir, {k: v["rows"] for k, v in split_stats.items()})
     return stats
-
-
-def require_prompts(stats: dict, split: str, key: str) -> None:
-    """Check that the SFT split ``split``, whose prompts the setting ``key`` samples from, has
-    prompts: TRL's language-modelling rows (``text`` alone, :data:`rlhf_core.data_trl.LANGUAGE_MODELING`)
-    train SFT and hold none.
-
-    Args:
-        stats: the data stage's ``stats.json`` (:func:`load_prepared`).
-
-    Raises:
-        DataError: naming ``key``, the split and what to do.
-    """
-    if stats["splits"].get(f"sft/{split}", {}).get("form") == LANGUAGE_MODELING:
-        raise DataError(
-            f"{key}: the SFT split {split!r} holds TRL language-modelling rows (text alone), with no prompt to "
-            "sample from; name a split of prompt/completion or messages rows"
-            + (", or give PPO prompt-only rows (data.prompt_splits)" if key.startswith("ppo") else "")
-        )
-
-
-def load_data_tokenizer(data_dir: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer saved by :func:`prepare_data` (with its PAD token)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(Path(data_dir) / "tokenizer")
-
-
-def load_prepared(data_dir: str | os.PathLike) -> tuple[datasets.DatasetDict, datasets.DatasetDict, dict]:
-    """Load ``(sft, preference, stats)`` written by :func:`prepare_data`.
-
-    Raises:
-        DataError: ``data_dir`` is not a complete data directory.
-    """
-    root = Path(data_dir)
-    if not (root / "stats.json").is_file():
-        raise DataError(f"{root} is not a prepared data directory (no stats.json); run `rlhf data` first")
-    stats = json.loads((root / "stats.json").read_text())
-    return datasets.load_from_disk(str(root / "sft")), datasets.load_from_disk(str(root / "preference")), stats
-
-
-def load_prompts(data_dir: str | os.PathLike) -> datasets.DatasetDict | None:
-    """The prompt-only splits written by :func:`prepare_data` (``data.prompt_splits``), each with
-    ``query`` and ``query_token`` (left-padded), or ``None`` when the data has none."""
-    root = Path(data_dir) / "prompt"
-    return datasets.load_from_disk(str(root)) if root.is_dir() else None
-
-
-def ppo_query_tokens(data_dir: str | os.PathLike, sft: datasets.DatasetDict, stats: dict) -> list[list[int]]:
-    """The queries PPO samples from, left-padded token ids (``query_token``): the prompt-only split
-    ``prompt/train`` of ``data.prompt_splits`` when the data has one (:func:`load_prompts`), else
-    the SFT split ``train`` (Detail 21).
-
-    Raises:
-        DataError: the SFT split ``train`` (read for prompts) or ``validation`` (PPO's evaluation
-            prompts) holds TRL language-modelling rows (:func:`require_prompts`).
-    """
-    prompt_only = load_prompts(data_dir)
-    if prompt_only is None:
-        require_prompts(stats, "train", "ppo (its prompts, the SFT split 'train')")
-    require_prompts(stats, "validation", "ppo (its evaluation prompts, the SFT split 'validation')")
-    return list((sft if prompt_only is None else prompt_only)["train"]["query_token"])

@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from .config_data import QUERY_FIELDS, DataConfig, QueryFormat, SplitSpec
+from .data_files import local_split_files
 from .data_hub import flatten_comparison, iter_hub_split
 from .data_trl import normalise_trl_row
 from .errors import BadRow, DataError
-from .sources import local_split_files
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ The formats are TRL's (its ``dataset_formats`` page), which OpenRLHF and NeMo-RL
   ``language_modeling``), trained on whole as TRL's ``SFTTrainer`` trains it: the tokenizer's
   own prefix (BOS, or nothing) as the query, the text and EOS as the response. Such a split
   holds no prompts: SFT trains on it, and a stage that samples from a split's prompts refuses
-  it (:func:`rlhf_core.data.require_prompts`).
+  it (:func:`rlhf_core.prepared.require_prompts`).
 - Preferences, standard: ``prompt``, ``chosen`` and ``rejected`` strings; conversational: the
   same as message lists. Without ``prompt`` (TRL's implicit prompt), ``chosen`` and
   ``rejected`` are whole texts or conversations split at their common prefix
@@ -34,12 +34,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from .config_data import LANGUAGE_MODELING
 from .errors import BadRow, DataError
 
 #: Reasons a row is dropped by a setting rather than for being bad: counted, never an error.
 DROPPED_BY_SETTING = ("prompt_too_long",)
-#: The form of TRL's language-modelling rows (``text`` alone): no prompt, the whole text trained.
-LANGUAGE_MODELING = "language_modeling"
 #: Metadata a preference row may carry, used by the reward model's per-group tables.
 PREFERENCE_METADATA = ("batch", "chosen_policy", "rejected_policy", "split", "worker")
 

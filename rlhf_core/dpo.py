@@ -21,16 +21,15 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from . import lora
-from .config import DPOConfig, RewardConfig
-from .data import load_data_tokenizer
+from .config import DPOConfig
 from .distributed import DataParallel, all_reduce_sum, is_sharded
-from .models import causal_forward, load_causal_lm, pair_forward, pair_layout
+from .forward import causal_forward, pair_forward, pair_layout
+from .models import load_causal_lm
 from .offload import CPUOffload
-from .reward_eval import evaluate_pairs
 from .sft import head_chunking, make_loss_mask
 from .tracking import Tracker
 from .trainer import global_means, start_stage
-from .training import autocast, pick_device
+from .training import autocast
 
 
 def implicit_reward(logps: torch.Tensor, ref_logps: torch.Tensor, beta: float) -> torch.Tensor:
@@ -162,7 +161,7 @@ def sequence_logprobs(
 ) -> torch.Tensor:
     """``log pi(y|x)``: each row's summed log-probability of its response tokens.
 
-    The backbone runs once over query and response (:func:`~rlhf_core.models.causal_forward`:
+    The backbone runs once over query and response (:func:`~rlhf_core.forward.causal_forward`:
     padding invisible); only the hidden states that predict a response token go through the
     language-model head (:func:`linear_logprobs`). Targets are the tokens from position
     ``query_lengths[i]`` on that are not PAD, so the EOS that ends each response counts.
@@ -206,7 +205,7 @@ def pair_logprobs(
     common prefix (its query, but for the last query token, whose hidden state predicts the
     first response token) gives both rows the same keys and values. The prefix runs once; each
     row's tokens from there to the one before its EOS then run against that prefix's key/value
-    cache, chosen and rejected side by side (:func:`rlhf_core.models.pair_forward`), as
+    cache, chosen and rejected side by side (:func:`rlhf_core.forward.pair_forward`), as
     :func:`rlhf_core.reward.pair_scores` does for the reward model. Log-probabilities and
     gradients equal :func:`sequence_logprobs` on ``torch.cat([chosen, rejected])`` up to kernel
     rounding, for a little over half of the backbone's work when responses are short next to
@@ -376,36 +375,3 @@ def score_pairs(
         out_rejected.append(implicit_reward(policy_rejected, ref_rejected, beta).cpu())
     empty = torch.zeros(0)
     return (torch.cat(out_chosen) if out_chosen else empty), (torch.cat(out_rejected) if out_rejected else empty)
-
-
-def evaluate_dpo_reward(
-    cfg: DPOConfig,
-    eval_cfg: RewardConfig,
-    data_dir: str | os.PathLike,
-    policy_dir: str | os.PathLike,
-    sft_model_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    tracker: Tracker | None = None,
-) -> dict[str, float]:
-    """The DPO policy's implicit reward model evaluated as the explicit one is
-    (:func:`rlhf_core.reward_eval.evaluate_pairs`: the same splits, rows, groups and keys, from
-    ``eval_cfg``, the ``reward`` section), so the two accuracies compare pair for pair
-    (Detail 19, Figure 6)."""
-    tokenizer = load_data_tokenizer(data_dir)
-    device = pick_device()
-    policy, reference = load_causal_lm(policy_dir).to(device), load_reference(sft_model_dir, device)
-
-    def score(rows: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return score_pairs(
-            policy,
-            reference,
-            rows["query_chosen_token"],
-            rows["query_rejected_token"],
-            rows["query_token_len"],
-            tokenizer.pad_token_id,
-            cfg.beta,
-            cfg.micro_batch_size,
-            cfg.bf16,
-        )
-
-    return evaluate_pairs(score, eval_cfg, data_dir, out_dir, tracker, "DPO implicit reward model")

@@ -23,16 +23,20 @@ from typing import Any
 
 import torch
 
-from . import diagnostics as diag
 from .config import EvalConfig, PipelineConfig
-from .data import load_data_tokenizer, load_prepared, require_prompts
+from .errors import ModelSourceError
 from .generation import Summaries, summarize, trim_left_padding
+from .html_views import token_shift_html
 from .io import write_jsonl_atomic
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
-from .models import ModelSourceError, load_causal_lm, resolve_source
+from .measures import agreement, judge_label_agreement, length_log_ratio, mean_ignoring_missing, win_rate
+from .models import load_causal_lm
 from .ppo_rollout import summary_logprobs
+from .prepared import load_data_tokenizer, load_prepared, require_prompts
 from .reward import ResponseScores, load_reward_model, score_responses
+from .sources import resolve_source
+from .text_metrics import diversity, repetition_rate, rouge_l, title_copy_rate, token_ranks, words
 from .tracking import NullTracker, Tracker
 from .training import autocast, pick_device, precision_name
 
@@ -65,7 +69,7 @@ def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, 
             continue
         seq = torch.cat([q, r[:, :keep]], dim=1).to(device)
         logits = model(input_ids=seq).logits[0, q.size(1) - 1 : q.size(1) - 1 + keep].float().cpu()
-        ranks.append(diag.token_ranks(logits, r[0, :keep]).tolist())
+        ranks.append(token_ranks(logits, r[0, :keep]).tolist())
     return ranks
 
 
@@ -288,7 +292,7 @@ def token_shift_blocks(
         ranks = response_token_ranks(base, prompts.queries[:m], summaries[key].responses[:m], tokenizer.pad_token_id)
         for i in range(m):
             tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
-            blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>" + diag.token_shift_html(tokens, ranks[i]))
+            blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>" + token_shift_html(tokens, ranks[i]))
     base = None
     _free()
     return blocks
@@ -360,7 +364,7 @@ def judge_human_labels(
     summaries apart either.
 
     Returns:
-        ``(figures, judgements)``: :func:`rlhf_core.diagnostics.judge_label_agreement` of the
+        ``(figures, judgements)``: :func:`rlhf_core.measures.judge_label_agreement` of the
         configured orders plus ``split``, or ``({}, [])`` with ``judge_human_comparisons`` 0.
 
     Raises:
@@ -389,7 +393,7 @@ def judge_human_labels(
     judgements = judge_comparisons(
         judge, comparisons, cache=cache, seed=ecfg.seed, concurrency=ecfg.concurrency, progress=True, orders=ecfg.orders
     )
-    return diag.judge_label_agreement(judgements, ecfg.orders) | {"split": ecfg.judge_human_split}, judgements
+    return judge_label_agreement(judgements, ecfg.orders) | {"split": ecfg.judge_human_split}, judgements
 
 
 def judge_human_metrics(figures: dict[str, Any]) -> dict[str, float]:
@@ -431,18 +435,18 @@ def policy_measurements(
     for key, label in POLICIES:
         texts = summaries[key].texts
         sel = [i for i in range(n) if verdicts.judged[key][i]]
-        wr = diag.win_rate([wins[key][i] for i in sel])
+        wr = win_rate([wins[key][i] for i in sel])
         counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
-        rouge = diag.rouge_l(texts, references)
-        title = diag.title_copy_rate(texts, titles, ecfg.title_copy_threshold)
-        repetition = diag.repetition_rate(texts)
-        div = diag.diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
+        rouge = rouge_l(texts, references)
+        title = title_copy_rate(texts, titles, ecfg.title_copy_threshold)
+        repetition = repetition_rate(texts)
+        div = diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
         rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
-        agree = diag.agreement(rm_prefers, [wins[key][i] for i in sel])
+        agree = agreement(rm_prefers, [wins[key][i] for i in sel])
         reward_agree += rm_prefers
         judge_agree += [wins[key][i] for i in sel]
         curves[label] = (
-            [diag.length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
+            [length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
             [wins[key][i] for i in sel],
         )
         metrics.update(
@@ -453,7 +457,7 @@ def policy_measurements(
                 f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
                 f"eval/{key}/win_rate_invalid": float(counts["invalid"]),
                 f"eval/{key}/win_rate_errors": float(counts["errors"]),
-                f"eval/{key}/rougeL": diag.mean_ignoring_missing(rouge),
+                f"eval/{key}/rougeL": mean_ignoring_missing(rouge),
                 f"eval/{key}/score": scores[key].mean().item(),
                 f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
                 f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
@@ -462,14 +466,14 @@ def policy_measurements(
                 f"eval/{key}/win_rate_ties": float(counts["ties"]),
                 f"eval/{key}/diversity": float(div["mean"]),
                 f"eval/{key}/agreement": float(agree["agreement"]),
-                f"eval/{key}/response_words": diag.mean_ignoring_missing([len(diag.words(t)) for t in texts]),
+                f"eval/{key}/response_words": mean_ignoring_missing([len(words(t)) for t in texts]),
             }
         )
         headline.append(
             {
                 "policy": label,
                 "win rate vs reference": wr,
-                "ROUGE-L": diag.mean_ignoring_missing(rouge),
+                "ROUGE-L": mean_ignoring_missing(rouge),
                 "RM score": scores[key].mean().item(),
                 "RM raw score": scored[key].raw_scores.mean().item(),
                 "EOS rate": scored[key].has_eos.double().mean().item(),
@@ -477,15 +481,15 @@ def policy_measurements(
                 "repetition loops": float(repetition["rate"]),
                 "diversity": float(div["mean"]),
                 "RM-judge agreement": float(agree["agreement"]),
-                "words": diag.mean_ignoring_missing([len(diag.words(t)) for t in texts]),
+                "words": mean_ignoring_missing([len(words(t)) for t in texts]),
             }
         )
-    ref_title = diag.title_copy_rate(references, titles, ecfg.title_copy_threshold)
+    ref_title = title_copy_rate(references, titles, ecfg.title_copy_threshold)
     metrics.update(
         {
             "eval/reference/score": scores["reference"].mean().item(),
             "eval/reference/title_copy_rate": float(ref_title["rate"]),
-            "eval/agreement": float(diag.agreement(reward_agree, judge_agree)["agreement"]),
+            "eval/agreement": float(agreement(reward_agree, judge_agree)["agreement"]),
             "eval/samples": float(n),
         }
     )
@@ -496,8 +500,8 @@ def policy_measurements(
             "RM raw score": scored["reference"].raw_scores.mean().item(),
             "EOS rate": scored["reference"].has_eos.double().mean().item(),
             "title copy": float(ref_title["rate"]),
-            "repetition loops": float(diag.repetition_rate(references)["rate"]),
-            "words": diag.mean_ignoring_missing([len(diag.words(t)) for t in references]),
+            "repetition loops": float(repetition_rate(references)["rate"]),
+            "words": mean_ignoring_missing([len(words(t)) for t in references]),
         }
     )
     return metrics, headline, curves
@@ -604,7 +608,7 @@ def run_evaluation(
         trick), ``eval/{policy}/raw_score`` (without it), ``eval/{policy}/eos_rate`` (share of
         summaries ending with EOS), ``eval/{policy}/title_copy_rate``,
         ``eval/{policy}/diversity``, ``eval/{policy}/agreement``, ``eval/{policy}/repetition_rate``
-        (share of summaries with a :func:`rlhf_core.diagnostics.repetition_loop`),
+        (share of summaries with a :func:`rlhf_core.text_metrics.repetition_loop`),
         ``eval/{policy}/win_rate_ties`` for base, sft, ppo and dpo; ``eval/ppo/kl_vs_sft`` and
         ``eval/dpo/kl_vs_sft`` (mean KL from SFT per summary, nats); ``eval/reference/score``,
         ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``; with

@@ -56,7 +56,7 @@ def decode_query_responses(
     """The texts of query + response token ids, as another tokenizer's model reads them.
 
     Args:
-        tokenizer: the policy's tokenizer (:func:`rlhf_core.data.load_data_tokenizer`).
+        tokenizer: the policy's tokenizer (:func:`rlhf_core.prepared.load_data_tokenizer`).
         queries: ``(n, query_length)`` long token ids, left-padded with PAD.
         responses: ``(n, response_length)`` long token ids; everything from the first EOS on
             (PAD included) is dropped.
@@ -167,7 +167,7 @@ class ExternalRewardModel(nn.Module):
         ``prompt_messages``) of the prepared data in ``data_dir``, by its query's token ids, so
         that :meth:`score` renders the row's own conversation with this model's chat template,
         not the policy's rendering of it. Returns how many queries were learnt."""
-        from .data import load_prepared
+        from .prepared import load_prepared
 
         sft, preference, _ = load_prepared(data_dir)
         for ds in [*sft.values(), *preference.values()]:

@@ -8,7 +8,7 @@ comparisons (``openai/summarize_from_feedback``, config ``comparisons``). A subs
 the identity of every row (:func:`row_identity`) and the hub dataset, revision and split it
 comes from. With ``data.source: auto`` and no local folder, :func:`ensure_local_rows` loads those
 splits through ``datasets``, selects the rows and writes the same files into a cache folder
-(:func:`rlhf_core.subset_files.subset_dir`), read from then on exactly as a local folder.
+(:func:`rlhf_core.config_data.subset_dir`), read from then on exactly as a local folder.
 
 Importing this module loads neither ``datasets`` nor ``huggingface_hub``: the cache folder's
 path is known without them (``rlhf config`` stays free of network and heavy imports).
@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .config_data import HubSubset, SubsetFile, load_subset, subset_dir
 from .errors import DataError, HubUnreachable
-from .subset_files import HubSubset, SubsetFile, load_subset, subset_dir
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,9 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+#: The preset files' folder, ``configs/`` beside the package.
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
 
 def cache_root() -> Path:
     """Where converted checkpoints and fetched rows are cached: ``$RLHF_CACHE_DIR``, else

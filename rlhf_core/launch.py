@@ -27,9 +27,10 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import PipelineConfig, load_config
+from .config import PipelineConfig
 from .io import write_json_atomic
 from .pipeline import STAGES
+from .presets import load_config
 from .tracking import JsonlTracker, NullTracker, Tracker, replay
 
 if TYPE_CHECKING:

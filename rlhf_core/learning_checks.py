@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 
-from . import diagnostics as diag
 from .config_data import IN_DISTRIBUTION_SPLIT
+from .measures import mean_ignoring_missing, paired_difference, wilson_interval
 from .reward import ResponseScores
 from .reward_eval import BASELINES
+from .text_metrics import repetition_rate
 
 #: The reward model's evaluation splits in the report, by metric prefix (``reward_eval`` and
 #: ``dpo_eval`` metrics): ``(name, distribution)``, the distribution being how the split stands to
@@ -84,7 +85,7 @@ def learning_checks(
       RLHF objective", unless the reward model failed its own check: PPO against it is then
       reported, not gated, :data:`NOT_GATED`; DPO's reported: it optimises its own); (b) the EOS rate (target at least
       90%); (c) the share of greedy summaries in a repetition loop
-      (:func:`rlhf_core.diagnostics.repetition_loop`; target: at most SFT's plus
+      (:func:`rlhf_core.text_metrics.repetition_loop`; target: at most SFT's plus
       :data:`REPETITION_TOLERANCE`); (d) the score gain over SFT and the KL from SFT (reported);
       and PPO's KL from its last update's samples (reported).
 
@@ -148,7 +149,7 @@ def sft_checks(sft_metrics: dict[str, float], sft_samples: list[dict]) -> Checks
     n_sft = int(sft_metrics.get("eval/samples", 0))
     if "eval/eos_rate" in sft_metrics and n_sft:
         rate = sft_metrics["eval/eos_rate"]
-        low, high = diag.wilson_interval(round(rate * n_sft), n_sft)
+        low, high = wilson_interval(round(rate * n_sft), n_sft)
         base = sft_metrics.get("eval/eos_rate_base", float("nan"))
         result = f"{rate:.1%} (base model {base:.1%})"
         rows.append(
@@ -170,10 +171,10 @@ def sft_checks(sft_metrics: dict[str, float], sft_samples: list[dict]) -> Checks
     pairs = [(r["rougeL_sft"], r["rougeL_base"]) for r in sft_samples if "rougeL_sft" in r and "rougeL_base" in r]
     if pairs:
         sft_rouge, base_rouge = [a for a, _ in pairs], [b for _, b in pairs]
-        gain = diag.paired_difference(sft_rouge, base_rouge)
+        gain = paired_difference(sft_rouge, base_rouge)
         result = (
-            f"{gain['mean']:+.3f} (SFT {diag.mean_ignoring_missing(sft_rouge):.3f}, "
-            f"base {diag.mean_ignoring_missing(base_rouge):.3f})"
+            f"{gain['mean']:+.3f} (SFT {mean_ignoring_missing(sft_rouge):.3f}, "
+            f"base {mean_ignoring_missing(base_rouge):.3f})"
         )
         interval = _interval(gain["ci_low"], gain["ci_high"])
         rows.append(
@@ -250,7 +251,7 @@ def policy_checks(
         scores, sft_scores = policy.scores.tolist(), sft.scores.tolist()
         if kl is not None and kl_coef is not None and len(kl) == len(scores):
             objective = [s - kl_coef * k for s, k in zip(scores, kl)]
-            diff = diag.paired_difference(objective, sft_scores)
+            diff = paired_difference(objective, sft_scores)
             check = f"RLHF objective (RM score - {kl_coef:g} x KL from SFT) minus SFT's, same prompts"
             result = f"{diff['mean']:+.3f} (KL {sum(kl) / len(kl):.2f} nats a summary)"
             if stage != "PPO":
@@ -264,7 +265,7 @@ def policy_checks(
                 f"eval/checks/{key}_objective_gain_ci_high": diff["ci_high"],
                 f"eval/checks/{key}_kl_vs_sft": sum(kl) / len(kl),
             }
-        diff = diag.paired_difference(scores, sft_scores)
+        diff = paired_difference(scores, sft_scores)
         result = (
             f"{diff['mean']:+.3f} ({stage} {policy.scores.mean().item():+.3f}, SFT {sft.scores.mean().item():+.3f})"
         )
@@ -272,7 +273,7 @@ def policy_checks(
         interval = _interval(diff["ci_low"], diff["ci_high"])
         rows.append(_row(stage, check, result, interval, diff["n"], "reported", None))
         eos, n = int(policy.has_eos.sum().item()), len(policy.has_eos)
-        low, high = diag.wilson_interval(eos, n)
+        low, high = wilson_interval(eos, n)
         interval = _interval(low, high, True)
         rows.append(
             _row(stage, "greedy summaries that end with EOS", f"{eos / n:.1%}", interval, n, "≥ 90%", eos / n >= 0.9)
@@ -285,7 +286,7 @@ def policy_checks(
             f"eval/checks/{key}_eos_rate_ci_high": high,
         }
     if texts and texts.get(key) and texts.get("sft"):
-        loops = {name: diag.repetition_rate(texts[name]) for name in (key, "sft")}
+        loops = {name: repetition_rate(texts[name]) for name in (key, "sft")}
         own, sft_loops = loops[key], loops["sft"]
         result = f"{own['rate']:.1%} (SFT {sft_loops['rate']:.1%})"
         interval = _interval(own["ci_low"], own["ci_high"], True)

@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from .config import PipelineConfig
+from .data_files import data_fingerprint
 from .io import json_digest
 from .sources import (
-    data_fingerprint,
     external_reward_fingerprint,
     external_reward_source,
     judge_prompt_fingerprint,
     reward_code_digest,
     source_fingerprint,
 )
-from .stage_code import stage_code_digest
+from .stage_code import StageCode, stage_code
 from .tracking import Tracker
 
 
@@ -100,7 +100,7 @@ def _data(cfg, inputs, out, tracker):
 
 
 def _base_model(cfg, inputs, out, tracker):
-    from .models import import_base_model
+    from .model_sources import import_base_model
 
     return import_base_model(cfg.model, out, overwrite=True)
 
@@ -158,7 +158,7 @@ def _dpo(cfg, inputs, out, tracker):
 
 
 def _dpo_eval(cfg, inputs, out, tracker):
-    from .dpo import evaluate_dpo_reward
+    from .dpo_eval import evaluate_dpo_reward
 
     data, sft, dpo = inputs
     return evaluate_dpo_reward(cfg.dpo, cfg.reward, data, dpo / "model", sft / "model", out, tracker)
@@ -233,39 +233,37 @@ def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
 SOURCE_ROOT = Path(__file__).parent
 
 
-def code_version(name: str) -> str:
-    """The digest (16 hex) of the code stage ``name`` runs, read once per process
-    (:func:`rlhf_core.stage_code.stage_code_digest` of :data:`SOURCE_ROOT`, this module
-    holding the stage table): its entry in :data:`STAGES` (the ``Stage(...)`` call and the
-    definitions of this module it names, such as its run and reads functions) and the source
-    of every ``rlhf_core`` module that entry imports, transitively, at module level or inside
-    functions (``judging/`` included). An edit re-runs the stages whose code it touches, and,
-    through their keys or artifacts, the stages after them; not the whole pipeline.
+def code_version(name: str) -> StageCode:
+    """The code stage ``name`` runs, read once per process
+    (:func:`rlhf_core.stage_code.stage_code` of :data:`SOURCE_ROOT`, this module holding the
+    stage table): its run function in :data:`STAGES` (with the definitions of this module it
+    names) and the source of every ``rlhf_core`` module that function imports, transitively, at
+    module level or inside functions (``judging/`` included): ``digest`` over them all and
+    ``modules``, each module's own digest. An edit re-runs the stages whose code it touches,
+    and, through their keys or artifacts, the stages after them; not the whole pipeline
+    (``benchmarks/stage_keys.py`` lists, for every module, the stages an edit to it re-runs).
 
     The trade-off: a module imported inside any function of a covered module counts, whether
     or not the stage calls that function, so some edits re-run a stage that would not have run
-    the edited code; and a stage whose code imports this module (to read the stage names, say)
-    covers it whole. Code reached by a dynamic import outside ``rlhf_core`` is not covered
+    the edited code. Code reached by a dynamic import outside ``rlhf_core`` is not covered
     here: a rule reward ``python:MODULE:FUNCTION`` is covered by its own source's digest in the
     PPO stage's ``reads`` (:func:`rlhf_core.sources.reward_code_digest`).
 
     Raises:
         KeyError: ``name`` has no entry in the stage table.
     """
-    return stage_code_digest(SOURCE_ROOT, __name__, name)
+    return stage_code(SOURCE_ROOT, __name__, name)
 
 
-def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:
-    """The cache key of stage ``name`` (24 hex): the one key scheme of ``rlhf run`` and of the
-    Prefect tasks (``tasks.stages.stage_cache_key``).
-
-    It covers the settings the stage reads itself (:func:`stage_config`), what else it reads
-    (``Stage.reads``: the data files' contents, the model source's files, a rule reward's
-    source), ``upstream`` (one string per input stage, in ``Stage.inputs`` order, that changes
-    whenever that stage's output may: its key, or its artifact's content digest), the code it
-    runs (:func:`code_version`: its table entry and the ``rlhf_core`` modules that entry
-    imports, not the whole package) and ``context`` (for example where the artifacts are
-    stored).
+def stage_key_parts(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> dict[str, Any]:
+    """What the cache key of stage ``name`` digests (:func:`stage_key`), as JSON: ``config``, the
+    settings the stage reads itself (:func:`stage_config`); ``upstream``, one string per input
+    stage in ``Stage.inputs`` order that changes whenever that stage's output may (its key, or
+    its artifact's content digest); ``code``, the digest of the code it runs
+    (:func:`code_version`: its run function and the ``rlhf_core`` modules that imports, not the
+    whole package); ``reads``, what else it reads (``Stage.reads``: the data files' contents,
+    the model source's files, a rule reward's source); and ``context`` (for example where the
+    artifacts are stored).
 
     Raises:
         KeyError: ``name`` is not a stage.
@@ -276,12 +274,78 @@ def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: st
         "stage": name,
         "config": stage_config(cfg, name),
         "upstream": list(upstream),
-        "code": code_version(name),
+        "code": code_version(name).digest,
         **context,
     }
     if stage.reads is not None:
         payload["reads"] = stage.reads(cfg)
-    return json_digest(payload, length=24)
+    return payload
+
+
+def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:
+    """The cache key of stage ``name`` (24 hex): the digest of :func:`stage_key_parts`, the one
+    key scheme of ``rlhf run`` and of the Prefect tasks (``tasks.stages.stage_cache_key``).
+
+    Raises:
+        KeyError: ``name`` is not a stage.
+        DataError, ModelSourceError: what the stage reads cannot be found.
+    """
+    return json_digest(stage_key_parts(name, cfg, upstream, **context), length=24)
+
+
+def key_record(parts: dict[str, Any]) -> dict[str, Any]:
+    """What a finished stage records of its key (``stage.json``'s ``parts``): its parts
+    (:func:`stage_key_parts`) with the settings' digest (``config_digest``) and the digest of
+    each module its code covers (``code_modules``, by path), so that a later plan can say which
+    part changed (:func:`key_changes`)."""
+    return {
+        **parts,
+        "config_digest": json_digest(parts["config"]),
+        "code_modules": code_version(parts["stage"]).modules,
+    }
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        flat |= _flat(value, f"{prefix}.{key}" if prefix else str(key))
+    return flat
+
+
+def key_changes(recorded: dict[str, Any], parts: dict[str, Any]) -> list[str]:
+    """Why stage ``parts["stage"]``'s key differs from the one a finished output recorded: one
+    phrase per part that changed, naming the settings (with old and new values), the code's
+    modules, the inputs, and what else it reads; empty when ``recorded`` (a
+    :func:`key_record`) matches ``parts`` (:func:`stage_key_parts`).
+    """
+    reasons = []
+    old, new = _flat(recorded.get("config", {})), _flat(parts["config"])
+    settings = [k for k in sorted(set(old) | set(new), key=str) if old.get(k, "unset") != new.get(k, "unset")]
+    if settings:
+        shown = [f"{k} {old.get(k, 'unset')!r} -> {new.get(k, 'unset')!r}" for k in settings[:4]]
+        more = f" and {len(settings) - 4} more" if len(settings) > 4 else ""
+        reasons.append(f"its settings changed: {', '.join(shown)}{more}")
+    if recorded.get("code") != parts["code"]:
+        was, now = recorded.get("code_modules", {}), code_version(parts["stage"]).modules
+        modules = [m for m in sorted(set(was) | set(now)) if was.get(m) != now.get(m)]
+        where = ", ".join(modules) if modules else "its run function in the stage table (rlhf_core/pipeline.py)"
+        reasons.append(f"its code changed: {where}")
+    inputs = STAGES[parts["stage"]].inputs
+    was_up = recorded.get("upstream", [])
+    changed = [s for i, s in enumerate(inputs) if i >= len(was_up) or was_up[i] != parts["upstream"][i]]
+    if changed:
+        reasons.append(f"its input{'s' if len(changed) > 1 else ''} {', '.join(changed)} changed")
+    was_reads, reads = recorded.get("reads") or {}, parts.get("reads") or {}
+    files = [k for k in sorted(set(was_reads) | set(reads)) if was_reads.get(k) != reads.get(k)]
+    if files:
+        reasons.append(f"what it reads changed: {', '.join(files)}")
+    known = {"stage", "config", "upstream", "code", "reads", "config_digest", "code_modules"}
+    context = [k for k in sorted((set(recorded) | set(parts)) - known) if recorded.get(k) != parts.get(k)]
+    if context:
+        reasons.append(f"its context changed: {', '.join(context)}")
+    return reasons
 
 
 def needed_stages(name: str) -> set[str]:
@@ -317,15 +381,29 @@ def stages_until(until: str | None = None) -> list[str]:
     ]
 
 
+def key_parts(cfg: PipelineConfig, until: str | None = None) -> dict[str, dict[str, Any]]:
+    """``{stage: stage_key_parts}`` for the stages of :func:`stages_until` (default: all), each
+    stage's upstream being its inputs' keys: the keys ``rlhf run`` compares with a finished
+    stage's marker (:func:`stage_keys`) and what it records of them (:func:`key_record`).
+
+    Raises:
+        KeyError: ``until`` is not a stage.
+        DataError, ModelSourceError: what a stage reads cannot be found.
+    """
+    parts: dict[str, dict[str, Any]] = {}
+    keys: dict[str, str] = {}
+    for name in stages_until(until):
+        parts[name] = stage_key_parts(name, cfg, [keys[dep] for dep in STAGES[name].inputs])
+        keys[name] = json_digest(parts[name], length=24)
+    return parts
+
+
 def stage_keys(cfg: PipelineConfig, until: str | None = None) -> dict[str, str]:
     """``{stage: stage_key}`` for the stages of :func:`stages_until` (default: all), each
-    stage's upstream being its inputs' keys: what ``rlhf run`` compares with a finished
-    stage's marker.
+    stage's upstream being its inputs' keys (:func:`key_parts`): what ``rlhf run`` compares with
+    a finished stage's marker.
 
     Raises:
         KeyError: ``until`` is not a stage.
     """
-    keys: dict[str, str] = {}
-    for name in stages_until(until):
-        keys[name] = stage_key(name, cfg, [keys[dep] for dep in STAGES[name].inputs])
-    return keys
+    return {name: json_digest(parts, length=24) for name, parts in key_parts(cfg, until).items()}

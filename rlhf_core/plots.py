@@ -1,4 +1,7 @@
-"""Plots written as PNG artifacts (matplotlib, headless)."""
+"""Plots written as PNG artifacts (matplotlib on its file-only backend, imported on first use),
+each written atomically: the report's and the evaluation stages'; no training stage imports this
+module, so that an edit here re-runs none of them.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,90 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .diagnostics import pyplot, savefig_atomic
+import numpy as np
+
+from .io import atomic_file
+from .measures import bin_edges, length_control, win_rate
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend, imported on first use: the stages
+    that draw nothing do not pay for its import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def savefig_atomic(fig: Any, path: str | os.PathLike, dpi: int = 90) -> Path:
+    """Save a matplotlib figure as PNG through a temporary sibling file and a rename, then close it.
+
+    A reader never sees a half-written image under ``path``; on an error nothing is left.
+    """
+    try:
+        with atomic_file(path, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+    finally:
+        pyplot().close(fig)
+    return Path(path)
+
+
+def plot_length_control(
+    curves: dict[str, tuple[Sequence[float], Sequence[bool | None]]],
+    path: str | os.PathLike,
+    bins: int | Sequence[float] = 6,
+    confidence: float = 0.95,
+) -> Path:
+    """Win rate against ``log(summary length / reference length)``, one curve per policy
+    (Huang et al. 2024, Figure 8, right), written atomically as a PNG.
+
+    Args:
+        curves: ``{policy name: (log ratios, judgements)}``, as for :func:`length_control`.
+        path: the PNG to write.
+        bins: a count of equal-width bins spanning the finite ratios of *all* policies
+            (so every curve shares the same bins), or explicit edges.
+        confidence: coverage of the shaded Wilson interval around each curve.
+
+    Returns:
+        ``path``. Points are bin centres with at least one valid judgement; the dashed line
+        is a 50% win rate and the dotted line equal lengths.
+
+    Raises:
+        ValueError: as :func:`length_control`.
+    """
+    pooled = np.asarray([r for ratios, _ in curves.values() for r in ratios], dtype=np.float64)
+    edges = bin_edges(pooled[np.isfinite(pooled)], bins)
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    for name, (ratios, wins) in curves.items():
+        rows = [r for r in length_control(ratios, wins, edges, confidence) if r["n"] > 0]
+        xs = [r["center"] for r in rows]
+        total = win_rate(wins, confidence)
+        (line,) = ax.plot(
+            xs,
+            [r["win_rate"] for r in rows],
+            "o-",
+            label=f"{name}: {100 * total['win_rate']:.1f}% overall (n={total['n_valid']})",
+        )
+        ax.fill_between(
+            xs,
+            [r["ci_low"] for r in rows],
+            [r["ci_high"] for r in rows],
+            color=line.get_color(),
+            alpha=0.15,
+            linewidth=0,
+        )
+    ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
+    ax.axvline(0.0, color="gray", linestyle=":", linewidth=1)
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("log(summary length / reference length)")
+    ax.set_ylabel("win rate against the reference")
+    ax.set_title(f"Win rate by summary length ({round(100 * confidence)}% Wilson interval shaded)", fontsize=10)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return savefig_atomic(fig, path)
 
 
 def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.PathLike) -> Path:
@@ -136,7 +222,7 @@ def plot_reward_logits(rows: Sequence[dict[str, Any]], path: str | os.PathLike, 
     Figure 3), written atomically as a PNG.
 
     Args:
-        rows: :func:`rlhf_core.reward_eval.token_table` rows with ``reward_logits``.
+        rows: :func:`rlhf_core.reward.token_table` rows with ``reward_logits``.
         path: the PNG to write.
         labels: one panel title per row.
 
@@ -155,7 +241,7 @@ def plot_value_vs_reward(rows: Sequence[dict[str, Any]], path: str | os.PathLike
     written atomically as a PNG.
 
     Args:
-        rows: :func:`rlhf_core.reward_eval.token_table` rows with ``reward_logits`` and ``values``.
+        rows: :func:`rlhf_core.reward.token_table` rows with ``reward_logits`` and ``values``.
         path: the PNG to write.
         labels: one panel title per row.
 

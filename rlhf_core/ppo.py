@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .generation import ends_with_eos
-
 #: Log-probability written at invalid (post-EOS) positions; never used in a loss.
 INVALID_LOGPROB = 1.0
 
@@ -268,30 +266,6 @@ def response_mask(last_token_indices: torch.Tensor, response_length: int, extra:
     """
     positions = torch.arange(response_length, device=last_token_indices.device).unsqueeze(0)
     return positions <= (last_token_indices + extra).unsqueeze(1)
-
-
-def apply_eos_trick(
-    scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int, penalty: float | None
-) -> torch.Tensor:
-    """Replace the score of every response without an EOS by ``penalty`` (Detail 23); with
-    ``penalty`` ``None`` (``ppo.non_eos_penalty: null``) return ``scores`` unchanged.
-
-    A response has an EOS when the token its score is read at, the one before its first PAD
-    (Detail 12), is EOS (:func:`rlhf_core.generation.ends_with_eos`): a response that starts
-    with PAD, or has a PAD before its EOS, was not scored at an EOS and gets ``penalty``.
-
-    Args:
-        scores: ``(batch,)`` reward-model scores.
-        responses: ``(batch, response_length)``, PAD after the first EOS
-            (:func:`rlhf_core.generation.truncate_after_eos`).
-
-    Returns:
-        ``(batch,)``, the dtype of ``scores``.
-    """
-    if penalty is None:
-        return scores
-    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
-    return torch.where(has_eos, scores, torch.full_like(scores, penalty))
 
 
 def per_token_rewards(

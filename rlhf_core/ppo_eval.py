@@ -19,17 +19,16 @@ import datasets
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import diagnostics as diag
 from .config import PPOConfig
 from .distributed import DataParallel, World, all_gather_object, split_range
 from .external_reward import ExternalRewardModel
 from .generation import summarize
 from .io import write_json_atomic
 from .lora import AdaptersDisabled
-from .plots import plot_value_vs_reward
+from .measures import paired_difference, wilson_interval
 from .ppo_rollout import summary_logprobs
-from .reward import ResponseScores, response_reward_logits
-from .reward_eval import TOKEN_TABLE_RESPONSES, token_table
+from .reward import TOKEN_TABLE_RESPONSES, ResponseScores, response_reward_logits, token_table
+from .text_metrics import repetition_rate
 from .training import autocast, micro_batches
 
 
@@ -79,7 +78,7 @@ def evaluate_policy(
     summaries' log-probabilities under both models at the training temperature),
     ``eval/eos_rate_policy_ci_low``/``_ci_high`` (95% Wilson), ``eval/score_sft``,
     ``eval/eos_rate_sft``, and ``eval/repetition_rate_policy``/``_sft`` (share of summaries
-    with a :func:`rlhf_core.diagnostics.repetition_loop`; :func:`learning_check_metrics`).
+    with a :func:`rlhf_core.text_metrics.repetition_loop`; :func:`learning_check_metrics`).
 
     Returns:
         ``(metrics, samples, responses)``: the metrics above (floats, equal on every rank); one
@@ -214,7 +213,7 @@ def value_vs_reward(
     two are equal before training.
 
     Returns:
-        :func:`rlhf_core.reward_eval.token_table` rows with ``row`` (the evaluation prompt's
+        :func:`rlhf_core.reward.token_table` rows with ``row`` (the evaluation prompt's
         index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
         None on ranks other than 0, with a rule reward (no reward model) or an existing reward
         model of its own tokenizer (``ppo.reward: model:SOURCE``), without a value model
@@ -258,14 +257,14 @@ def learning_check_metrics(rows: list[tuple], kl_coef: float) -> dict[str, float
     - PPO's EOS rate with its Wilson interval, SFT's, and both policies' repetition rates.
 
     Intervals are 95%, Student's t for the paired differences
-    (:func:`rlhf_core.diagnostics.paired_difference`).
+    (:func:`rlhf_core.measures.paired_difference`).
     """
     policy, sft = [row[0] for row in rows], [row[5] for row in rows]
     kl = [row[8] for row in rows]
-    gain = diag.paired_difference(policy, sft)
-    objective = diag.paired_difference([s - kl_coef * k for s, k in zip(policy, kl)], sft)
+    gain = paired_difference(policy, sft)
+    objective = paired_difference([s - kl_coef * k for s, k in zip(policy, kl)], sft)
     eos = sum(bool(row[2]) for row in rows)
-    low, high = diag.wilson_interval(eos, len(rows))
+    low, high = wilson_interval(eos, len(rows))
     return {
         "eval/score_sft": sum(sft) / len(sft),
         "eval/eos_rate_sft": sum(bool(row[6]) for row in rows) / len(rows),
@@ -278,15 +277,13 @@ def learning_check_metrics(rows: list[tuple], kl_coef: float) -> dict[str, float
         "eval/objective_gain_vs_sft_ci_high": objective["ci_high"],
         "eval/eos_rate_policy_ci_low": low,
         "eval/eos_rate_policy_ci_high": high,
-        "eval/repetition_rate_policy": diag.repetition_rate([row[4] for row in rows])["rate"],
-        "eval/repetition_rate_sft": diag.repetition_rate([row[7] for row in rows])["rate"],
+        "eval/repetition_rate_policy": repetition_rate([row[4] for row in rows])["rate"],
+        "eval/repetition_rate_sft": repetition_rate([row[7] for row in rows])["rate"],
     }
 
 
 def write_value_vs_reward(rows: list[dict], out_dir: str | os.PathLike) -> Path:
-    """Write :func:`value_vs_reward`'s rows as ``value_vs_reward.json``
-    (``{"responses": rows}``) and ``value_vs_reward.png``
-    (:func:`rlhf_core.plots.plot_value_vs_reward`) to ``out_dir``; returns the PNG's path."""
-    out_dir = Path(out_dir)
-    write_json_atomic(out_dir / "value_vs_reward.json", {"responses": rows})
-    return plot_value_vs_reward(rows, out_dir / "value_vs_reward.png", [f"evaluation prompt {r['row']}" for r in rows])
+    """Write :func:`value_vs_reward`'s rows as ``value_vs_reward.json`` (``{"responses": rows}``)
+    to ``out_dir``; returns its path. The report draws them
+    (:func:`rlhf_core.run_report.per_token_sections`): no plotting code runs in the PPO stage."""
+    return write_json_atomic(Path(out_dir) / "value_vs_reward.json", {"responses": rows})

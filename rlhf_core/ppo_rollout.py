@@ -23,8 +23,8 @@ from transformers import PreTrainedModel
 
 from .config import PPOConfig
 from .distributed import World, all_gather_cat, all_reduce_sum, shard, world
+from .forward import causal_forward
 from .generation import last_token_indices, trim_left_padding, truncate_after_eos
-from .models import causal_forward
 from .ppo import (
     INVALID_LOGPROB,
     compute_advantages,

@@ -50,23 +50,19 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch import nn
 from transformers import get_scheduler
 
-from . import lora
 from .config import PPOConfig
-from .data import load_data_tokenizer, load_prepared, ppo_query_tokens
 from .distributed import (
-    DataParallel,
     all_gather_object,
     all_reduce_sum,
     gather_to_main,
     world,
 )
-from .external_reward import ExternalRewardModel
+from .forward import causal_forward
 from .generation import generate, trim_left_padding, truncate_after_eos
 from .io import write_json_atomic, write_jsonl_atomic
-from .models import causal_forward, load_causal_lm
+from .models import load_causal_lm
 from .ppo import (
     INVALID_LOGPROB,
     aggregate_loss,
@@ -79,6 +75,7 @@ from .ppo import (
     value_loss,
 )
 from .ppo_eval import evaluate_policy, value_vs_reward, write_value_vs_reward
+from .ppo_models import build_models, initial_value_model
 from .ppo_rollout import (
     PPOStats,
     Trajectory,
@@ -91,15 +88,14 @@ from .ppo_rollout import (
     rollout_statistics,
     throughput_statistics,
 )
+from .prepared import load_data_tokenizer, load_prepared, ppo_query_tokens
 from .reward import (
+    TOKEN_TABLE_RESPONSES,
     ResponseScores,
     ScalarModel,
-    load_reward_model,
     response_scores,
-    reward_model_from_causal_lm,
     score_responses,
 )
-from .reward_eval import TOKEN_TABLE_RESPONSES
 from .rule_rewards import describe_reward, load_reward_function, rule_scores
 from .tracking import NullTracker, Tracker
 from .trainer import save_trained
@@ -108,7 +104,6 @@ from .training import (
     adamw,
     autocast,
     device_clock,
-    enable_activation_checkpointing,
     micro_batches,
     pick_device,
     trainer_checkpoints,
@@ -172,50 +167,20 @@ class PPOTrainer:
         self.sft_model_dir, self.reward_model_dir = sft_model_dir, reward_model_dir
         # this rank's queries and summaries of the last evaluate(), (n, query_length) and (n, R)
         self.eval_responses: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.policy = load_causal_lm(sft_model_dir).to(self.device)
-        # ppo.offload_frozen: the frozen models stay in CPU memory, their DataParallel copies
-        # them to the device for each forward pass (Detail 8)
-        frozen_home = torch.device("cpu") if cfg.offload_frozen else self.device
-        self.reward_model = (
-            None
-            if self.reward_fn is not None
-            else load_reward_model(reward_model_dir, self.tokenizer, data_dir)  # type: ignore[arg-type]
-            .to(frozen_home)
-            .eval()
-            .requires_grad_(False)
-        )
-        # the value model of GAE (Detail 22); none for a critic-free estimator (rloo, grpo)
-        critic = cfg.advantage_estimator == "gae"
-        self.value_model = self.initial_value_model().to(self.device) if critic else None
-        # ppo.lora.r > 0: low-rank adapters on the policy and the value model (whose head trains in
-        # full), and the reference policy is the policy with its adapters off, not a second copy
-        self.policy_adapted = lora.add_lora(self.policy, cfg.lora, cfg.seed)
-        self.value_adapted = (
-            lora.add_lora(self.value_model, cfg.lora, cfg.seed, trained_in_full=["head"]) if critic else None
-        )
-        self.ref_policy = (
-            load_causal_lm(sft_model_dir).to(frozen_home).eval().requires_grad_(False)
-            if self.policy_adapted is None
-            else None
-        )
-        enable_activation_checkpointing(self.policy, cfg.gradient_checkpointing)
-        self.models = nn.ModuleDict({"policy": self.policy})
-        if self.value_model is not None:
-            enable_activation_checkpointing(self.value_model, cfg.gradient_checkpointing)
-            self.models["value"] = self.value_model
-        # One wrapper per model, before the optimiser (FSDP2 shards in place): the policy's and the
-        # value model's losses are backpropagated one after the other; the frozen models are sharded
-        # under fsdp only (DataParallel), and offloaded with ppo.offload_frozen.
-        self.policy_parallel = DataParallel(self.policy, cfg.strategy)
-        self.value_parallel = None if self.value_model is None else DataParallel(self.value_model, cfg.strategy)
-        offload = {"offload": cfg.offload_frozen, "device": self.device}
-        self.ref_parallel = (
-            DataParallel(self.ref_policy, cfg.strategy, **offload)
-            if self.policy_adapted is None
-            else lora.AdaptersDisabled(self.policy_parallel, self.policy_adapted)
-        )
-        self.reward_parallel = (
-            None if self.reward_model is None else DataParallel(self.reward_model, cfg.strategy, **offload)
+        (
+            self.policy,
+            self.ref_policy,
+            self.reward_model,
+            self.value_model,
+            self.policy_adapted,
+            self.value_adapted,
+            self.models,
+            self.policy_parallel,
+            self.value_parallel,
+            self.ref_parallel,
+            self.reward_parallel,
+        ) = build_models(
+            cfg, data_dir, sft_model_dir, reward_model_dir, self.tokenizer, self.device, self.reward_fn is None
         )
         trained = [p for p in self.models.parameters() if p.requires_grad]  # all, or the adapters and value head
         self.optimizer = adamw(trained, lr=cfg.learning_rate, eps=cfg.adam_eps)
@@ -227,22 +192,8 @@ class PPOTrainer:
             torch.manual_seed(cfg.seed + self.world.rank)  # each rank samples its own responses
 
     def initial_value_model(self) -> ScalarModel:
-        """The value model before training, on the CPU: the reward model (Detail 22), with its
-        head zeroed under ``ppo.value_init: zero_head``; without one (a rule reward) the SFT
-        backbone with a zero head. A zero head gives V = 0 until the value model learns, so the
-        first advantages are the lambda-returns of the rewards; Detail 11's random head gives
-        values that dwarf a score in [-1, 0] (benchmarks/README.md). An existing reward model
-        (``ppo.reward: model:SOURCE``) reads other tokens than the policy's: the value model
-        starts from the SFT backbone with a zero head, as without a reward model."""
-        if self.reward_model_dir is not None and not isinstance(self.reward_model, ExternalRewardModel):
-            model = ScalarModel.from_pretrained(str(self.reward_model_dir))
-            if self.cfg.value_init == "reward_model":
-                return model
-        else:
-            model = reward_model_from_causal_lm(self.sft_model_dir, seed=self.cfg.seed)
-        nn.init.zeros_(model.head.weight)
-        nn.init.zeros_(model.head.bias)
-        return model
+        """The value model before training, on the CPU (:func:`initial_value_model`)."""
+        return initial_value_model(self.cfg, self.sft_model_dir, self.reward_model_dir, self.reward_model)
 
     # ------------------------------------------------------------------ scoring
 
@@ -537,7 +488,7 @@ def run_ppo(
     (``ppo.advantage_estimator: gae`` only; with ``ppo.lora.r`` above 0 both merged, their adapters in ``out_dir/adapter`` and
     ``out_dir/value_adapter``: :mod:`rlhf_core.lora`),
     ``out_dir/samples.jsonl`` (the last evaluation), ``out_dir/metrics.json`` and, with a reward
-    model and a value model, ``out_dir/value_vs_reward.json`` and ``.png``: the trained value model's and the
+    model and a value model, ``out_dir/value_vs_reward.json``: the trained value model's and the
     reward model's outputs at every token of the first few evaluation summaries (Detail 22;
     :meth:`PPOTrainer.value_vs_reward`, :func:`rlhf_core.ppo_eval.write_value_vs_reward`).
 

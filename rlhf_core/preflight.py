@@ -27,9 +27,10 @@ from typing import Literal
 
 from .config import ConfigError, DataConfig, PipelineConfig
 from .config_data import DATA_KINDS
+from .data_files import local_split_files
 from .errors import DataError, ModelSourceError
 from .pipeline import STAGES, stages_until
-from .sources import RewardSpecError, external_reward_source, local_split_files, parse_reward_spec, resolve_source
+from .sources import RewardSpecError, external_reward_source, parse_reward_spec, resolve_source
 
 
 class PreflightError(ConfigError):
@@ -148,7 +149,7 @@ def check_reward_function(spec: str) -> None:
 def check_local_data(data: DataConfig) -> None:
     """Check, for a local data source (``data.source`` local, or auto with a local directory or
     ``data.hub_subset``), that the directory exists and holds every split's JSONL file
-    (:func:`rlhf_core.sources.local_split_files`). The rows of ``data.hub_subset``, when they are
+    (:func:`rlhf_core.data_files.local_split_files`). The rows of ``data.hub_subset``, when they are
     what is read, are fetched into their cache folder first if they are not there yet
     (:func:`rlhf_core.hub_subset.ensure_local_rows`).
 

@@ -1,6 +1,6 @@
 """Settings as plain mappings: YAML preset files, ``key=value`` overrides, merging, flattening.
 
-:func:`rlhf_core.config.load_config` reads a preset with :func:`read_yaml_mapping`, applies each
+Reads a preset with :func:`read_yaml_mapping`, applies each
 override (:func:`parse_override`, :func:`set_path`) and validates the result; :func:`flatten`
 turns a configuration into the dotted keys under which it is logged and checked.
 """
@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from .credentials import credential_name, holds_key, redact
+from .config import PipelineConfig
+from .credentials import check_no_credentials, credential_name, format_validation_error, holds_key, redact
 from .errors import ConfigError
-
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+from .io import PRESET_DIR
 
 
 def available_presets(preset_dir: Path = PRESET_DIR) -> list[str]:
@@ -153,3 +153,40 @@ def flatten(cfg: BaseModel | dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[dotted] = value
     return out
+
+
+def config_from_dict(tree: dict, origin: str = "<dict>") -> PipelineConfig:
+    """Validate a nested dict as a :class:`PipelineConfig`.
+
+    Raises:
+        ConfigError: naming each bad dotted key (unknown key, wrong type, bad value), or the key
+            of a value that looks like a credential (never shown).
+    """
+    check_no_credentials(flatten(tree), origin)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, origin, PipelineConfig)) from None
+
+
+def load_config(
+    preset: str | os.PathLike | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    preset_dir: Path = PRESET_DIR,
+) -> PipelineConfig:
+    """Load a preset (a name in ``configs/`` or a YAML path) and apply ``key=value`` overrides.
+
+    Args:
+        preset: preset name such as ``"smoke"``, a path to a YAML file, or ``None`` for
+            the paper defaults.
+        overrides: strings such as ``"ppo.kl_coef=0.1"``; values are parsed as YAML.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: unknown preset, unreadable YAML, unknown key or wrong type (the
+            message names the dotted key).
+    """
+    tree, origin = settings_tree(preset, overrides, preset_dir)
+    return config_from_dict(tree, origin)

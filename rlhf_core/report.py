@@ -2,7 +2,7 @@
 
 The caller assembles the pieces — a headline table (one row per policy), further tables,
 PNG plots with captions, sample summaries, trusted HTML fragments such as
-:func:`rlhf_core.diagnostics.token_shift_html`, and notes — and :func:`write_report` lays
+:func:`rlhf_core.html_views.token_shift_html`, and notes — and :func:`write_report` lays
 them out. The HTML embeds its images as ``data:`` URIs and its CSS inline, and holds no
 script and no external reference, so it renders on its own (e.g. in the MLflow UI's
 artifact viewer). The markdown carries the same tables and links the PNGs by file name.
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .diagnostics import pyplot, savefig_atomic
 from .io import atomic_file
+from .plots import pyplot, savefig_atomic
 from .tracking import read_metrics
 
 DEFAULT_CURVE_KEYS: list[str] = [
@@ -197,7 +197,7 @@ def plot_training_curves(
 
 
 def format_win_rate(result: dict[str, Any]) -> str:
-    """``"62.5% [48.1, 75.0] (n=40)"`` from :func:`rlhf_core.diagnostics.win_rate`'s result:
+    """``"62.5% [48.1, 75.0] (n=40)"`` from :func:`rlhf_core.measures.win_rate`'s result:
     the rate and its interval in percent, and the number of valid judgements;
     ``"n/a (n=0)"`` when there is none."""
     n = int(result["n_valid"])
@@ -209,7 +209,7 @@ def format_win_rate(result: dict[str, Any]) -> str:
 def format_value(value: Any) -> str:
     """The text of one table cell: ``None`` -> ``"–"``, non-finite floats -> ``"n/a"``, other
     floats with three decimals (thousands and above without decimals), a
-    :func:`~rlhf_core.diagnostics.win_rate` result via :func:`format_win_rate`, anything
+    :func:`~rlhf_core.measures.win_rate` result via :func:`format_win_rate`, anything
     else ``str()``."""
     if value is None:
         return "–"
@@ -373,7 +373,7 @@ def write_report(
         headline: rows of the headline table, e.g. one per policy
             ``{"policy": "PPO", "ROUGE-L": 0.25, "RM score": 1.3, "win rate": win_rate(...)}``.
             Columns are the union of the rows' keys, in first-seen order; cells go through
-            :func:`format_value` (a :func:`~rlhf_core.diagnostics.win_rate` result prints
+            :func:`format_value` (a :func:`~rlhf_core.measures.win_rate` result prints
             as ``"62.5% [48.1, 75.0] (n=40)"``).
         summary: rows of the first table, e.g. one per learning check
             (:func:`rlhf_core.learning_checks.learning_checks`); left out when empty.
@@ -390,7 +390,7 @@ def write_report(
             ``{column}_raw_score`` beside it when it differs (a score replaced by the EOS
             trick's penalty, Detail 23).
         html_blocks: ``{heading: trusted HTML fragment}`` inserted unescaped into the HTML
-            (e.g. :func:`rlhf_core.diagnostics.token_shift_html`); the markdown points to
+            (e.g. :func:`rlhf_core.html_views.token_shift_html`); the markdown points to
             the HTML for them.
         notes: caveats shown right after the headline (e.g. which judge produced the win
             rates and that they are not comparable with other judges').

@@ -52,13 +52,13 @@ from transformers import (
 )
 
 from .config import RewardConfig
-from .data import load_data_tokenizer, load_prepared, require_prompts
 from .distributed import DataParallel, all_reduce_sum, is_sharded
 from .external_reward import EXTERNAL_REWARD_KEY, ExternalRewardModel
+from .forward import causal_forward, pair_forward, pair_layout
 from .generation import ends_with_eos, last_token_indices, trim_left_padding
 from .io import write_json_atomic
-from .models import DTYPES, causal_forward, disable_dropout, pair_forward, pair_layout, save_pretrained_atomic
-from .ppo import apply_eos_trick
+from .models import DTYPES, disable_dropout, save_pretrained_atomic
+from .prepared import load_data_tokenizer, load_prepared, require_prompts
 from .tracking import NullTracker, Tracker
 from .trainer import global_means, start_stage
 from .training import autocast, pick_device
@@ -86,6 +86,30 @@ class ScalarModelConfig(PretrainedConfig):
         self.base_config = base_config or {}
         self.hidden_size = hidden_size
         self.normalization_mean = normalization_mean
+
+
+def apply_eos_trick(
+    scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int, penalty: float | None
+) -> torch.Tensor:
+    """Replace the score of every response without an EOS by ``penalty`` (Detail 23); with
+    ``penalty`` ``None`` (``ppo.non_eos_penalty: null``) return ``scores`` unchanged.
+
+    A response has an EOS when the token its score is read at, the one before its first PAD
+    (Detail 12), is EOS (:func:`rlhf_core.generation.ends_with_eos`): a response that starts
+    with PAD, or has a PAD before its EOS, was not scored at an EOS and gets ``penalty``.
+
+    Args:
+        scores: ``(batch,)`` reward-model scores.
+        responses: ``(batch, response_length)``, PAD after the first EOS
+            (:func:`rlhf_core.generation.truncate_after_eos`).
+
+    Returns:
+        ``(batch,)``, the dtype of ``scores``.
+    """
+    if penalty is None:
+        return scores
+    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
+    return torch.where(has_eos, scores, torch.full_like(scores, penalty))
 
 
 def _backbone_config(config: ScalarModelConfig) -> PretrainedConfig:
@@ -310,7 +334,7 @@ def pair_scores(
     common prefix of a pair (its query, plus any identical first response tokens) gives the
     same keys and values in both rows. The prefix runs once, without an attention mask; each
     row's remaining tokens up to its EOS then run against that prefix's key/value cache, with
-    the pair's two rows side by side (:func:`rlhf_core.models.pair_forward`). Scores and
+    the pair's two rows side by side (:func:`rlhf_core.forward.pair_forward`). Scores and
     gradients equal those of :func:`get_reward` on ``torch.cat([chosen, rejected])``
     (Details 12, 14) up to kernel rounding, for about half of the forward and backward work
     when responses are short next to their queries, as in TL;DR. Rows that are not right-padded, pairs that share
@@ -616,3 +640,51 @@ def normalize_reward_model(
             len(before),
         )
     return metrics
+
+
+#: Responses shown per token by :func:`write_reward_logits` and the PPO stage's value table.
+TOKEN_TABLE_RESPONSES = 4
+
+
+def token_table(
+    tokenizer: PreTrainedTokenizerBase,
+    responses: torch.Tensor,
+    scores: torch.Tensor,
+    score_indices: torch.Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+    outputs: dict[str, torch.Tensor],
+) -> list[dict[str, Any]]:
+    """Per-token outputs of a few responses as JSON rows (Huang et al. 2024, Figure 3 and
+    Figure 11): each response's tokens up to its last real token, and each output there.
+
+    Args:
+        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
+        scores: ``(n,)`` the raw score of each response.
+        score_indices: ``(n,)`` long, the index in the response of its last real token (-1 when
+            it starts with PAD), as :func:`rlhf_core.reward.response_reward_logits` returns.
+        outputs: ``{name: (n, response_length) float}``, e.g. ``{"reward_logits": ...,
+            "values": ...}``, aligned with ``responses``.
+
+    Returns:
+        One dict per response: ``token_ids`` and ``tokens`` (each id decoded alone) of positions
+        ``0 .. eos_index``, one list per output name over the same positions, ``eos_index``
+        (where the score is read, Detail 12), ``ends_with_eos`` (the token there is EOS, else
+        the score is one PPO's EOS trick replaces, Detail 23) and ``score``.
+    """
+    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
+    rows = []
+    for i in range(len(responses)):
+        end = int(score_indices[i]) + 1
+        ids = responses[i, :end].tolist()
+        rows.append(
+            {
+                "token_ids": ids,
+                "tokens": [tokenizer.decode([t]) for t in ids],
+                **{name: [float(v) for v in values[i, :end].tolist()] for name, values in outputs.items()},
+                "eos_index": end - 1,
+                "ends_with_eos": bool(has_eos[i]),
+                "score": float(scores[i]),
+            }
+        )
+    return rows

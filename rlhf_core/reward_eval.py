@@ -19,22 +19,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from .config import RewardConfig
-from .data import load_data_tokenizer, load_prepared
-from .diagnostics import wilson_interval, words
 from .external_reward import ExternalRewardModel
-from .generation import ends_with_eos
 from .io import METRICS_FILE, write_json_atomic
+from .measures import wilson_interval
 from .plots import plot_calibration, plot_reward_logits
+from .prepared import load_data_tokenizer, load_prepared
 from .reward import (
+    TOKEN_TABLE_RESPONSES,
     ScalarModel,
     load_reward_model,
     response_reward_logits,
     score_pairs,
     score_responses,
+    token_table,
 )
+from .text_metrics import words
 from .tracking import NullTracker, Tracker
 from .training import pick_device
 
@@ -60,7 +61,7 @@ def accuracy_by_group(
         ``{f"{prefix}/accuracy": a, f"{prefix}/accuracy_ci_low": lo, f"{prefix}/accuracy_ci_high": hi,
         f"{prefix}/accuracy/{group}/{value}": a_v, f"{prefix}/count/{group}/{value}": n_v, ...}``;
         a pair is correct when ``chosen > rejected``; ``lo``, ``hi`` bound the overall
-        accuracy by the 95% Wilson interval (:func:`rlhf_core.diagnostics.wilson_interval`).
+        accuracy by the 95% Wilson interval (:func:`rlhf_core.measures.wilson_interval`).
         A grouping whose labels are all ``None`` (rows without that metadata) has no entries.
     """
     correct = (chosen_scores > rejected_scores).float()
@@ -142,7 +143,7 @@ BASELINES = {"longer_wins": "longer wins", "policy_prior": "the preferred policy
 
 def longer_wins(chosen: Sequence[str], rejected: Sequence[str]) -> list[float]:
     """The "longer wins" baseline per pair: 1.0 where the chosen summary has more words than the
-    rejected one (:func:`rlhf_core.diagnostics.words`), 0.0 where it has fewer, 0.5 (a coin)
+    rejected one (:func:`rlhf_core.text_metrics.words`), 0.0 where it has fewer, 0.5 (a coin)
     where they have as many."""
     return [
         0.5 if len(words(c)) == len(words(r)) else float(len(words(c)) > len(words(r)))
@@ -320,54 +321,6 @@ def evaluate_pairs(
     tracker.log_artifact(out_dir / CALIBRATION_PLOT)
     log.info("%s accuracy: %s", what, {k: round(v, 4) for k, v in metrics.items() if k.endswith("/accuracy")})
     return metrics
-
-
-#: Responses shown per token by :func:`write_reward_logits` and the PPO stage's value table.
-TOKEN_TABLE_RESPONSES = 4
-
-
-def token_table(
-    tokenizer: PreTrainedTokenizerBase,
-    responses: torch.Tensor,
-    scores: torch.Tensor,
-    score_indices: torch.Tensor,
-    eos_token_id: int,
-    pad_token_id: int,
-    outputs: dict[str, torch.Tensor],
-) -> list[dict[str, Any]]:
-    """Per-token outputs of a few responses as JSON rows (Huang et al. 2024, Figure 3 and
-    Figure 11): each response's tokens up to its last real token, and each output there.
-
-    Args:
-        responses: ``(n, response_length)`` long token ids, PAD after the first EOS.
-        scores: ``(n,)`` the raw score of each response.
-        score_indices: ``(n,)`` long, the index in the response of its last real token (-1 when
-            it starts with PAD), as :func:`rlhf_core.reward.response_reward_logits` returns.
-        outputs: ``{name: (n, response_length) float}``, e.g. ``{"reward_logits": ...,
-            "values": ...}``, aligned with ``responses``.
-
-    Returns:
-        One dict per response: ``token_ids`` and ``tokens`` (each id decoded alone) of positions
-        ``0 .. eos_index``, one list per output name over the same positions, ``eos_index``
-        (where the score is read, Detail 12), ``ends_with_eos`` (the token there is EOS, else
-        the score is one PPO's EOS trick replaces, Detail 23) and ``score``.
-    """
-    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
-    rows = []
-    for i in range(len(responses)):
-        end = int(score_indices[i]) + 1
-        ids = responses[i, :end].tolist()
-        rows.append(
-            {
-                "token_ids": ids,
-                "tokens": [tokenizer.decode([t]) for t in ids],
-                **{name: [float(v) for v in values[i, :end].tolist()] for name, values in outputs.items()},
-                "eos_index": end - 1,
-                "ends_with_eos": bool(has_eos[i]),
-                "score": float(scores[i]),
-            }
-        )
-    return rows
 
 
 def non_eos_negative_share(rows: list[dict[str, Any]], key: str = "reward_logits") -> float:

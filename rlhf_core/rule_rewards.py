@@ -111,7 +111,7 @@ def reward_inputs(
     """The four arguments of a reward function for a batch of query + response token ids.
 
     Args:
-        tokenizer: the data's tokenizer (``rlhf_core.data.load_data_tokenizer``).
+        tokenizer: the data's tokenizer (``rlhf_core.prepared.load_data_tokenizer``).
         queries: ``(n, query_length)`` long token ids, left-padded with PAD.
         responses: ``(n, response_length)`` long token ids (PAD after the first EOS, or not
             truncated at all: everything from the first EOS on is dropped either way).

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import diagnostics as diag
 from .config import EvalConfig, PipelineConfig, PPOConfig
 from .evaluation import POLICIES, Evaluation
 from .io import METRICS_FILE, METRICS_LOG, SAMPLES_FILE, atomic_file, write_json_atomic
 from .judging import win_counts
 from .learning_checks import NOT_GATED, learning_checks, rm_splits
+from .measures import mean_ignoring_missing
+from .plots import plot_length_control, plot_value_vs_reward
 from .report import plot_training_curves, write_report
 from .reward_eval import BASELINES, CALIBRATION_PLOT, REWARD_LOGITS
 from .tracking import NullTracker, Tracker, read_metrics
@@ -148,7 +149,7 @@ def report_plots(
     """
     plots = {}
     if any(math.isfinite(r) for ratios, _ in evaluation.curves.values() for r in ratios):
-        plots["Win rate against summary length"] = diag.plot_length_control(
+        plots["Win rate against summary length"] = plot_length_control(
             evaluation.curves, out / "length_control.png", bins=ecfg.length_bins
         )
     else:  # every summary or reference without a word: no length ratio to bin
@@ -447,7 +448,7 @@ def reward_logit_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
                 "tokens": len(r["tokens"]),
                 "ends with EOS": r["ends_with_eos"],
                 "score (logit at EOS)": r["score"],
-                "mean of the other logits": diag.mean_ignoring_missing(others),
+                "mean of the other logits": mean_ignoring_missing(others),
                 "other logits < 0": f"{sum(v < 0 for v in others)}/{len(others)}",
             }
         )
@@ -466,8 +467,8 @@ def value_reward_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
             "ends with EOS": r["ends_with_eos"],
             "score (reward logit at EOS)": r["score"],
             "value at EOS": r["value_at_eos"],
-            "mean value, other tokens": diag.mean_ignoring_missing(_before_eos(r, "values")),
-            "mean reward logit, other tokens": diag.mean_ignoring_missing(_before_eos(r, "reward_logits")),
+            "mean value, other tokens": mean_ignoring_missing(_before_eos(r, "values")),
+            "mean reward logit, other tokens": mean_ignoring_missing(_before_eos(r, "reward_logits")),
         }
         for r in table.get("responses", [])
     ]
@@ -476,10 +477,11 @@ def value_reward_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
 def per_token_sections(
     reward_eval_dir: Path, ppo_dir: Path, out: Path
 ) -> tuple[dict[str, Path], dict[str, list[dict[str, Any]]]]:
-    """The report's per-token plots, those the stages wrote: ``reward_logits.png`` of the
-    reward model's evaluation (Detail 13) and ``value_vs_reward.png`` of PPO (Detail 22), each
-    copied to ``out`` with its table (:func:`reward_logit_rows`, :func:`value_reward_rows`,
-    from the JSON beside it).
+    """The report's per-token plots: ``reward_logits.png``, which the reward model's evaluation
+    drew (Detail 13), copied to ``out``; ``value_vs_reward.png`` drawn into ``out`` from PPO's
+    ``value_vs_reward.json`` (Detail 22; the PPO stage runs no plotting code, so that an edit to
+    the plots never re-runs it); each with its table (:func:`reward_logit_rows`,
+    :func:`value_reward_rows`, from the JSON).
 
     Returns:
         ``({heading: plot in out}, {heading: table rows})`` for ``write_report``'s ``plots``
@@ -491,7 +493,12 @@ def per_token_sections(
         (REWARD_LOGITS_HEADING, Path(reward_eval_dir), REWARD_LOGITS, reward_logit_rows),
         (VALUE_VS_REWARD_HEADING, Path(ppo_dir), VALUE_VS_REWARD, value_reward_rows),
     ):
-        if (src / f"{name}.png").is_file():
+        if name == VALUE_VS_REWARD and (src / f"{name}.json").is_file():
+            responses = _read_json(src / f"{name}.json").get("responses", [])
+            labels = [f"evaluation prompt {r['row']}" for r in responses]
+            plots[heading] = plot_value_vs_reward(responses, out / f"{name}.png", labels)
+            tables[heading] = rows(_read_json(src / f"{name}.json"))
+        elif name != VALUE_VS_REWARD and (src / f"{name}.png").is_file():
             shutil.copyfile(src / f"{name}.png", out / f"{name}.png")
             plots[heading] = out / f"{name}.png"
             tables[heading] = rows(_read_json(src / f"{name}.json"))

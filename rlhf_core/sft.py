@@ -19,12 +19,13 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from .config import SFTConfig
-from .data import require_prompts
-from .diagnostics import rouge_l
 from .distributed import DataParallel, all_reduce_sum
+from .forward import CausalLayout, causal_forward, causal_layout
 from .generation import summarize
 from .io import write_jsonl_atomic
-from .models import CausalLayout, causal_forward, causal_layout, load_causal_lm
+from .models import load_causal_lm
+from .prepared import require_prompts
+from .text_metrics import rouge_l
 from .tracking import Tracker
 from .trainer import start_stage
 from .training import device_tuning
@@ -84,7 +85,7 @@ class SFTBatch:
     Attributes:
         input_ids: ``(batch, length)`` long token ids, right-padded.
         pad_token_id: the PAD id.
-        layout: :func:`rlhf_core.models.causal_layout` of ``input_ids``.
+        layout: :func:`rlhf_core.forward.causal_layout` of ``input_ids``.
         predict: ``(n_targets,)`` long, ``row * length + t`` for each position ``t`` whose hidden
             state predicts a target (the token at ``t + 1``), in row-major order.
         targets: ``(n_targets,)`` long, those target tokens, in the same order.
@@ -152,7 +153,7 @@ def sft_loss_sum(
 ) -> tuple[torch.Tensor, int]:
     """:func:`masked_token_loss` computed without full-vocabulary logits at non-target positions.
 
-    The backbone runs through :func:`~rlhf_core.models.causal_forward` (no attention mask,
+    The backbone runs through :func:`~rlhf_core.forward.causal_forward` (no attention mask,
     no PAD columns past the longest row); its hidden states are gathered at the positions
     that predict a target, and only those go through the language-model head
     (:func:`sft_batch` then :func:`sft_batch_loss_sum`, on ``input_ids``' device).

@@ -1,7 +1,7 @@
 """Where a model, a tokenizer and the data are read from, and what the stage keys record of them.
 
 :func:`resolve_source` turns a model source setting (``pkg:PACKAGE/PATH``, a local path or a hub
-id) into a :class:`Source`; :func:`source_fingerprint` and :func:`data_fingerprint` are what
+id) into a :class:`Source`; :func:`source_fingerprint` (and :func:`rlhf_core.data_files.data_fingerprint`) are what
 :func:`rlhf_core.pipeline.stage_key` adds to a stage's settings. Importing this module loads
 neither torch, transformers nor datasets, so that a stage command whose stages are all finished
 decides so at once (:mod:`rlhf_core.models` and :mod:`rlhf_core.data` load the models and the
@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import EXTERNAL_REWARD_SPEC, REWARD_SPEC, DataConfig
-from .config_data import DATA_KINDS
-from .errors import ConfigError, DataError, ModelSourceError
-from .io import cache_root, content_digest, file_sha256
-from .presets import PRESET_DIR
+from .config import EXTERNAL_REWARD_SPEC, REWARD_SPEC
+from .errors import ConfigError, ModelSourceError
+from .io import PRESET_DIR, cache_root, content_digest, file_sha256
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ def resolve_source(spec: str) -> Source:
 
     ``pkg:`` sources are located with ``importlib.util.find_spec`` and never imported.
     ``configs:PATH`` is a path inside the project's presets folder ``configs/``
-    (:data:`rlhf_core.presets.PRESET_DIR`), whatever the working directory: how a preset names a
+    (:data:`rlhf_core.io.PRESET_DIR`), whatever the working directory: how a preset names a
     file shipped beside it, as the smoke preset its tokenizer.
 
     Raises:
@@ -126,7 +123,7 @@ def judge_prompt_fingerprint(path: str | None) -> str | None:
 
 
 #: Version of the way a GGUF file is converted (its tokenizer's special tokens set from the GGUF
-#: metadata, :func:`rlhf_core.models.gguf_special_tokens`). Part of the cache directory's name
+#: metadata, :func:`rlhf_core.tokenizer_sources.gguf_special_tokens`). Part of the cache directory's name
 #: (:func:`gguf_cache_dir`) and of :func:`source_fingerprint`: raising it leaves every earlier
 #: conversion unread and re-runs the stages that read one.
 GGUF_CONVERSION = 2
@@ -136,73 +133,6 @@ def gguf_cache_dir(source: Source) -> Path:
     """The cache directory of one GGUF file, keyed by its SHA-256 and :data:`GGUF_CONVERSION`."""
     sha = file_sha256(source.gguf_path)
     return cache_root() / "gguf" / f"{source.gguf_path.stem}-{sha[:16]}-v{GGUF_CONVERSION}"
-
-
-def local_split_files(local_dir: str | os.PathLike, kind: str, split: str, one_file: bool = False) -> list[Path]:
-    """The files of one local split: ``{kind}_{split}.jsonl`` and ``{kind}_{split}_*.jsonl``, then
-    the same names in ``.parquet``.
-
-    The second form lets one source split span several files, as the offline data's
-    ``preference_validation_cnndm.jsonl`` belongs to the hub's ``validation`` split. With
-    ``one_file`` (``data.format: trl``, where ``preference_validation_cnndm`` may be a split of
-    its own) only the first form is read.
-
-    Raises:
-        DataError: no such file.
-    """
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise DataError(f"local data directory {root} does not exist (set RLHF_TLDR_DIR or data.local_dir)")
-    files = [
-        path
-        for suffix in ("jsonl", "parquet")
-        for pattern in (f"{kind}_{split}.{suffix}",) + (() if one_file else (f"{kind}_{split}_*.{suffix}",))
-        for path in sorted(root.glob(pattern))
-    ]
-    if not files:
-        present = ", ".join(sorted(p.name for p in root.glob(f"{kind}_*") if p.suffix in (".jsonl", ".parquet")))
-        raise DataError(
-            f"no file {kind}_{split}.jsonl in {root} for {kind} split {split!r} "
-            f"(nor .parquet; present: {present or 'none'})"
-        )
-    return files
-
-
-def data_fingerprint(data_cfg: DataConfig) -> dict[str, Any]:
-    """What the data stage reads beside its settings, for its cache key
-    (:func:`rlhf_core.pipeline.stage_key`): for a local source, a digest of the contents of
-    every JSONL file its splits read (:func:`local_split_files`), named relative to the
-    directory, so the same files elsewhere give the same key and one edited row another; for
-    the hub, each dataset's id and ``data.revision``, or a digest of its files when the id is
-    a local directory in the hub layout.
-
-    The rows of ``data.hub_subset``, when they are what is read, are fetched first if they are
-    not in their cache folder yet (:func:`rlhf_core.hub_subset.ensure_local_rows`).
-
-    Raises:
-        DataError: the local directory is unset or missing, a split has no file, or the subset's
-            rows can be neither found nor fetched.
-    """
-    from .hub_subset import ensure_local_rows
-
-    ensure_local_rows(data_cfg)
-    source = data_cfg.resolved_source()
-    if source == "local":
-        local_dir = data_cfg.resolved_local_dir()
-        if not local_dir:
-            raise DataError("data.source is local but neither data.local_dir nor RLHF_TLDR_DIR is set")
-        files = {
-            path
-            for kind in DATA_KINDS
-            for spec in data_cfg.splits(kind).values()
-            for path in local_split_files(local_dir, kind, spec.source, data_cfg.format == "trl")
-        }
-        return {"source": "local", "files": content_digest(sorted(files), root=local_dir)}
-    hub: dict[str, Any] = {"source": "hub", "revision": data_cfg.revision}
-    for name in [data_cfg.dataset(kind) for kind in DATA_KINDS if kind != "prompt" or data_cfg.splits(kind)]:
-        path = Path(name).expanduser()
-        hub[name] = content_digest([path]) if path.is_dir() else None
-    return hub
 
 
 # ----------------------------------------------------------------------- reward code

@@ -14,6 +14,8 @@ from functools import cache
 from pathlib import Path
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+#: The position of the run function among a ``Stage(...)`` entry's arguments (or ``run=``).
+RUN_ARGUMENT = 3
 
 
 @dataclass(frozen=True)
@@ -145,14 +147,16 @@ def import_closure(root: Path, modules: set[str], table: str) -> set[str]:
 
 
 def table_entry(root: Path, table: str, stage: str) -> tuple[list[str], set[str]]:
-    """Stage ``stage``'s entry in the table module ``table``: the source of its ``Stage(...)``
-    call (the call whose first argument is the literal ``stage``) and of every module-level
-    definition of that module it names, transitively (its run and reads functions, constants),
-    in file order; and the package modules those import, inside the functions or through a
-    module-level ``from ... import`` of a name they use.
+    """Stage ``stage``'s run function in the table module ``table``: in its ``Stage(...)`` call
+    (the call whose first argument is the literal ``stage``), the argument ``run`` (the fourth,
+    or by keyword); the source of every module-level definition of ``table`` it names,
+    transitively (the function, the constants and helpers it uses), in file order; and the
+    package modules those import, inside the functions or through a module-level ``from ...
+    import`` of a name they use. The entry's other arguments (inputs, settings, ``reads``) are
+    not followed: they enter the stage's key as values.
 
     Raises:
-        KeyError: no such call in ``table``'s source.
+        KeyError: no such call in ``table``'s source, or it names no run function.
     """
     path = module_file(root, table)
     source = path.read_bytes()  # type: ignore[union-attr]
@@ -179,18 +183,22 @@ def table_entry(root: Path, table: str, stage: str) -> tuple[list[str], set[str]
     )
     if entry is None:
         raise KeyError(f"no Stage({stage!r}, ...) entry in {path}")
+    run = entry.args[RUN_ARGUMENT] if len(entry.args) > RUN_ARGUMENT else None
+    run = run or next((k.value for k in entry.keywords if k.arg == "run"), None)
+    if run is None:
+        raise KeyError(f"the Stage({stage!r}, ...) entry in {path} names no run function")
     imports = module_imports(root, path)  # type: ignore[arg-type]
     is_package = path.name == "__init__.py"  # type: ignore[union-attr]
-    parts: list[ast.AST] = [entry]
+    parts: list[ast.AST] = [] if isinstance(run, ast.Name) else [run]
     modules: set[str] = set()
-    todo: list[ast.AST] = [entry]
+    todo: list[ast.AST] = [run]
     while todo:
         for node in ast.walk(todo.pop()):
             modules.update(_in_package(root, _import_names(node, table, is_package)))
             if isinstance(node, ast.Name):
                 modules.update(imports.names.get(node.id, ()))
                 definition = defined.get(node.id)
-                if definition is not None and definition not in parts and definition is not entry:
+                if definition is not None and definition not in parts:
                     parts.append(definition)
                     todo.append(definition)
     parts.sort(key=lambda n: (n.lineno, n.col_offset))  # type: ignore[attr-defined]
@@ -198,18 +206,31 @@ def table_entry(root: Path, table: str, stage: str) -> tuple[list[str], set[str]
     return ["".join(lines[n.lineno - 1 : n.end_lineno]) for n in parts], modules  # type: ignore[attr-defined]
 
 
+@dataclass(frozen=True)
+class StageCode:
+    """The code a stage runs (:func:`stage_code`): ``digest`` (SHA-256, 16 hex) over its table
+    entry and its modules; ``entry`` (16 hex) of the table entry alone; ``modules`` maps each
+    module's path relative to the package's parent (``rlhf_core/ppo.py``) to the SHA-256
+    (16 hex) of its source: what ``rlhf plan`` compares to name the modules an edit touched."""
+
+    digest: str
+    entry: str
+    modules: dict[str, str]
+
+
 @cache
-def stage_code_digest(root: Path, table: str, stage: str) -> str:
-    """SHA-256 (16 hex) of the code stage ``stage`` runs: its entry in the stage table
-    (:func:`table_entry`) and the source of every package module that entry may load
-    (:func:`import_closure`), each with its path relative to ``root``'s parent; read once per
-    process.
+def stage_code(root: Path, table: str, stage: str) -> StageCode:
+    """The code stage ``stage`` runs: its run function in the stage table (:func:`table_entry`)
+    and the source of every package module that function may load (:func:`import_closure`),
+    each module named by its path relative to ``root``'s parent; read once per process.
 
     The rule: a module counts when a static import, an import inside a function, or an
-    ``importlib.import_module`` call with a literal name reaches it from the stage's entry,
-    through modules of the package only. Code loaded any other way (a name built at run time;
+    ``importlib.import_module`` call with a literal name reaches it from the stage's run
+    function, through modules of the package only. What the key covers otherwise (the
+    entry's settings, inputs and ``reads`` fingerprints) enters the key as values, so the code
+    that computes them is not covered here. Code loaded any other way (a name built at run time;
     a module outside the package, such as a rule reward ``python:MODULE:FUNCTION``) is not
-    covered here: what the stage reads of it belongs in its ``Stage.reads``, as the rule
+    covered either: what the stage reads of it belongs in its ``Stage.reads``, as the rule
     reward's own digest does. Imports inside functions count although a stage may never call
     those functions, so an edit can re-run a stage that would not have run the edited code.
 
@@ -219,15 +240,25 @@ def stage_code_digest(root: Path, table: str, stage: str) -> str:
         stage: a stage name of that table.
 
     Raises:
-        KeyError: ``stage`` has no entry in the table.
+        KeyError: ``stage`` has no entry in the table, or its entry names no run function.
         OSError, SyntaxError: a source file cannot be read or parsed.
     """
-    segments, modules = table_entry(root, table, stage)
-    h = hashlib.sha256()
-    for segment in segments:
-        h.update(segment.encode() + b"\0")
-    for module in sorted(import_closure(root, modules | {root.name}, table)):
+    segments, imported = table_entry(root, table, stage)
+    entry = hashlib.sha256(b"".join(segment.encode() + b"\0" for segment in segments))
+    h = hashlib.sha256(entry.digest())
+    modules = {}
+    for module in sorted(import_closure(root, imported | {root.name}, table)):
         path = module_file(root, module)
-        h.update(path.relative_to(root.parent).as_posix().encode() + b"\0")  # type: ignore[union-attr]
-        h.update(path.read_bytes())  # type: ignore[union-attr]
-    return h.hexdigest()[:16]
+        name, source = path.relative_to(root.parent).as_posix(), path.read_bytes()  # type: ignore[union-attr]
+        h.update(name.encode() + b"\0" + source)
+        modules[name] = hashlib.sha256(source).hexdigest()[:16]
+    return StageCode(h.hexdigest()[:16], entry.hexdigest()[:16], modules)
+
+
+def stage_code_digest(root: Path, table: str, stage: str) -> str:
+    """:attr:`StageCode.digest` of :func:`stage_code`: one digest of the code stage ``stage`` runs.
+
+    Raises:
+        KeyError, OSError, SyntaxError: as :func:`stage_code`.
+    """
+    return stage_code(root, table, stage).digest

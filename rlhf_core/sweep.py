@@ -23,10 +23,11 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .config import ConfigError, PipelineConfig, load_config
+from .config import ConfigError, PipelineConfig
 from .config_data import IN_DISTRIBUTION_SPLIT
 from .credentials import check_no_credentials, format_validation_error, holds_credential
-from .presets import PRESET_DIR, parse_override, read_yaml_mapping
+from .io import PRESET_DIR
+from .presets import load_config, parse_override, read_yaml_mapping
 
 SWEEP_DIR = PRESET_DIR / "sweeps"
 
@@ -404,7 +405,7 @@ def plot_sweep(results: list[CellResult], column: str, path: str | os.PathLike) 
     Returns:
         ``path``, a PNG.
     """
-    from .diagnostics import pyplot, savefig_atomic
+    from .plots import pyplot, savefig_atomic
 
     done = [r for r in results if r.error is None and not math.isnan(r.value(column)[0])]
     by_size = sweep_axis(done) == "parameters"

@@ -6,12 +6,12 @@ The rest is here, in the order a stage runs it:
 
 1. :func:`start_stage`: the prepared data and tokenizer, the global batch checked against the
    micro-batch and the ranks (:func:`rlhf_core.training.accumulation_steps`), the device, the
-   tracker; precision is the stage's ``bf16`` on that device (:meth:`Stage.autocast`);
-2. :meth:`Stage.adapt`: low-rank adapters (:func:`rlhf_core.lora.add_lora`) and activation
+   tracker; precision is the stage's ``bf16`` on that device (:meth:`TrainerRun.autocast`);
+2. :meth:`TrainerRun.adapt`: low-rank adapters (:func:`rlhf_core.lora.add_lora`) and activation
    checkpointing (:func:`rlhf_core.training.enable_activation_checkpointing`);
-3. :meth:`Stage.train`: :func:`train_loop`, whose every optimiser step is the stage's
-   ``step_fn`` over one global batch, in the micro-batches of :meth:`Stage.micro_batches`;
-4. :meth:`Stage.finish`: on rank 0, the adapters saved and merged and the model saved
+3. :meth:`TrainerRun.train`: :func:`train_loop`, whose every optimiser step is the stage's
+   ``step_fn`` over one global batch, in the micro-batches of :meth:`TrainerRun.micro_batches`;
+4. :meth:`TrainerRun.finish`: on rank 0, the adapters saved and merged and the model saved
    (:func:`save_trained`), the stage's evaluation, and ``metrics.json``.
 """
 
@@ -32,10 +32,10 @@ from transformers import PreTrainedTokenizerBase, get_scheduler
 
 from . import lora
 from .config import EpochTrainerConfig
-from .data import load_data_tokenizer, load_prepared
 from .distributed import DataParallel, World, all_reduce_sum, gather_to_main, shard, world
 from .io import write_json_atomic
 from .models import save_pretrained_atomic
+from .prepared import load_data_tokenizer, load_prepared
 from .tracking import NullTracker, Tracker
 from .training import (
     StepProgress,
@@ -57,7 +57,7 @@ StepFn = Callable[[list[int], DataParallel], dict[str, float]]
 
 
 @dataclass
-class Stage:
+class TrainerRun:
     """What a trainer stage shares with the others, set up by :func:`start_stage`, and the
     steps every trainer stage takes with it: :meth:`adapt`, :meth:`train`, :meth:`finish`.
 
@@ -68,7 +68,7 @@ class Stage:
         out_dir: the stage's output folder (created).
         tracker: where params and metrics go (a :class:`~rlhf_core.tracking.NullTracker` when
             none was given).
-        sft, pref: the prepared SFT and preference splits (:func:`rlhf_core.data.load_prepared`).
+        sft, pref: the prepared SFT and preference splits (:func:`rlhf_core.prepared.load_prepared`).
         stats: the data statistics (``stats.json``), part of every checkpoint's key.
         tokenizer: the data's tokenizer, with its PAD token; saved beside the model.
         device: where the stage trains (:func:`rlhf_core.training.pick_device`).
@@ -194,7 +194,7 @@ def start_stage(
     out_dir: str | os.PathLike,
     tracker: Tracker | None = None,
     metric_prefix: str = "train/",
-) -> Stage:
+) -> TrainerRun:
     """Set up the trainer stage ``name``: create ``out_dir``, load the prepared data and its
     tokenizer from ``data_dir``, check the batch sizes against the ranks, pick the device.
 
@@ -209,7 +209,7 @@ def start_stage(
     tokenizer = load_data_tokenizer(data_dir)
     w = world()
     accumulation_steps(cfg.batch_size, cfg.micro_batch_size, w.size)
-    return Stage(
+    return TrainerRun(
         name=name,
         cfg=cfg,
         out_dir=out_dir,

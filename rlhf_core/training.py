@@ -25,7 +25,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
-from .config import TrainerConfig, flatten
+from .config import TrainerConfig
 from .distributed import (
     all_reduce_sum,
     load_model_state,
@@ -36,6 +36,7 @@ from .distributed import (
 )
 from .errors import TrainingError  # noqa: F401  (re-exported: TrainingError of this module)
 from .io import json_digest
+from .presets import flatten
 from .tracking import RESUME_METRIC, NullTracker, Tracker
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ class DeviceTuning:
         head_chunk_bytes: float32 logits per chunk of the chunked language-model head
             (:func:`rlhf_core.sft.linear_cross_entropy_sum`, :func:`rlhf_core.dpo.linear_logprobs`):
             larger chunks are fewer, larger matrix products, for more transient memory.
-        width_multiple: :func:`rlhf_core.models.causal_forward` rounds its micro-batch width
+        width_multiple: :func:`rlhf_core.forward.causal_forward` rounds its micro-batch width
             up to a multiple of this (capped at the batch's length), so attention kernels that
             build a plan per sequence length (cuDNN's) meet few distinct lengths; 1 keeps the
             width at the longest row.
@@ -326,7 +327,7 @@ def row_order(lengths: torch.Tensor, device: torch.device | str, group: bool | N
     Shortest first (a stable sort of ``lengths``) where ``group`` is true, by default where
     :func:`device_tuning` of ``device`` says ``group_lengths`` (CUDA): each micro-batch then
     holds rows of similar length, and the padding-free forward pass
-    (:func:`rlhf_core.models.causal_forward`) computes few PAD columns. Elsewhere the rows keep
+    (:func:`rlhf_core.forward.causal_forward`) computes few PAD columns. Elsewhere the rows keep
     their order (the CPU's results are those of the order drawn by :func:`batch_order`). The
     stages normalise every loss by counts of the whole global batch, so the update is the same
     sum in either order, up to floating-point rounding.

@@ -264,7 +264,7 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
 
 def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tuple[str, MlflowClient]:
     """Create the stage's MLflow run, nested under the pipeline's run, with its config sections as params."""
-    from rlhf_core.config import flatten
+    from rlhf_core.presets import flatten
 
     client = tracking_client(cfg.tracking.tracking_uri)
     if parent_run_id is not None:

@@ -16,6 +16,7 @@ process at a time run the stage; a second run waits, then takes the first's reco
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -28,13 +29,13 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
-from rlhf_core.cli import PlannedStage
 from rlhf_core.config import PipelineConfig, TrainerConfig
 from rlhf_core.io import exclusive_lock, write_json_atomic
-from rlhf_core.launch import DATA_PARALLEL, launch_torchrun, nproc_per_node
-from rlhf_core.memory import release_free_memory
-from rlhf_core.pipeline import STAGES, stage_key
+from rlhf_core.launch import nproc_per_node
+from rlhf_core.pipeline import STAGES, key_changes, key_record, stage_key, stage_key_parts
 from rlhf_core.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
+from rlhf_core.runner import PlannedStage
+from rlhf_core.runner import run_stage as run_stage_in
 from rlhf_core.tracking import JsonlTracker, TeeTracker
 
 from .storage import ArtifactError, ArtifactStore
@@ -51,13 +52,21 @@ class StageRecord(BaseModel):
     metrics: dict[str, float] = {}
 
 
+def stage_cache_parts(
+    stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
+) -> dict[str, Any]:
+    """The parts of ``stage``'s cache key (:func:`rlhf_core.pipeline.stage_key_parts`), its
+    upstream being the content digests of its input artifacts and its context the artifact root
+    (``store``'s, default ``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its
+    artifact lives in."""
+    return stage_key_parts(stage, cfg, [u.digest for u in upstream], store=(store or ArtifactStore()).uri(""))
+
+
 def stage_cache_key(
     stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
 ) -> str:
-    """The cache key of ``stage`` (:func:`rlhf_core.pipeline.stage_key`), its upstream being the
-    content digests of its input artifacts and its context the artifact root (``store``'s,
-    default ``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its artifact
-    lives in."""
+    """The cache key of ``stage`` (:func:`rlhf_core.pipeline.stage_key`) over
+    :func:`stage_cache_parts`."""
     return stage_key(stage, cfg, [u.digest for u in upstream], store=(store or ArtifactStore()).uri(""))
 
 
@@ -423,8 +432,25 @@ def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: 
             records[name] = done
             planned.append(PlannedStage(name, key, True, f"finished by an earlier run: {done.uri}"))
         else:
-            planned.append(PlannedStage(name, key, False, "no cache entry" if record is None else str(damage)))
+            why = why_it_runs_again(name, stage_cache_parts(name, cfg, upstream, store), work)
+            planned.append(PlannedStage(name, key, False, f"no cache entry: {why}" if record is None else str(damage)))
     return planned
+
+
+#: The key parts of a stage's last finished run on this worker, beside its work directories:
+#: what the log line of a stage that runs again compares with (:func:`why_it_runs_again`).
+FINISHED_PARTS = "finished-parts.json"
+
+
+def why_it_runs_again(stage: str, parts: dict[str, Any], work: Path) -> str:
+    """Why stage ``stage`` runs with key parts ``parts`` rather than coming from the cache: what
+    changed since its last finished run on this worker (:data:`FINISHED_PARTS` under ``work``;
+    :func:`rlhf_core.pipeline.key_changes`), or that there was none."""
+    path = work / stage / FINISHED_PARTS
+    if not path.is_file():
+        return "no earlier finished run of it on this worker"
+    changes = key_changes(json.loads(path.read_text()), parts)
+    return "; ".join(changes) if changes else "its earlier run's artifact is not in the store"
 
 
 def _run_stage_once(
@@ -435,54 +461,63 @@ def _run_stage_once(
     store: ArtifactStore,
     parent_run_id: str | None,
 ) -> StageRecord:
+    from rlhf_core.runner import MARKER
+
     from .mlflow_tracking import MLflowTracker, start_stage_run, traced_judge_calls
 
     inputs = [store.local_path(r.key, work_root() / "downloads") for r in records]
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
     check_free_space(stage, inputs, [out] + ([Path(store.base)] if store.is_local else []), cfg)
+    parts = stage_cache_parts(stage, cfg, records, store)
+    get_run_logger().info("stage %s runs: %s", stage, why_it_runs_again(stage, parts, work_root()))
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
     mlflow_tracker = MLflowTracker(run_id, client=client)
     # metrics.jsonl travels with the artifact (the report draws training curves from it); on a
     # resumed stage it holds every attempt's records in order.
     tracker = TeeTracker(mlflow_tracker, JsonlTracker(out / "metrics.jsonl"))
-    nproc = nproc_per_node()
     try:
-        if nproc > 1 and stage in DATA_PARALLEL:  # rank 0 writes metrics.jsonl; relayed to MLflow
-            result = launch_torchrun(stage, cfg, inputs, out, nproc, mlflow_tracker)
-        else:
-            # the Anthropic judge's calls appear as MLflow traces of the evaluation's run
-            traced = stage == "evaluation" and cfg.eval.judge == "anthropic"
-            with traced_judge_calls(client, run_id) if traced else nullcontext():
-                result = STAGES[stage].run(cfg, inputs, out, tracker) or {}
-        release_free_memory(after=stage)  # the next stage starts from what is live, not this one's peak
+        # the Anthropic judge's calls appear as MLflow traces of the evaluation's run
+        traced = stage == "evaluation" and cfg.eval.judge == "anthropic"
+        with traced_judge_calls(client, run_id) if traced else nullcontext():
+            # rank 0 of a torchrun job writes metrics.jsonl; its records are relayed to MLflow
+            run = run_stage_in(
+                stage, cfg, inputs, out, key, key_record(parts), tracker, nproc=nproc_per_node(), relay=mlflow_tracker
+            )
         mlflow_tracker.close()
-        for name in (
-            "metrics.json",
-            "stats.json",
-            "samples.jsonl",
-            "token_lengths.png",
-            "calibration.png",
-            "calibration.json",
-            "import.json",
-        ):
-            if (out / name).is_file():
-                mlflow_tracker.log_artifact(out / name)
-        if stage == "data":  # the prepared splits as the run's dataset inputs (name, digest, source, schema)
-            from .mlflow_tracking import dataset_inputs
-
-            client.log_inputs(run_id, datasets=dataset_inputs(out, cfg))
+        _log_stage_files(stage, cfg, out, mlflow_tracker, client, run_id)
         # stored whole, so nothing to resume from: the checkpoints go, and the output moves into
         # the store (a local one renames it; an S3 one leaves it as this worker's download)
-        stored = store.move_dir(out, key, exclude=("checkpoints",), cache_dir=work_root() / "downloads")
+        stored = store.move_dir(out, key, exclude=("checkpoints", MARKER), cache_dir=work_root() / "downloads")
         client.set_tag(run_id, "rlhf.artifact_uri", stored["uri"])
         client.set_terminated(run_id, "FINISHED")
     except BaseException:
         mlflow_tracker.close()
         client.set_terminated(run_id, "FAILED")
-        release_free_memory(after=stage)  # a retry, or the next run in this worker, starts without its peak
         raise
-    metrics = {k: float(v) for k, v in result.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    write_json_atomic(work_root() / stage / FINISHED_PARTS, key_record(parts))
     return StageRecord(
-        stage=stage, key=key, uri=stored["uri"], digest=stored["digest"], mlflow_run_id=run_id, metrics=metrics
+        stage=stage, key=key, uri=stored["uri"], digest=stored["digest"], mlflow_run_id=run_id, metrics=run.metrics
     )
+
+
+#: The files of a stage's output logged as artifacts of its MLflow run, where it has them.
+LOGGED_FILES = ("metrics.json", "stats.json", "samples.jsonl", "calibration.png", "calibration.json", "import.json")
+
+
+def _log_stage_files(stage: str, cfg: PipelineConfig, out: Path, tracker: Any, client: Any, run_id: str) -> None:
+    """Log a finished stage's :data:`LOGGED_FILES` to its MLflow run; for the data stage also its
+    token lengths, drawn here (the stage itself runs no plotting code), and the prepared splits
+    as the run's dataset inputs (name, digest, source, schema)."""
+    for name in LOGGED_FILES:
+        if (out / name).is_file():
+            tracker.log_artifact(out / name)
+    if stage == "data":
+        from rlhf_core.plots import plot_token_lengths
+        from rlhf_core.prepared import token_lengths
+
+        from .mlflow_tracking import dataset_inputs
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tracker.log_artifact(plot_token_lengths(token_lengths(out), Path(tmp) / "token_lengths.png"))
+        client.log_inputs(run_id, datasets=dataset_inputs(out, cfg))

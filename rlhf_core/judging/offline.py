@@ -11,7 +11,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..config import ModelConfig
-from ..models import load_causal_lm, load_tokenizer
+from ..models import load_causal_lm
+from ..tokenizer_sources import load_tokenizer
 from ..training import Precision, autocast, resolve_bf16
 
 
@@ -96,7 +97,7 @@ class OfflineJudge:
     ) -> OfflineJudge:
         """Load a model directory (``save_pretrained`` layout with its tokenizer) as a judge.
 
-        Uses :func:`rlhf_core.models.load_causal_lm` and :func:`rlhf_core.models.load_tokenizer`.
+        Uses :func:`rlhf_core.models.load_causal_lm` and :func:`rlhf_core.tokenizer_sources.load_tokenizer`.
         ``name`` defaults to ``offline:<absolute path>``.
         """
         path = Path(path)

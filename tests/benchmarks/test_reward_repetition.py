@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.reward_repetition import VARIANTS, measure, variant_ids
-from rlhf_core.data import load_data_tokenizer, load_prepared
+from rlhf_core.prepared import load_data_tokenizer, load_prepared
 from rlhf_core.reward import ScalarModel, score_responses
 
 SUMMARY = "my cat ate my homework"

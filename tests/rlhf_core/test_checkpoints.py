@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlhf_core import training
-from rlhf_core.config import ConfigError, EpochTrainerConfig, load_config
-from rlhf_core.presets import available_presets
+from rlhf_core.config import ConfigError, EpochTrainerConfig
+from rlhf_core.presets import available_presets, load_config
 from rlhf_core.trainer import train_loop
 from rlhf_core.training import CheckpointManager, StepProgress, micro_batches
 

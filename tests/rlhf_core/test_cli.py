@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from rlhf_core.cli import main
-from rlhf_core.config import load_config
 from rlhf_core.judging import Judgement
+from rlhf_core.presets import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,18 @@ def test_run_reuses_finished_stages(tmp_path, capsys, caplog):
     second = json.loads(capsys.readouterr().out)
     assert second == {"data": {"reused": True}, "base_model": {"reused": True}}
     assert (out / "data" / "stats.json").stat().st_mtime_ns == stamp
-    # a changed data setting re-runs data but keeps the base model
+    marker = json.loads((out / "data" / "stage.json").read_text())
+    assert marker["parts"]["config"]["data"]["sft_splits"]["train"]["max_rows"] != 8
+    assert marker["parts"]["code_modules"]["rlhf_core/data.py"] and marker["parts"]["stage"] == "data"
+    # a changed data setting re-runs data but keeps the base model; the plan says why
+    from rlhf_core.cli import plan_stages
+
+    before = marker["parts"]["config"]["data"]["sft_splits"]["train"]["max_rows"]
+    plan = plan_stages(load_config("smoke", ["data.sft_splits.train.max_rows=8"]), out, "base_model")
+    assert [(p.name, p.cached, p.reason) for p in plan] == [
+        ("data", False, f"its settings changed: data.sft_splits.train.max_rows {before!r} -> 8"),
+        ("base_model", True, f"finished in {out / 'base_model'}"),
+    ]
     assert main(["stages", "--preset", "smoke", *until, "data.sft_splits.train.max_rows=8", "--out", str(out)]) == 0
     third = json.loads(capsys.readouterr().out)
     assert third["data"]["reused"] is False and third["base_model"]["reused"] is True
@@ -98,6 +109,10 @@ def test_an_edited_data_row_reruns_data_and_what_follows(tmp_path, tldr_dir, mon
     assert all(v["reused"] for v in json.loads(capsys.readouterr().out).values())
     # the smoke preset trains SFT on the first 32 rows of sft_validation.jsonl
     _edit_first_row(data / "sft_validation.jsonl", "summary", "an edited reference summary")
+    from rlhf_core.cli import plan_stages
+
+    reasons = {p.name: p.reason for p in plan_stages(load_config("smoke", ["sft.max_steps=1"]), out, "sft")}
+    assert reasons["data"] == "what it reads changed: data" and reasons["sft"] == "its input data changed"
     assert main(argv) == 0
     third = json.loads(capsys.readouterr().out)
     assert {s: v["reused"] for s, v in third.items()} == {"data": False, "base_model": True, "sft": False}
@@ -126,7 +141,7 @@ def test_data_keys_follow_the_files_contents_not_their_place(tmp_path, tldr_dir,
 def test_model_source_keys_follow_the_model_files(tmp_path, monkeypatch):
     """A local model directory is keyed on its files' contents: a changed file re-runs
     ``base_model`` (and, through its tokenizer, ``data``), or as the offline judge the evaluation."""
-    from rlhf_core.models import import_base_model
+    from rlhf_core.model_sources import import_base_model
     from rlhf_core.pipeline import stage_keys
 
     cfg = load_config("smoke")
@@ -280,7 +295,9 @@ def test_stage_keys_follow_the_code_version(monkeypatch):
 
     cfg = load_config("smoke")
     before = pipeline.stage_keys(cfg)
-    monkeypatch.setattr(pipeline, "code_version", lambda name: "0" * 16)
+    from rlhf_core.stage_code import StageCode
+
+    monkeypatch.setattr(pipeline, "code_version", lambda name: StageCode("0" * 16, "0" * 16, {}))
     after = pipeline.stage_keys(cfg)
     assert all(before[s] != after[s] for s in before)
     assert list(pipeline.stage_keys(cfg, "sft")) == ["data", "base_model", "sft"]
@@ -302,7 +319,7 @@ def test_the_code_version_covers_subpackages(tmp_path):
         return stage_code_digest(root, pipeline.__name__, "evaluation")
 
     unchanged = digest("copy")
-    assert pipeline.code_version("evaluation") == unchanged
+    assert pipeline.code_version("evaluation").digest == unchanged
     assert len({unchanged, digest("judging", "judging/prompt.py"), digest("ppo", "ppo.py")}) == 3
 
 

@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from rlhf_core.cli import main
-from rlhf_core.config import ConfigError, config_from_dict, flatten, load_config
-from rlhf_core.presets import available_presets, parse_override
+from rlhf_core.config import ConfigError
+from rlhf_core.presets import available_presets, config_from_dict, flatten, load_config, parse_override
 
 PRESETS = [
     "smoke",
@@ -355,9 +355,9 @@ def test_a_holdout_is_a_new_split_named_by_its_key():
 
 
 def test_the_config_checks_stage_settings_against_the_stage_table_s_names():
-    """``rlhf_core.stage_names`` (below the config) and the stage table name the same stages in the same order."""
+    """``rlhf_core.config.STAGE_NAMES`` (below the stage table) and the stage table name the same stages in the same order."""
+    from rlhf_core.config import STAGE_NAMES
     from rlhf_core.pipeline import STAGES
-    from rlhf_core.stage_names import STAGE_NAMES
 
     assert tuple(STAGES) == STAGE_NAMES
 

@@ -6,18 +6,11 @@ import statistics
 import datasets
 import pytest
 
-from rlhf_core.config import load_config
 from rlhf_core.config_data import QueryFormat
-from rlhf_core.data import (
-    format_query,
-    left_pad,
-    load_prepared,
-    prepare_data,
-    right_pad,
-    tokenize_response,
-    truncate_query,
-)
+from rlhf_core.data import format_query, left_pad, prepare_data, right_pad, tokenize_response, truncate_query
 from rlhf_core.data_rows import BadRow
+from rlhf_core.prepared import load_prepared, token_lengths
+from rlhf_core.presets import load_config
 from tests.conftest import read_jsonl
 
 FMT = QueryFormat()
@@ -273,7 +266,11 @@ def test_output_layout(prepared):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(out / "tokenizer").pad_token_id == tok.pad_token_id
-    assert (out / "token_lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # no plot in the stage's output: its token lengths are read back for whoever draws them
+    assert not (out / "token_lengths.png").exists()
+    lengths = token_lengths(out)
+    assert lengths["sft/train"]["query"] == list(saved["query_token_len"])
+    assert set(lengths["preference/train"]) == {"query", "chosen", "rejected"}
 
 
 def test_query_text_and_tokens_agree(prepared):

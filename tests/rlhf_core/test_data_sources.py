@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import load_config
-from rlhf_core.data import DataError, load_prepared, prepare_data
+from rlhf_core.data import DataError, prepare_data
+from rlhf_core.prepared import load_prepared
+from rlhf_core.presets import load_config
 from tests.conftest import read_jsonl
 from tests.hub_layout import to_hub_comparison
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import load_config
-from rlhf_core.data import load_prepared, load_prompts, prepare_data, tokenize_splits
+from rlhf_core.data import prepare_data, tokenize_splits
 from rlhf_core.data_trl import normalise_trl_row, split_implicit_prompt, trl_query
 from rlhf_core.errors import BadRow, ConfigError, DataError
-from rlhf_core.models import load_tokenizer
 from rlhf_core.ppo_trainer import PPOTrainer
+from rlhf_core.prepared import load_prepared, load_prompts
+from rlhf_core.presets import load_config
+from rlhf_core.tokenizer_sources import load_tokenizer
 from tests.conftest import SMOL_GGUF
 from tests.stages import BITWISE_ENV
 
@@ -115,7 +116,7 @@ def test_prompt_splits_are_refused_where_they_cannot_be_read():
 def test_the_prompt_file_is_part_of_the_data_key(tmp_path):
     """The data stage's fingerprint reads ``prompt_train.jsonl`` when ``data.prompt_splits`` names
     it, and only then: one edited prompt moves the key."""
-    from rlhf_core.sources import data_fingerprint
+    from rlhf_core.data_files import data_fingerprint
 
     for name in ("sft_train", "sft_validation", "sft_test", "preference_train", "preference_validation"):
         write_jsonl(tmp_path / f"{name}.jsonl", [{"prompt": "P", "completion": " c", "chosen": " a", "rejected": " b"}])
@@ -163,7 +164,7 @@ def test_stages_that_sample_prompts_refuse_a_split_of_text_rows(tmp_path, smoke_
     """SFT trains on ``text`` rows; its evaluation, the reward normalisation, PPO and the
     evaluation sample from a split's prompts, and a split of text rows has none: each names its
     setting before any work."""
-    from rlhf_core.data import require_prompts
+    from rlhf_core.prepared import require_prompts
     from rlhf_core.sft import run_sft
 
     folder = text_rows_folder(tmp_path / "rows")

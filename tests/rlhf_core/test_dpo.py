@@ -12,9 +12,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from rlhf_core import dpo
-from rlhf_core.config import load_config
 from rlhf_core.distributed import world
 from rlhf_core.dpo import dpo_loss, implicit_reward, linear_logprobs, pair_logprobs, sequence_logprobs
+from rlhf_core.dpo_eval import evaluate_dpo_reward
+from rlhf_core.presets import load_config
 from rlhf_core.tracking import JsonlTracker, NullTracker, read_metrics
 from tests.stages import finished_run, kill_then_resume
 
@@ -222,7 +223,7 @@ def test_the_implicit_reward_model_is_evaluated_like_the_reward_model(smoke_stag
     cfg = load_config("smoke", ["reward.eval_max_samples=12", "dpo.bf16=false"])
     _dpo_on_smoke(smoke_stages, tmp_path / "dpo", "dpo.micro_batch_size=4")
     args = (cfg.dpo, cfg.reward, smoke_stages / "data")
-    implicit = dpo.evaluate_dpo_reward(*args, tmp_path / "dpo" / "model", smoke_stages / "base", tmp_path / "eval")
+    implicit = evaluate_dpo_reward(*args, tmp_path / "dpo" / "model", smoke_stages / "base", tmp_path / "eval")
     explicit = evaluate_reward_model(cfg.reward, smoke_stages / "data", smoke_stages / "rm", tmp_path / "rm_eval")
     assert implicit.keys() == explicit.keys() and "eval/validation_cnndm/accuracy" in implicit
     # the accuracy is that of beta * (log pi - log pi_ref) computed here, pair by pair
@@ -236,7 +237,7 @@ def test_the_implicit_reward_model_is_evaluated_like_the_reward_model(smoke_stag
     chosen, rejected = implicit_reward(pc, rc, cfg.dpo.beta), implicit_reward(pr, rr, cfg.dpo.beta)
     assert implicit["eval/accuracy"] == pytest.approx((chosen > rejected).float().mean().item())
     assert implicit["eval/reward/chosen/mean"] == pytest.approx(chosen.double().mean().item(), abs=1e-6)
-    untrained = dpo.evaluate_dpo_reward(*args, smoke_stages / "base", smoke_stages / "base", tmp_path / "eval0")
+    untrained = evaluate_dpo_reward(*args, smoke_stages / "base", smoke_stages / "base", tmp_path / "eval0")
     assert untrained["eval/reward/chosen/max"] == untrained["eval/reward/chosen/min"] == 0.0
     assert untrained["eval/accuracy"] == 0.0  # a tie is not a correct pair
 

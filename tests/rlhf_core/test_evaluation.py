@@ -7,15 +7,16 @@ import re
 import pytest
 import torch
 
-from rlhf_core.config import EvalConfig, load_config
-from rlhf_core.data import load_data_tokenizer, load_prepared
-from rlhf_core.diagnostics import paired_difference
+from rlhf_core.config import EvalConfig
 from rlhf_core.evaluation import judge_human_metrics, response_token_ranks
 from rlhf_core.generation import summarize, trim_left_padding, truncate_after_eos
 from rlhf_core.learning_checks import learning_checks, reward_model_checks
+from rlhf_core.measures import paired_difference
 from rlhf_core.models import load_causal_lm, save_pretrained_atomic
 from rlhf_core.pipeline import STAGES
 from rlhf_core.plots import plot_reward_logits, plot_value_vs_reward
+from rlhf_core.prepared import load_data_tokenizer, load_prepared
+from rlhf_core.presets import load_config
 from rlhf_core.report import write_report
 from rlhf_core.reward import ResponseScores, ScalarModel, get_reward, reward_model_from_causal_lm, score_responses
 from rlhf_core.run_report import (
@@ -453,8 +454,9 @@ def test_the_reward_model_table_names_each_split_in_or_out_of_distribution():
 
 
 def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(tmp_path):
-    """Details 13 and 22: the reward evaluation's and PPO's per-token plots are copied beside the
-    report, listed with their captions and a table of their figures under each."""
+    """Details 13 and 22: the reward evaluation's per-token plot is copied beside the report and
+    PPO's drawn there from its JSON, listed with their captions and a table of their figures under
+    each."""
     rm_row = {
         "pair": 0,
         "response": "chosen",
@@ -473,7 +475,7 @@ def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(
     (reward_eval / "reward_logits.json").write_text(json.dumps({"responses": [rm_row]}))
     plot_reward_logits([rm_row], reward_eval / "reward_logits.png", ["pair 0, chosen"])
     (ppo / "value_vs_reward.json").write_text(json.dumps({"responses": [ppo_row]}))
-    plot_value_vs_reward([ppo_row], ppo / "value_vs_reward.png", ["evaluation prompt 0"])
+    plot_value_vs_reward([ppo_row], tmp_path / "expected.png", ["evaluation prompt 0"])
     assert per_token_sections(tmp_path / "nothing", tmp_path / "nothing", out) == ({}, {})
 
     plots, tables = per_token_sections(reward_eval, ppo, out)
@@ -481,7 +483,8 @@ def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(
         REWARD_LOGITS_HEADING: out / "reward_logits.png",
         VALUE_VS_REWARD_HEADING: out / "value_vs_reward.png",
     }
-    assert (out / "value_vs_reward.png").read_bytes() == (ppo / "value_vs_reward.png").read_bytes()
+    assert (out / "value_vs_reward.png").read_bytes() == (tmp_path / "expected.png").read_bytes()
+    assert not (ppo / "value_vs_reward.png").exists()
     assert {"reward_logits.png", "value_vs_reward.png"} <= set(REPORT_FILES)  # logged with the report
     write_report(out, title="run", headline=[{"policy": "PPO"}], plots=plots, figure_tables=tables)
     md = (out / "report.md").read_text()

@@ -8,14 +8,15 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 
-from rlhf_core.config import ConfigError, load_config
-from rlhf_core.data import load_data_tokenizer, load_prepared
+from rlhf_core.config import ConfigError
 from rlhf_core.errors import ModelSourceError
 from rlhf_core.external_reward import EXTERNAL_REWARD_KEY, ExternalRewardModel, import_reward_model
 from rlhf_core.generation import truncate_after_eos
 from rlhf_core.pipeline import STAGES, stage_keys
 from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
 from rlhf_core.preflight import check_before_stages
+from rlhf_core.prepared import load_data_tokenizer, load_prepared
+from rlhf_core.presets import load_config
 from rlhf_core.reward import (
     ScalarModel,
     load_reward_model,

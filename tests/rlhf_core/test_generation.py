@@ -19,7 +19,7 @@ from rlhf_core.generation import (
     trim_left_padding,
     truncate_after_eos,
 )
-from rlhf_core.models import build_random_model
+from rlhf_core.model_sources import build_random_model
 from rlhf_core.ppo import logprobs_from_logits
 
 PAD, EOS = 0, 9

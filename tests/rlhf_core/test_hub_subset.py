@@ -9,12 +9,12 @@ import huggingface_hub
 import pytest
 
 from rlhf_core.cli import main
-from rlhf_core.config import load_config
+from rlhf_core.config_data import load_subset, subset_dir
 from rlhf_core.data import DataError
+from rlhf_core.data_files import data_fingerprint
 from rlhf_core.data_hub import load_hub_split
 from rlhf_core.hub_subset import FETCH_RECORD, ensure_local_rows, row_identity
-from rlhf_core.sources import data_fingerprint
-from rlhf_core.subset_files import load_subset, subset_dir
+from rlhf_core.presets import load_config
 from tests.conftest import FIXTURE_TLDR, read_jsonl
 from tests.hub_layout import hub_cache_repo, to_hub_comparison
 

@@ -30,7 +30,8 @@ from rlhf_core.judging import (
     win_counts,
 )
 from rlhf_core.judging.prompt import load_judge_prompt, parse_letter_logprobs
-from rlhf_core.models import build_random_model, save_pretrained_atomic
+from rlhf_core.model_sources import build_random_model
+from rlhf_core.models import save_pretrained_atomic
 from tests.conftest import REPO, read_jsonl
 from tests.messages_api import MessagesAPI, Reply, error_reply, message_body, text_reply
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_core.config import load_config
 from rlhf_core.launch import LaunchError, launch_torchrun, nproc_per_node
+from rlhf_core.presets import load_config
 from rlhf_core.tracking import JsonlTracker, read_metrics, replay
 
 

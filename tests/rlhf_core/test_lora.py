@@ -11,11 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_core import dpo, lora, ppo_trainer, reward, sft
-from rlhf_core.config import ConfigError, LoraConfig, load_config
+from rlhf_core.config import ConfigError, LoraConfig
 from rlhf_core.models import load_causal_lm
 from rlhf_core.ppo import logprobs_from_logits
 from rlhf_core.ppo_rollout import kl_penalised_rewards, whitened_advantages
 from rlhf_core.ppo_trainer import PPOTrainer, response_logits
+from rlhf_core.presets import load_config
 from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
 from tests.stages import link_stages
 

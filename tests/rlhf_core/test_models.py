@@ -8,21 +8,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from rlhf_core.config import ModelConfig, RandomInitConfig
 from rlhf_core.config_data import QueryFormat
 from rlhf_core.data import format_query
-from rlhf_core.models import (
-    CausalLayout,
-    ModelSourceError,
-    build_random_model,
-    causal_forward,
-    causal_layout,
-    disable_dropout,
-    ensure_pad_token,
-    gguf_to_safetensors,
-    import_base_model,
-    load_causal_lm,
-    padding_aware_inputs,
-    resolve_source,
-)
-from rlhf_core.presets import PRESET_DIR
+from rlhf_core.errors import ModelSourceError
+from rlhf_core.forward import CausalLayout, causal_forward, causal_layout, padding_aware_inputs
+from rlhf_core.io import PRESET_DIR
+from rlhf_core.model_sources import build_random_model, gguf_to_safetensors, import_base_model
+from rlhf_core.models import disable_dropout, load_causal_lm
+from rlhf_core.sources import resolve_source
+from rlhf_core.tokenizer_sources import ensure_pad_token
 from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
 
 TINY = RandomInitConfig(

@@ -10,11 +10,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from rlhf_core import dpo
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError
 from rlhf_core.distributed import DataParallel
 from rlhf_core.models import disable_dropout
 from rlhf_core.offload import CPUOffload, transformer_blocks
 from rlhf_core.ppo_trainer import PPOTrainer
+from rlhf_core.presets import load_config
 from tests.stages import link_stages
 
 IDS = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -245,7 +246,7 @@ def test_dpo_with_an_offloaded_reference_trains_as_without(smoke, tmp_path, monk
         metrics[offload] = dpo.run_dpo(cfg, smoke / "data", smoke / "sft", tmp_path / str(offload))
     (spy,) = made
     # 2 steps x 2 micro-batches x 2 passes (the shared query, then chosen and rejected side by
-    # side: rlhf_core.models.pair_forward) x 2 blocks, streamed
+    # side: rlhf_core.forward.pair_forward) x 2 blocks, streamed
     assert spy.seen == ["streamed"] * 16
     assert _on_host(spy.offload)
     for key in ("dpo/loss", "dpo/accuracy", "dpo/rewards/chosen", "dpo/rewards/rejected", "dpo/rewards/margin"):

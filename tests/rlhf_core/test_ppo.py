@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from rlhf_core.ppo import (
     INVALID_LOGPROB,
     aggregate_loss,
-    apply_eos_trick,
     compute_advantages,
     entropy_from_logits,
     grpo_advantages,
@@ -27,6 +26,7 @@ from rlhf_core.ppo import (
     value_loss,
 )
 from rlhf_core.ppo_rollout import prompt_indices
+from rlhf_core.reward import apply_eos_trick
 
 T, F_ = True, False
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.config import load_config
 from rlhf_core.ppo import whiten
 from rlhf_core.ppo_rollout import (
     estimate_advantages,
@@ -20,6 +19,7 @@ from rlhf_core.ppo_rollout import (
     whitened_advantages,
 )
 from rlhf_core.ppo_trainer import PPOTrainer, run_ppo
+from rlhf_core.presets import load_config
 from rlhf_core.reward import ResponseScores, ScalarModel
 from rlhf_core.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
 from rlhf_core.tracking import JsonlTracker, read_metrics

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from rlhf_core.config import load_config
 from rlhf_core.distributed import World, shard
 from rlhf_core.ppo import INVALID_LOGPROB
 from rlhf_core.ppo_rollout import (
@@ -15,6 +14,7 @@ from rlhf_core.ppo_rollout import (
     summary_logprobs,
     throughput_statistics,
 )
+from rlhf_core.presets import load_config
 from rlhf_core.reward import ResponseScores
 
 PAD, EOS = 0, 2

@@ -12,10 +12,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import huggingface_hub
 import pytest
 
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError
 from rlhf_core.errors import DataError, ModelSourceError
 from rlhf_core.pipeline import STAGES, stages_until
 from rlhf_core.preflight import PreflightError, check_before_stages
+from rlhf_core.presets import load_config
 from tests.hub_layout import hub_cache_repo
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

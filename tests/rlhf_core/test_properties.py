@@ -9,12 +9,13 @@ import string
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from rlhf_core.config import ConfigError, PipelineConfig, load_config
+from rlhf_core.config import ConfigError, PipelineConfig
 from rlhf_core.config_data import QueryFormat
 from rlhf_core.credentials import _dotted_keys, holds_credential, holds_key
 from rlhf_core.data_rows import normalise_row
 from rlhf_core.data_trl import normalise_trl_row
 from rlhf_core.errors import BadRow
+from rlhf_core.presets import load_config
 
 ALNUM = string.ascii_letters + string.digits
 KNOWN_KEYS = _dotted_keys(PipelineConfig)

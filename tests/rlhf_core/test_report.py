@@ -4,7 +4,9 @@ import re
 import pytest
 
 from rlhf_core import report as report_module
-from rlhf_core.diagnostics import plot_length_control, token_shift_html, win_rate
+from rlhf_core.html_views import token_shift_html
+from rlhf_core.measures import win_rate
+from rlhf_core.plots import plot_length_control
 from rlhf_core.report import (
     RUN_MARKER,
     format_value,

@@ -6,10 +6,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf_core.config import load_config
-from rlhf_core.data import load_prepared
+from rlhf_core.forward import causal_forward, padding_aware_inputs
 from rlhf_core.generation import first_true_indices
-from rlhf_core.models import causal_forward, padding_aware_inputs
+from rlhf_core.prepared import load_prepared
+from rlhf_core.presets import load_config
 from rlhf_core.reward import (
     ScalarModel,
     get_reward,

@@ -4,11 +4,10 @@ import math
 import pytest
 import torch
 
-from rlhf_core.config import load_config
-from rlhf_core.data import load_data_tokenizer, load_prepared
-from rlhf_core.reward import ScalarModel, get_reward
+from rlhf_core.prepared import load_data_tokenizer, load_prepared
+from rlhf_core.presets import load_config
+from rlhf_core.reward import TOKEN_TABLE_RESPONSES, ScalarModel, get_reward, token_table
 from rlhf_core.reward_eval import (
-    TOKEN_TABLE_RESPONSES,
     accuracy_by_group,
     baseline_accuracies,
     calibration_table,
@@ -17,7 +16,6 @@ from rlhf_core.reward_eval import (
     non_eos_negative_share,
     policy_prior_wins,
     policy_win_rates,
-    token_table,
 )
 
 
@@ -35,7 +33,7 @@ def test_the_policy_prior_is_learned_on_train_and_a_coin_where_unknown_or_equal(
 
 
 def test_baseline_accuracies_with_wilson_intervals_of_half_counted_ties():
-    from rlhf_core.diagnostics import wilson_interval
+    from rlhf_core.measures import wilson_interval
 
     split = {
         "chosen": ["a b c", "a", "a b", "a b c d"],
@@ -161,8 +159,8 @@ def in_dist_data(smoke_stages, tmp_path_factory):
 def test_the_reward_model_and_dpo_are_evaluated_in_and_out_of_distribution_with_intervals(
     in_dist_data, smoke_stages, tmp_path
 ):
-    from rlhf_core.diagnostics import wilson_interval
-    from rlhf_core.dpo import evaluate_dpo_reward
+    from rlhf_core.dpo_eval import evaluate_dpo_reward
+    from rlhf_core.measures import wilson_interval
     from rlhf_core.reward_eval import evaluate_pairs
 
     cfg, data = in_dist_data

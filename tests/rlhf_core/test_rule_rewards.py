@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlhf_core import rule_rewards as rr
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError
+from rlhf_core.presets import load_config
 
 
 def test_words_keep_contractions_and_drop_punctuation():

@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from rlhf_core.config import RandomInitConfig, load_config
-from rlhf_core.diagnostics import rouge_l
-from rlhf_core.models import build_random_model, causal_forward, causal_layout
+from rlhf_core.config import RandomInitConfig
+from rlhf_core.forward import causal_forward, causal_layout
+from rlhf_core.model_sources import build_random_model
+from rlhf_core.presets import load_config
 from rlhf_core.sft import (
     head_chunking,
     linear_cross_entropy_sum,
@@ -20,6 +21,7 @@ from rlhf_core.sft import (
     sft_batch_loss_sum,
     sft_loss_sum,
 )
+from rlhf_core.text_metrics import rouge_l
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import micro_batches, native_bf16, row_order
 from tests.stages import kill_then_resume

@@ -10,20 +10,15 @@ import pytest
 import transformers
 from transformers import AutoTokenizer
 
-from rlhf_core.config import ModelConfig, RandomInitConfig, load_config
+from rlhf_core.config import ModelConfig, RandomInitConfig
+from rlhf_core.errors import ModelSourceError
 from rlhf_core.io import file_sha256
-from rlhf_core.models import (
-    GGUF_CONVERSION,
-    ModelSourceError,
-    gguf_cache_dir,
-    gguf_special_tokens,
-    import_base_model,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_source,
-    source_fingerprint,
-)
+from rlhf_core.model_sources import import_base_model
+from rlhf_core.models import load_causal_lm
 from rlhf_core.pipeline import stage_key
+from rlhf_core.presets import load_config
+from rlhf_core.sources import GGUF_CONVERSION, gguf_cache_dir, resolve_source, source_fingerprint
+from rlhf_core.tokenizer_sources import gguf_special_tokens, load_tokenizer
 from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
 
 TINY = RandomInitConfig(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from rlhf_core import pipeline
 from rlhf_core.cli import plan_stages
-from rlhf_core.config import load_config
+from rlhf_core.presets import load_config
 from rlhf_core.stage_code import import_closure, table_entry
 
 #: The package's own sources, copied for each variant (``pipeline.SOURCE_ROOT`` is then patched).
@@ -141,3 +142,34 @@ def test_an_edit_to_a_stages_table_entry_re_runs_that_stage_and_what_follows(tmp
     for stage in ("data", "base_model"):
         reached = table in import_closure(before_root, table_entry(before_root, table, stage)[1], table)
         assert (stage in changed) == reached, (stage, changed)
+
+
+def _finished(root: Path, cfg) -> None:
+    """Mark every stage of ``cfg`` finished in the run directory ``root`` with the keys of the
+    code now in ``pipeline.SOURCE_ROOT``, as ``rlhf stages`` leaves them (no files besides)."""
+    for name, parts in pipeline.key_parts(cfg).items():
+        marker = {"key": pipeline.json_digest(parts, length=24), "status": "done", "manifest": {"files": {}}}
+        (root / name).mkdir(parents=True)
+        (root / name / "stage.json").write_text(json.dumps({**marker, "parts": pipeline.key_record(parts)}))
+
+
+def test_the_plan_says_ppo_runs_because_of_its_code_and_names_the_module(tmp_path, monkeypatch, cfg):
+    monkeypatch.setattr(pipeline, "SOURCE_ROOT", _copy(tmp_path, "before"))
+    _finished(tmp_path / "run", cfg)
+    edited = _copy(tmp_path, "edited")
+    _edit_docstring(_only(edited, "ppo.py"))
+    monkeypatch.setattr(pipeline, "SOURCE_ROOT", edited)
+    plan = {p.name: p for p in plan_stages(cfg, tmp_path / "run")}
+    assert plan["ppo"].reason == "its code changed: rlhf_core/ppo.py" and not plan["ppo"].cached
+    assert plan["sft"].cached and plan["sft"].reason == f"finished in {tmp_path / 'run' / 'sft'}"
+    assert plan["dpo"].cached  # DPO's code holds no ppo.py
+    assert "its input ppo changed" in plan["evaluation"].reason
+
+
+def test_the_plan_names_the_setting_that_changed(tmp_path, cfg):
+    _finished(tmp_path / "run", cfg)
+    changed = load_config("smoke", ["ppo.kl_coef=0.123"])
+    plan = {p.name: p for p in plan_stages(changed, tmp_path / "run")}
+    assert plan["ppo"].reason == f"its settings changed: ppo.kl_coef {cfg.ppo.kl_coef!r} -> 0.123"
+    assert [p.name for p in plan.values() if not p.cached] == ["ppo", "evaluation"]
+    assert plan["evaluation"].reason == "its input ppo changed"

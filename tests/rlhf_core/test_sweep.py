@@ -5,7 +5,8 @@ import statistics
 
 import pytest
 
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError
+from rlhf_core.presets import load_config
 from rlhf_core.sweep import (
     SEED_KEYS,
     SWEEP_DIR,

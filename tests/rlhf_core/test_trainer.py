@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from rlhf_core.config import load_config
 from rlhf_core.models import load_causal_lm
+from rlhf_core.presets import load_config
 from rlhf_core.trainer import global_means, start_stage
 from rlhf_core.training import TrainingError
 

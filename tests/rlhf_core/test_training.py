@@ -3,8 +3,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from rlhf_core import training
-from rlhf_core.config import load_config
 from rlhf_core.models import load_causal_lm
+from rlhf_core.presets import load_config
 from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.training import (
     autocast,

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core import training
-from rlhf_core.config import load_config
 from rlhf_core.dpo import run_dpo
+from rlhf_core.presets import load_config
 from rlhf_core.reward import run_reward_training
 from rlhf_core.sft import run_sft
 from rlhf_core.tracking import JsonlTracker, read_metrics

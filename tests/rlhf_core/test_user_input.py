@@ -7,8 +7,9 @@ import yaml
 
 from rlhf_core import __version__
 from rlhf_core.cli import main
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError
 from rlhf_core.credentials import holds_key, redact
+from rlhf_core.presets import load_config
 from rlhf_core.sweep import SweepSpec, expand
 from tests.rlhf_core.test_config import KEYS
 

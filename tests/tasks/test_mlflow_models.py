@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf_core.config import load_config
-from rlhf_core.data import load_data_tokenizer
+from rlhf_core.prepared import load_data_tokenizer
+from rlhf_core.presets import load_config
 from rlhf_core.reward import ScalarModel, get_reward
 from tasks.mlflow_models import _EXPECTED_MESSAGES, _without_expected_messages, save_policy_model, save_reward_model
 

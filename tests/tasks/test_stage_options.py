@@ -4,10 +4,11 @@ per-stage settings of ``orchestration`` reaching Prefect's task options."""
 import pytest
 from prefect.states import Failed
 
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError
 from rlhf_core.data import DataError
 from rlhf_core.errors import TrainingError
 from rlhf_core.judging import JudgeConfigError
+from rlhf_core.presets import load_config
 from tasks.stages import run_stage, stage_tags, stage_task, worth_retrying
 from tasks.storage import ArtifactError
 

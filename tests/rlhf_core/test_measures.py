@@ -4,23 +4,25 @@ import re
 import pytest
 import torch
 
-from rlhf_core.diagnostics import (
+from rlhf_core.html_views import token_shift_html
+from rlhf_core.measures import (
     agreement,
-    diversity,
     judge_label_agreement,
     length_control,
     length_log_ratio,
     mean_ignoring_missing,
+    wilson_interval,
+    win_rate,
+)
+from rlhf_core.plots import plot_length_control
+from rlhf_core.text_metrics import (
+    diversity,
     normalized_edit_distance,
-    plot_length_control,
     repetition_loop,
     repetition_rate,
     title_copy_rate,
     title_coverage,
     token_ranks,
-    token_shift_html,
-    wilson_interval,
-    win_rate,
     words,
 )
 
