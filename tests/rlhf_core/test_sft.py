@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from rlhf_core.chunked_head import linear_cross_entropy_sum
-from rlhf_core.config import RandomInitConfig, load_config
+from rlhf_core.config import load_config
 from rlhf_core.diagnostics import rouge_l
 from rlhf_core.models import build_random_model, causal_forward, causal_layout
 from rlhf_core.sft import (
@@ -21,12 +21,11 @@ from rlhf_core.sft import (
 )
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import micro_batches, native_bf16, row_order
+from tests.conftest import tiny_random_init
 from tests.stages import kill_then_resume
 
 PAD, EOS = 0, 9
-TINY = RandomInitConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+TINY = tiny_random_init()
 
 
 def test_loss_mask_keeps_eos_and_drops_pad():

@@ -10,7 +10,7 @@ import pytest
 import transformers
 from transformers import AutoTokenizer
 
-from rlhf_core.config import ModelConfig, RandomInitConfig, load_config
+from rlhf_core.config import ModelConfig, load_config
 from rlhf_core.io import file_sha256
 from rlhf_core.models import (
     GGUF_CONVERSION,
@@ -24,9 +24,9 @@ from rlhf_core.models import (
     source_fingerprint,
 )
 from rlhf_core.pipeline import stage_key
-from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
+from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF, tiny_random_init
 
-TINY = RandomInitConfig(
+TINY = tiny_random_init(
     hidden_size=16,
     intermediate_size=32,
     num_hidden_layers=1,
