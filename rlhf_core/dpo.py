@@ -21,12 +21,13 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from . import lora
+from .chunked_head import linear_logprobs
 from .config import DPOConfig
 from .distributed import DataParallel, all_reduce_sum, is_sharded
 from .forward import causal_forward, pair_forward, pair_layout
 from .models import load_causal_lm
 from .offload import CPUOffload
-from .sft import head_chunking, make_loss_mask
+from .sft import make_loss_mask
 from .tracking import Tracker
 from .trainer import global_means, start_stage
 from .training import autocast
@@ -70,92 +71,6 @@ def dpo_loss(
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
-class _LinearLogprobs(torch.autograd.Function):
-    """Forward: each row's log-softmax at its target, chunk by chunk (logits never all at once);
-    backward: the chunks' logits again, scaled by each row's incoming gradient."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, compute_dtype, chunk_size):  # noqa: D102
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(compute_dtype)
-            out = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
-            for start in range(0, hidden.size(0), chunk_size):
-                logits = _chunk_logits(hidden[start : start + chunk_size], w, bias, compute_dtype)
-                t = targets[start : start + chunk_size]
-                out[start : start + chunk_size] = logits.gather(1, t[:, None]).squeeze(1) - torch.logsumexp(logits, -1)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.compute_dtype, ctx.chunk_size = compute_dtype, chunk_size
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
-        hidden, weight, bias, targets = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        dtype, chunk_size = ctx.compute_dtype, ctx.chunk_size
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            grad_hidden = torch.empty_like(hidden) if need_h else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-            for start in range(0, hidden.size(0), chunk_size):
-                h = hidden[start : start + chunk_size].to(dtype)
-                t = targets[start : start + chunk_size]
-                logits = _chunk_logits(h, w, bias, dtype)
-                # d log softmax(logits)[t] / d logits = one_hot(t) - softmax(logits)
-                grad_logits = logits.softmax(-1).neg_()
-                grad_logits[torch.arange(t.numel(), device=t.device), t] += 1.0
-                grad_logits *= grad_out[start : start + chunk_size, None]
-                if need_b:
-                    grad_bias += grad_logits.sum(0)
-                grad_logits = grad_logits.to(dtype)
-                if need_h:
-                    grad_hidden[start : start + chunk_size] = grad_logits @ w
-                if need_w:
-                    grad_weight += (grad_logits.T @ h).float()
-        grads = (grad_hidden, grad_weight, grad_bias)
-        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return (*(None if g is None else g.to(d) for g, d in zip(grads, dtypes)), None, None, None)
-
-
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    logits = (h.to(dtype) @ w.T).float()
-    return logits + bias.float() if bias is not None else logits
-
-
-def linear_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    chunk_bytes: int | None = None,
-) -> torch.Tensor:
-    """``log_softmax(hidden @ weight.T (+ bias))`` at each row's target, without full logits.
-
-    Equal, with its gradients, to ``F.log_softmax(F.linear(hidden, weight, bias).float(),
-    -1).gather(1, targets[:, None]).squeeze(1)``, but ``(n, vocab)`` logits exist only a chunk of
-    rows (``chunk_bytes`` of float32 logits, by default the device's:
-    :func:`rlhf_core.sft.head_chunking`) at a time, in the forward pass and again in the
-    backward pass, which recomputes them (the per-row incoming gradients are known only then).
-    Under autocast the matrix products run in the autocast dtype; logits and the softmax are
-    float32. SFT's summed loss uses :func:`rlhf_core.sft.linear_cross_entropy_sum` instead, which
-    needs no recomputation since its incoming gradient is one scalar.
-
-    Args:
-        hidden: ``(n, d_model)`` hidden states at the positions that predict a target.
-        weight: ``(vocab, d_model)`` output embedding.
-        targets: ``(n,)`` long token ids.
-        bias: optional ``(vocab,)``.
-
-    Returns:
-        ``(n,)`` float32 log-probabilities in nats.
-
-    Raises:
-        ValueError: ``hidden`` and ``targets`` differ in length.
-    """
-    compute_dtype, chunk_size = head_chunking(hidden, weight, targets, chunk_bytes)
-    return _LinearLogprobs.apply(hidden, weight, bias, targets, compute_dtype, chunk_size)
-
-
 def sequence_logprobs(
     model: PreTrainedModel, query_responses: torch.Tensor, query_lengths: torch.Tensor, pad_token_id: int
 ) -> torch.Tensor:
@@ -163,8 +78,9 @@ def sequence_logprobs(
 
     The backbone runs once over query and response (:func:`~rlhf_core.forward.causal_forward`:
     padding invisible); only the hidden states that predict a response token go through the
-    language-model head (:func:`linear_logprobs`). Targets are the tokens from position
-    ``query_lengths[i]`` on that are not PAD, so the EOS that ends each response counts.
+    language-model head (:func:`~rlhf_core.chunked_head.linear_logprobs`). Targets are the tokens
+    from position ``query_lengths[i]`` on that are not PAD, so the EOS that ends each response
+    counts.
 
     Args:
         model: a causal LM (``base_model`` and ``get_output_embeddings``).

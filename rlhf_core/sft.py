@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from .chunked_head import linear_cross_entropy_sum
 from .config import SFTConfig
 from .distributed import DataParallel, all_reduce_sum
 from .forward import CausalLayout, causal_forward, causal_layout
@@ -28,7 +29,6 @@ from .prepared import require_prompts
 from .text_metrics import rouge_l
 from .tracking import Tracker
 from .trainer import start_stage
-from .training import device_tuning
 
 log = logging.getLogger(__name__)
 
@@ -167,108 +167,6 @@ def sft_loss_sum(
     """
     batch = sft_batch(input_ids, loss_mask, pad_token_id)
     return sft_batch_loss_sum(model, batch), batch.n_targets
-
-
-class _LinearCrossEntropySum(torch.autograd.Function):
-    """Forward: the summed loss, chunk by chunk; the gradients are computed there too and saved."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, compute_dtype, chunk_size):  # noqa: D102
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(compute_dtype)
-            grad_hidden = torch.empty_like(hidden) if need_h else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
-            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
-            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            for start in range(0, hidden.size(0), chunk_size):
-                h = hidden[start : start + chunk_size].to(compute_dtype)
-                t = targets[start : start + chunk_size]
-                logits = (h @ w.T).float()
-                if bias is not None:
-                    logits += bias.float()
-                lse = torch.logsumexp(logits, dim=-1)
-                loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-                if not (need_h or need_w or need_b):
-                    continue
-                # d(sum of -log softmax at t) / d logits = softmax - one_hot(t)
-                grad_logits = logits.sub_(lse[:, None]).exp_()
-                grad_logits[torch.arange(t.numel(), device=t.device), t] -= 1.0
-                if need_b:
-                    grad_bias += grad_logits.sum(0)
-                grad_logits = grad_logits.to(compute_dtype)
-                if need_h:
-                    grad_hidden[start : start + chunk_size] = grad_logits @ w
-                if need_w and compute_dtype == torch.float32:
-                    grad_weight.addmm_(grad_logits.T, h)
-                elif need_w:
-                    grad_weight += (grad_logits.T @ h).float()
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):  # noqa: D102
-        grads = [None if g is None else (g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
-        return (*grads, None, None, None)
-
-
-def head_chunking(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_bytes: int | None = None
-) -> tuple[torch.dtype, int]:
-    """How a chunked output layer runs ``hidden @ weight.T``: the matmul dtype (autocast's, else
-    the inputs' promoted dtype) and the rows per chunk, at least 1: ``chunk_bytes`` of float32
-    logits, by default the ``head_chunk_bytes`` of ``hidden``'s device
-    (:func:`rlhf_core.training.device_tuning`).
-
-    Raises:
-        ValueError: ``hidden`` is not ``(n, d)`` or ``targets`` not ``(n,)``.
-    """
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)}: expected (n, d) and (n,)")
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        compute_dtype = torch.get_autocast_dtype(device_type)
-    else:
-        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    if chunk_bytes is None:
-        chunk_bytes = device_tuning(hidden.device).head_chunk_bytes
-    return compute_dtype, max(1, chunk_bytes // (4 * weight.size(0)))
-
-
-def linear_cross_entropy_sum(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    chunk_bytes: int | None = None,
-) -> torch.Tensor:
-    """Summed cross-entropy of ``hidden @ weight.T (+ bias)`` against ``targets``, without full logits.
-
-    Equal, with its gradients, to ``F.cross_entropy(F.linear(hidden, weight, bias).float(),
-    targets, reduction="sum")``, but the ``(n, vocab)`` logits exist only a chunk of rows at a
-    time (``chunk_bytes`` of float32 logits, by default the device's: :func:`head_chunking`):
-    the forward pass computes each chunk's loss and its gradients with respect to ``hidden``,
-    ``weight`` and ``bias`` right away, and backward only scales them. The language-model head
-    of SFT on the full sequence would otherwise hold ``n x vocab`` float32 logits, their
-    log-softmax and their gradient (0.9 GB each for 8 x 562 tokens and SmolLM2's 49,153 tokens).
-    Under autocast the matrix products run in the autocast dtype, like ``F.linear``; logits and
-    the softmax are float32.
-
-    Args:
-        hidden: ``(n, d_model)`` hidden states at the positions that predict a target.
-        weight: ``(vocab, d_model)`` output embedding (tied or not).
-        targets: ``(n,)`` long token ids in ``[0, vocab)``.
-        bias: optional ``(vocab,)``.
-
-    Returns:
-        A float32 scalar: the summed loss in nats.
-
-    Raises:
-        ValueError: ``hidden`` and ``targets`` differ in length.
-    """
-    compute_dtype, chunk_size = head_chunking(hidden, weight, targets, chunk_bytes)
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, targets, compute_dtype, chunk_size)
 
 
 def run_sft(

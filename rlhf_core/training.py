@@ -144,8 +144,9 @@ class DeviceTuning:
         fused_adamw: AdamW's fused kernel (torch's ``fused=True``: the whole update of many
             parameters per launch) instead of torch's default implementation (:func:`adamw`).
         head_chunk_bytes: float32 logits per chunk of the chunked language-model head
-            (:func:`rlhf_core.sft.linear_cross_entropy_sum`, :func:`rlhf_core.dpo.linear_logprobs`):
-            larger chunks are fewer, larger matrix products, for more transient memory.
+            (:func:`rlhf_core.chunked_head.linear_cross_entropy_sum`,
+            :func:`rlhf_core.chunked_head.linear_logprobs`): larger chunks are fewer, larger matrix
+            products, for more transient memory.
         width_multiple: :func:`rlhf_core.forward.causal_forward` rounds its micro-batch width
             up to a multiple of this (capped at the batch's length), so attention kernels that
             build a plan per sequence length (cuDNN's) meet few distinct lengths; 1 keeps the

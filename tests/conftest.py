@@ -48,7 +48,9 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=3000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
-from rlhf_core.config import ModelConfig  # noqa: E402
+from transformers import LlamaConfig  # noqa: E402
+
+from rlhf_core.config import ModelConfig, RandomInitConfig  # noqa: E402
 from rlhf_core.presets import load_config  # noqa: E402
 from rlhf_core.tokenizer_sources import load_tokenizer  # noqa: E402
 
@@ -212,17 +214,11 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_llama():
-    """A float32 Llama of 40 tokens (hidden 16, two layers, untied head) from seed 0, dropout off,
-    in eval mode; one per test module."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from rlhf_core.models import disable_dropout
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """The tests' tiny Llama as a ``transformers`` config: 40 tokens, hidden 16, intermediate 32,
+    two layers, two attention heads and one key/value head, untied head; ``overrides`` replace any
+    of these or set any other field (a test's own vocabulary, a tied head, labels, dropout ...)."""
+    shape = dict(
         vocab_size=40,
         hidden_size=16,
         intermediate_size=32,
@@ -230,4 +226,28 @@ def tiny_llama():
         num_attention_heads=2,
         num_key_value_heads=1,
     )
-    return disable_dropout(LlamaForCausalLM(config)).eval()
+    return LlamaConfig(**(shape | overrides))
+
+
+def tiny_random_init(**overrides) -> RandomInitConfig:
+    """The tests' tiny Llama built around a real tokenizer
+    (:func:`rlhf_core.models.build_random_model`): hidden 32, intermediate 64, two layers, four
+    attention heads and two key/value heads, :class:`RandomInitConfig`'s other defaults;
+    ``overrides`` replace any field (a test's own size, positions or seed)."""
+    shape = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    return RandomInitConfig(**(shape | overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A float32 :func:`tiny_llama_config` Llama from seed 0, dropout off, in eval mode; one per
+    test module."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from rlhf_core.models import disable_dropout
+
+    torch.manual_seed(0)
+    return disable_dropout(LlamaForCausalLM(tiny_llama_config())).eval()

@@ -20,6 +20,7 @@ from rlhf_core.reward import reward_model_from_causal_lm
 from rlhf_core.sft import sft_loss_sum
 from rlhf_core.tracking import read_metrics
 from rlhf_core.training import accumulation_steps
+from tests.conftest import tiny_llama_config
 from tests.stages import link_stages, made_once
 
 
@@ -82,19 +83,10 @@ def test_advantage_whitening_uses_the_global_batch_over_two_ranks(tmp_path):
 
 
 def _tiny_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(tiny_llama_config(vocab_size=32, tie_word_embeddings=True))
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:

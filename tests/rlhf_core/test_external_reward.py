@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, LlamaForSequenceClassification
 
 from rlhf_core.config import ConfigError
 from rlhf_core.errors import ModelSourceError
@@ -25,6 +25,7 @@ from rlhf_core.reward import (
 )
 from rlhf_core.reward_eval import REWARD_LOGITS, evaluate_reward_model
 from rlhf_core.sources import external_reward_source, parse_reward_spec
+from tests.conftest import tiny_llama_config
 from tests.stages import link_stages
 
 #: A chat template in Llama 3's layout, for the checkpoint that has one.
@@ -42,13 +43,8 @@ def save_llama_reward_model(directory, llama_tokenizer, chat_template: str | Non
     tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(directory)
     torch.manual_seed(0)
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
         num_labels=1,
         max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,

@@ -4,7 +4,6 @@ import pytest
 import torch
 from transformers import CompileConfig
 
-from rlhf_core.config import RandomInitConfig
 from rlhf_core.generation import (
     COMPILED_STATIC_CACHE,
     DYNAMIC_CACHE,
@@ -21,11 +20,10 @@ from rlhf_core.generation import (
 )
 from rlhf_core.model_sources import build_random_model
 from rlhf_core.ppo import logprobs_from_logits
+from tests.conftest import tiny_random_init
 
 PAD, EOS = 0, 9
-TINY = RandomInitConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+TINY = tiny_random_init()
 QUERY = "SUBREDDIT: r/AskReddit\n\nTITLE: a much longer title here\n\nPOST: text\n\nTL;DR:"
 
 
@@ -115,9 +113,7 @@ def test_left_padded_generation_matches_unpadded(smol_tokenizer):
     tok = smol_tokenizer
     model = build_random_model(
         tok,
-        RandomInitConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-        ),
+        TINY,
     ).eval()
     a = tok("SUBREDDIT: r/AskReddit\n\nTITLE: a much longer title here\n\nPOST: text\n\nTL;DR:")["input_ids"]
     b = tok("SUBREDDIT: r/a\n\nTITLE: t\n\nPOST: x\n\nTL;DR:")["input_ids"]

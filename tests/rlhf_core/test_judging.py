@@ -12,7 +12,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlhf_core.config import RandomInitConfig
 from rlhf_core.judging import (
     JUDGE_PROMPT,
     AnthropicJudge,
@@ -32,7 +31,7 @@ from rlhf_core.judging import (
 from rlhf_core.judging.prompt import load_judge_prompt, parse_letter_logprobs
 from rlhf_core.model_sources import build_random_model
 from rlhf_core.models import save_pretrained_atomic
-from tests.conftest import REPO, read_jsonl
+from tests.conftest import REPO, read_jsonl, tiny_random_init
 from tests.messages_api import MessagesAPI, Reply, error_reply, message_body, text_reply
 
 PAPER = REPO.parent / "shared" / "reference" / "huang2024_n_implementation_details_rlhf_ppo.txt"
@@ -41,15 +40,7 @@ PAPER = REPO.parent / "shared" / "reference" / "huang2024_n_implementation_detai
 PAPER_PROMPT = REPO / "tests" / "data" / "paper_judge_prompt.txt"
 KEY = "sk-ant-test-0123456789-secret"
 MODEL = "claude-judge-test"
-TINY = RandomInitConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    seed=0,
-)
+TINY = tiny_random_init(max_position_embeddings=4096, seed=0)
 
 ANSWER_A = "Comparison: Summary A covers the breakup and the question; B misses the question.\nPreferred: A"
 ANSWER_B = "Comparison: Summary B is more accurate and complete than A.\nPreferred: B"

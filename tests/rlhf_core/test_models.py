@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from rlhf_core.config import ModelConfig, RandomInitConfig
+from rlhf_core.config import ModelConfig
 from rlhf_core.config_data import QueryFormat
 from rlhf_core.data import format_query
 from rlhf_core.errors import ModelSourceError
@@ -15,16 +15,9 @@ from rlhf_core.model_sources import build_random_model, gguf_to_safetensors, imp
 from rlhf_core.models import disable_dropout, load_causal_lm
 from rlhf_core.sources import resolve_source
 from rlhf_core.tokenizer_sources import ensure_pad_token
-from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
+from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF, tiny_llama_config, tiny_random_init
 
-TINY = RandomInitConfig(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-)
+TINY = tiny_random_init(max_position_embeddings=1024)
 
 
 def test_resolve_source_kinds(tmp_path):
@@ -89,11 +82,10 @@ def test_gguf_tokenizer_cache_matches_the_gguf_tokenizer(smol_tokenizer, sft_row
 
 def test_disable_dropout_makes_train_mode_deterministic(llama_tokenizer):
     """Detail 7: with dropout on, two train-mode passes differ; after disable_dropout they match."""
-    config = LlamaConfig(
+    config = tiny_llama_config(
         vocab_size=len(llama_tokenizer),
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         attention_dropout=0.5,

@@ -3,8 +3,6 @@ parameters are their CPU tensors, during one the tensors outside the transformer
 block at a time are copies on the device (a real copy on the CPU too, so both are checked
 here), and every result equals the run without offloading."""
 
-import copy
-
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -16,6 +14,7 @@ from rlhf_core.models import disable_dropout
 from rlhf_core.offload import CPUOffload, transformer_blocks
 from rlhf_core.ppo_trainer import PPOTrainer
 from rlhf_core.presets import load_config
+from tests.conftest import tiny_llama_config
 from tests.stages import link_stages
 
 IDS = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(3))
@@ -36,15 +35,15 @@ def smoke(smoke_stages, tmp_path_factory):
 
 
 @pytest.fixture
-def tied_llama(tiny_llama):
-    """Makes fresh frozen models of ``tiny_llama``'s shape with tied input and output embeddings
-    (the offload moves a model's tensors and hooks its blocks, so each test builds its own)."""
+def tied_llama():
+    """Makes fresh frozen models of ``tiny_llama``'s shape (:func:`tiny_llama_config`) with tied
+    input and output embeddings (the offload moves a model's tensors and hooks its blocks, so each
+    test builds its own)."""
 
     def make() -> LlamaForCausalLM:
-        config = copy.deepcopy(tiny_llama.config)
-        config.tie_word_embeddings = True
         torch.manual_seed(0)
-        return disable_dropout(LlamaForCausalLM(config)).eval().requires_grad_(False)
+        model = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True))
+        return disable_dropout(model).eval().requires_grad_(False)
 
     return make
 

@@ -7,13 +7,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from rlhf_core.config import RandomInitConfig
+from rlhf_core.chunked_head import linear_cross_entropy_sum
 from rlhf_core.forward import causal_forward, causal_layout
 from rlhf_core.model_sources import build_random_model
 from rlhf_core.presets import load_config
 from rlhf_core.sft import (
-    head_chunking,
-    linear_cross_entropy_sum,
     make_loss_mask,
     masked_token_loss,
     run_sft,
@@ -24,12 +22,11 @@ from rlhf_core.sft import (
 from rlhf_core.text_metrics import rouge_l
 from rlhf_core.tracking import JsonlTracker, read_metrics
 from rlhf_core.training import micro_batches, native_bf16, row_order
+from tests.conftest import tiny_random_init
 from tests.stages import kill_then_resume
 
 PAD, EOS = 0, 9
-TINY = RandomInitConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+TINY = tiny_random_init()
 
 
 def test_loss_mask_keeps_eos_and_drops_pad():
@@ -132,60 +129,6 @@ def test_sft_loss_with_a_rounded_width_equals_the_longest_row_width(smol_tokeniz
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-5)
     for g, w in zip(got_grads, want_grads):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-
-
-def test_head_chunking_default_is_the_devices():
-    """The chunked head's default chunk is the device's (32 MiB of float32 logits on the CPU);
-    an explicit ``chunk_bytes`` wins."""
-    hidden, weight, targets = torch.zeros(3, 4), torch.zeros(1000, 4), torch.zeros(3, dtype=torch.long)
-    assert head_chunking(hidden, weight, targets) == (torch.float32, 32 * 2**20 // (4 * 1000))
-    assert head_chunking(hidden, weight, targets, chunk_bytes=4 * 1000 * 5) == (torch.float32, 5)
-
-
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_cross_entropy_sum_equals_full_logits_with_gradients(with_bias):
-    torch.manual_seed(0)
-    n, d, vocab = 37, 16, 101
-    hidden = torch.randn(n, d, requires_grad=True)
-    weight = torch.randn(vocab, d, requires_grad=True)
-    bias = torch.randn(vocab, requires_grad=True) if with_bias else None
-    targets = torch.randint(0, vocab, (n,))
-    # 10 rows of logits per chunk: four chunks, the last one short
-    chunked = linear_cross_entropy_sum(hidden, weight, targets, bias, chunk_bytes=10 * 4 * vocab)
-    (chunked * 0.5).backward()
-    got = [hidden.grad.clone(), weight.grad.clone()] + ([bias.grad.clone()] if with_bias else [])
-    for t in (hidden, weight, bias):
-        if t is not None:
-            t.grad = None
-    full = F.cross_entropy(F.linear(hidden, weight, bias), targets, reduction="sum")
-    (full * 0.5).backward()
-    want = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
-    torch.testing.assert_close(chunked, full)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
-    with torch.no_grad():  # evaluation: no gradients computed, same loss
-        torch.testing.assert_close(linear_cross_entropy_sum(hidden, weight, targets, bias, chunk_bytes=1), full)
-    with pytest.raises(ValueError, match="targets"):
-        linear_cross_entropy_sum(hidden, weight, targets[:-1])
-
-
-def test_linear_cross_entropy_sum_under_bf16_autocast_matches_autocast_linear():
-    torch.manual_seed(0)
-    hidden = torch.randn(24, 32, requires_grad=True)
-    weight = torch.randn(300, 32, requires_grad=True)
-    targets = torch.randint(0, 300, (24,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        chunked = linear_cross_entropy_sum(hidden, weight, targets, chunk_bytes=7 * 4 * 300)
-    chunked.backward()
-    got = hidden.grad.clone(), weight.grad.clone()
-    hidden.grad = weight.grad = None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        full = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
-    full.backward()
-    assert got[0].dtype == got[1].dtype == torch.float32
-    torch.testing.assert_close(chunked, full, rtol=1e-3, atol=1e-2)
-    for g, w in zip(got, (hidden.grad, weight.grad)):
-        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
 def test_rouge_l():

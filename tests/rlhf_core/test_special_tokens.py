@@ -10,7 +10,7 @@ import pytest
 import transformers
 from transformers import AutoTokenizer
 
-from rlhf_core.config import ModelConfig, RandomInitConfig
+from rlhf_core.config import ModelConfig
 from rlhf_core.errors import ModelSourceError
 from rlhf_core.io import file_sha256
 from rlhf_core.model_sources import import_base_model
@@ -19,9 +19,9 @@ from rlhf_core.pipeline import stage_key
 from rlhf_core.presets import load_config
 from rlhf_core.sources import GGUF_CONVERSION, gguf_cache_dir, resolve_source, source_fingerprint
 from rlhf_core.tokenizer_sources import gguf_special_tokens, load_tokenizer
-from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF
+from tests.conftest import LLAMA_TOKENIZER, SMOL_GGUF, tiny_random_init
 
-TINY = RandomInitConfig(
+TINY = tiny_random_init(
     hidden_size=16,
     intermediate_size=32,
     num_hidden_layers=1,
