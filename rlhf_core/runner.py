@@ -149,7 +149,7 @@ def run_stage(
     if found is not None and found.damage is None and found.check is not None:
         if found.check.restamped:  # unchanged files with new times (a copy): not read next time
             write_json_atomic(out / MARKER, {**marker, "manifest": found.check.restamp(marker["manifest"])})
-        log.info("stage %s: finished earlier with the same settings, inputs and code, reused (%s)", name, out)
+        log.info("stage %s: finished earlier with the same config and code, reused (%s)", name, out)
         return StageRun(name, key, out, True, 0.0, marker.get("metrics", {}))
     if found is not None:
         log.warning("stage %s: its finished output in %s is damaged (%s); running it again", name, out, found.damage)

@@ -199,6 +199,11 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     assert client.get_experiment(parent.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     inputs = {i.dataset.name for i in parent.inputs.dataset_inputs}
     assert {"tldr/sft/train", "tldr/preference/train", "tldr/preference/validation_cnndm"} <= inputs
+    # the data stage's token lengths are drawn for its MLflow run, not written into its artifact
+    data_run = next(r for r in children if r.info.run_name == "data")
+    assert "token_lengths.png" in {f.path for f in client.list_artifacts(data_run.info.run_id)}
+    assert not (Path(first["stages"]["data"]["uri"]) / "token_lengths.png").exists()
+    assert "stage ppo runs: no earlier finished run of it on this worker" in log
 
     # `rlhf plan` says so beforehand, with the flow's keys: every stage from the cache; with
     # another ppo.kl_coef, PPO runs under a key known now, the evaluation after it.
@@ -209,6 +214,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     plan = rlhf_plan(tmp_path, *FAST, "ppo.kl_coef=0.1")
     planned_ppo = plan.pop("ppo")
     assert planned_ppo[1] == "runs" and plan.pop("evaluation")[:2] == ["-", "runs"]
+    assert " ".join(planned_ppo[2:]) == "no cache entry: its settings changed: ppo.kl_coef 0.05 -> 0.1"
     assert {line[1] for line in plan.values()} == {"cached"}
 
     # A fresh PREFECT_HOME, as in a new container: the cache entries live beside the artifacts
@@ -217,6 +223,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(fresh_home)})
     s = states(log)
     assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
+    assert "stage ppo runs: its settings changed: ppo.kl_coef 0.05 -> 0.1" in log  # why, in the task's log
     assert second["stages"]["ppo"]["key"] == planned_ppo[0]
     for stage in ("data", "sft", "reward_norm"):
         assert second["stages"][stage] == first["stages"][stage]  # same artifact, same digest
