@@ -4,7 +4,7 @@ Run by the benchmark as ``.venv/bin/python benchmarks/_ours_worker.py prep|run S
 
 ``prep`` runs the pipeline's ``data`` and ``base_model`` stages into the work directory (reused
 when their configuration is unchanged, as ``rlhf stages`` does), builds an untrained reward model
-(:class:`rlhf_core.reward.ScalarModel`) for our PPO, and writes the exact rows each stage will
+(:class:`rlhf_core.train.reward.ScalarModel`) for our PPO, and writes the exact rows each stage will
 train on, in our batch order, as plain token-id lists (``rows-<stage>.json``) for both sides. It
 prints ``BENCH_RESULT {...}`` with the resolved settings (learning rates, lengths, paths) so the
 TRL side gets the same numbers.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 
 def _config(spec: dict):
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
 
     return load_config(spec["preset"], spec.get("overrides", []))
 
@@ -53,12 +53,12 @@ def dpo_rows(chosen: list[list[int]], rejected: list[list[int]], query_lengths: 
 
 def prep(spec: dict) -> dict:
     """Data, base model, our reward model, and the rows of every requested stage."""
-    from rlhf_core.cli import run_stages
-    from rlhf_core.models import save_pretrained_atomic
-    from rlhf_core.ppo_rollout import prompt_indices
-    from rlhf_core.prepared import load_prepared
-    from rlhf_core.reward import ScalarModel, reward_model_from_causal_lm
-    from rlhf_core.training import batch_order
+    from rlhf_core.data.prepared import load_prepared
+    from rlhf_core.models.saved import save_pretrained_atomic
+    from rlhf_core.ppo.rollout import prompt_indices
+    from rlhf_core.run.cli import run_stages
+    from rlhf_core.train.reward import ScalarModel, reward_model_from_causal_lm
+    from rlhf_core.train.training import batch_order
 
     work = Path(spec["work"])
     cfg = _config(spec)
@@ -243,7 +243,7 @@ def levers_off() -> None:
     """The device's speed levers turned off for this process: the CPU's kernel choices
     (``DEFAULT_TUNING``: unfused AdamW, 32 MiB head chunks, exact widths, rows in data order)
     and eager decoding with a dynamic KV cache, whatever the device."""
-    from rlhf_core import generation, training
+    from rlhf_core.train import generation, training
 
     training.CUDA_TUNING = training.DEFAULT_TUNING
     generation.COMPILED_STATIC_CACHE = generation.DYNAMIC_CACHE
@@ -258,7 +258,7 @@ def run(spec: dict) -> dict:
     import logging
 
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("rlhf_core.generation").setLevel(logging.INFO)  # which decoding ran, and any fallback
+    logging.getLogger("rlhf_core.train.generation").setLevel(logging.INFO)  # which decoding ran, and any fallback
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -267,8 +267,8 @@ def run(spec: dict) -> dict:
     out_dir = Path(spec["out_dir"])
     section = {"sft": cfg.sft, "reward": cfg.reward, "dpo": cfg.dpo, "ppo": cfg.ppo}[stage]
     result: dict = {"side": "ours", "stage": stage, "gradient_checkpointing": section.gradient_checkpointing}
-    from rlhf_core.generation import decoding_for
-    from rlhf_core.training import device_tuning
+    from rlhf_core.train.generation import decoding_for
+    from rlhf_core.train.training import device_tuning
 
     result["tuning"] = dataclasses.asdict(device_tuning(spec["device"]))
     result["decoding"] = repr(decoding_for(spec["device"]))
@@ -277,15 +277,15 @@ def run(spec: dict) -> dict:
         clock = _StepClock(steps)
         try:
             if stage == "sft":
-                from rlhf_core.sft import run_sft
+                from rlhf_core.train.sft import run_sft
 
                 run_sft(cfg.sft, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
             elif stage == "reward":
-                from rlhf_core.reward import run_reward_training
+                from rlhf_core.train.reward import run_reward_training
 
                 run_reward_training(cfg.reward, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
             else:
-                from rlhf_core.dpo import run_dpo
+                from rlhf_core.train.dpo import run_dpo
 
                 # the base model stands in for the SFT policy: policy and frozen reference start from it
                 run_dpo(cfg.dpo, spec["data_dir"], spec["base_model_dir"], out_dir, clock)
@@ -302,7 +302,7 @@ def run(spec: dict) -> dict:
         result["load_seconds"] = (clock.params_at or t_load) - t_load
         model_params = None
     else:
-        from rlhf_core.ppo_trainer import run_ppo
+        from rlhf_core.ppo.trainer import run_ppo
 
         # no evaluation or checkpoint inside the timed updates, and the run stopped after them
         p = cfg.ppo
@@ -326,7 +326,7 @@ def run(spec: dict) -> dict:
         result["step_seconds"] = [b - a for a, b in zip(clock.ends, clock.ends[1:])]
         result["step_ends"] = clock.ends
         result["phases"] = clock.phases
-        from rlhf_core import generation
+        from rlhf_core.train import generation
 
         # the decoding the rollouts ended with: a compiled step that failed fell back to the dynamic cache
         result["compile_failure"] = generation._compile_failure[0] if generation._compile_failure else None

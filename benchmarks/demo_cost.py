@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"demo_cost: {run_dir} is not empty: a run directory starts empty here")
     run_dir.mkdir(parents=True, exist_ok=True)
     from flows.cli import main as rlhf_main
-    from rlhf_core.io import cache_root
+    from rlhf_core.common.io import cache_root
 
     cmd = ["run", "--preset", args.preset, "--out", str(run_dir), "--json", *args.overrides]
     printed = io.StringIO()

@@ -1,4 +1,4 @@
-"""Does DPO learn? SmolLM2-135M trained with DPO (``rlhf_core.dpo.run_dpo``) on real TL;DR
+"""Does DPO learn? SmolLM2-135M trained with DPO (``rlhf_core.train.dpo.run_dpo``) on real TL;DR
 preference pairs from an SFT policy, then its implicit reward model evaluated on the
 validation pairs exactly as the reward model is (Detail 19, Figure 6).
 
@@ -37,11 +37,11 @@ def main() -> None:
 
     import torch
 
-    from rlhf_core.dpo import run_dpo
-    from rlhf_core.dpo_eval import evaluate_dpo_reward
-    from rlhf_core.presets import load_config
-    from rlhf_core.tracking import JsonlTracker, read_metrics
-    from rlhf_core.training import resolve_bf16
+    from rlhf_core.common.tracking import JsonlTracker, read_metrics
+    from rlhf_core.config.presets import load_config
+    from rlhf_core.evaluation.dpo_eval import evaluate_dpo_reward
+    from rlhf_core.train.dpo import run_dpo
+    from rlhf_core.train.training import resolve_bf16
 
     cfg = load_config(
         args.preset,

@@ -8,7 +8,7 @@ It writes ``benchmarks/results/dpo_loss_vs_trl.json``: the inputs (summed log-pr
 chosen and rejected responses under the policy and the reference, float32), each ``beta``, and
 TRL's outputs at full float precision: the loss and the chosen and rejected rewards of every pair,
 and the loss and reward means of the whole batch. ``tests/benchmarks/test_dpo_loss_vs_trl.py``
-(in ``.venv``, without TRL) asserts that :func:`rlhf_core.dpo.dpo_loss` returns the same values.
+(in ``.venv``, without TRL) asserts that :func:`rlhf_core.train.dpo.dpo_loss` returns the same values.
 
 Inputs: 16 pairs drawn from a seeded generator (reference log-probabilities in [-200, -20] nats,
 the policy's within a few nats of them), plus hand-picked extremes: equal log-probabilities
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     labels, values = inputs(args.pairs, args.seed)
     record = {
         "what": "TRL's sigmoid DPO loss and implicit rewards on fixed summed log-probabilities (float32); "
-        "tests/benchmarks/test_dpo_loss_vs_trl.py checks rlhf_core.dpo.dpo_loss against them",
+        "tests/benchmarks/test_dpo_loss_vs_trl.py checks rlhf_core.train.dpo.dpo_loss against them",
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python benchmarks/dpo_loss_vs_trl.py", *(argv if argv is not None else sys.argv[1:])]),
         "versions": {

@@ -186,7 +186,7 @@ def stage_overrides(args: argparse.Namespace, stage: str, batch_size: int) -> li
 
 def settings(args: argparse.Namespace) -> tuple[list[str], dict]:
     """Every override of the run and the loaded configuration (``PipelineConfig``)."""
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
 
     cfg = load_config(args.preset, args.overrides)
     batch = {st: getattr(cfg, st).batch_size for st in STAGE_NAMES}
@@ -381,7 +381,7 @@ def table(stages: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
 
     started = _dt.datetime.now(_dt.UTC)
     gpu = gpu_info() if args.device == "cuda" else None

@@ -2,16 +2,16 @@
 
 Every comparison of ``$RLHF_TLDR_DIR/preference_validation.jsonl`` (``--n`` limits them) is
 judged by the offline judge (default: SmolLM2-135M-Instruct, the cpu-demo preset's judge)
-through the evaluation stage's own path (:func:`rlhf_core.judging.judge_comparisons` with
+through the evaluation stage's own path (:func:`rlhf_core.evaluation.judging.judge_comparisons` with
 ``orders="both"``), the human's chosen summary as the response and the rejected one as the
 reference, with the prompt the evaluation stage sends (the post without its title). From the
 same judgements:
 
 - ``one``: the verdict of the seeded A/B order alone (what the paper's protocol gives);
-- ``both``: the two orders together (:attr:`rlhf_core.judging.Judgement.outcome`: the sum of
+- ``both``: the two orders together (:attr:`rlhf_core.evaluation.judging.Judgement.outcome`: the sum of
   the two orders' letter margins, so a constant preference for one position cancels out).
 
-Per mode (:func:`rlhf_core.measures.judge_label_agreement`): ``n``, ``agreement`` with the
+Per mode (:func:`rlhf_core.metrics.statistics.judge_label_agreement`): ``n``, ``agreement`` with the
 human label and its Wilson 95% interval ``agreement_ci``, ``a_share`` (share of verdicts for
 the summary shown as "A" in the seeded order) and ``order_consistency`` (share of comparisons
 whose two single-order verdicts pick the same summary: a property of the judge, the same in
@@ -63,10 +63,10 @@ def main() -> None:
     import torch
 
     from benchmarks.truncation import cpu_model
-    from rlhf_core.config import ModelConfig
-    from rlhf_core.judging import Comparison, JudgementCache, OfflineJudge, judge_comparisons
-    from rlhf_core.measures import judge_label_agreement
-    from rlhf_core.model_sources import import_base_model
+    from rlhf_core.config.settings import ModelConfig
+    from rlhf_core.evaluation.judging import Comparison, JudgementCache, OfflineJudge, judge_comparisons
+    from rlhf_core.metrics.statistics import judge_label_agreement
+    from rlhf_core.models.base import import_base_model
 
     path = Path(os.environ["RLHF_TLDR_DIR"]) / "preference_validation.jsonl"
     rows = [json.loads(line) for line in path.open(encoding="utf-8") if line.strip()]

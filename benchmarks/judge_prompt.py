@@ -46,10 +46,10 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(REPO))
     from benchmarks.truncation import cpu_model
-    from rlhf_core.config import ModelConfig
-    from rlhf_core.judging import OfflineJudge, format_judge_prompt, parse_preference, response_is_a
-    from rlhf_core.measures import wilson_interval
-    from rlhf_core.model_sources import import_base_model
+    from rlhf_core.config.settings import ModelConfig
+    from rlhf_core.evaluation.judging import OfflineJudge, format_judge_prompt, parse_preference, response_is_a
+    from rlhf_core.metrics.statistics import wilson_interval
+    from rlhf_core.models.base import import_base_model
 
     rows = []
     with open(Path(os.environ["RLHF_TLDR_DIR"]) / "preference_validation.jsonl") as fh:

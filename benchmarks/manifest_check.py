@@ -4,12 +4,12 @@ Usage: .venv/bin/python benchmarks/manifest_check.py [--gib 4.0] [--repeats 3] [
 
 Builds a stage-like directory (one ``model/model.safetensors`` of ``--gib`` GiB, the size of a
 1B float32 model at 4.0, and a few small files) last written an hour ago, records its
-manifest (:func:`rlhf_core.io.tree_manifest`), then times, best of ``--repeats``:
+manifest (:func:`rlhf_core.common.io.tree_manifest`), then times, best of ``--repeats``:
 
-- the check before reuse (:func:`rlhf_core.io.check_manifest`): sizes and times only;
+- the check before reuse (:func:`rlhf_core.common.io.check_manifest`): sizes and times only;
 - the same check against a manifest without times (written before times were recorded):
   every file read, as every check did before;
-- ``rlhf verify``'s full check (:func:`rlhf_core.io.verify_manifest`).
+- ``rlhf verify``'s full check (:func:`rlhf_core.common.io.verify_manifest`).
 
 The file was just written, so it is read from the page cache: the full checks measure
 SHA-256 on the CPU, not the disk. Prints a JSON record (CPU model and flags included) and
@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    from rlhf_core.io import check_manifest, tree_manifest, verify_manifest
+    from rlhf_core.common.io import check_manifest, tree_manifest, verify_manifest
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         root = Path(tmp) / "ppo"

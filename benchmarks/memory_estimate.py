@@ -16,14 +16,14 @@ published configuration (no weights, no download). Per rank, in bytes, with ``P`
 - a frozen model (the reference policy; PPO's reward model) keeps float32 weights: 4P, or 4P/N
   sharded, or nothing on the GPU between its forward passes when offloaded to CPU (the paper's
   6.9B PPO, Detail 8; ``ppo.offload_frozen``, ``dpo.offload_reference``). During a pass an
-  offloaded whole model (``rlhf_core.offload.CPUOffload``) has its weights outside the
+  offloaded whole model (``rlhf_core.train.offload.CPUOffload``) has its weights outside the
   transformer blocks (embeddings, head) and one block on the GPU; a sharded one (FSDP2's
   ``CPUOffloadPolicy``) one gathered block, counted with the trained model's;
 - activations with every decoder layer recomputed (activation checkpointing): each layer's
   float32 input kept, ``4 L b s h``, plus one layer's activations while it is recomputed,
   ``34 b s h`` (Korthikanti et al. 2022, arXiv:2205.05198, eq. 1, without the attention-score
   term that a fused attention kernel does not store); the language-model head runs in chunks;
-- a model trained through rank-``r`` low-rank adapters (``rlhf_core.lora``; the presets
+- a model trained through rank-``r`` low-rank adapters (``rlhf_core.train.lora``; the presets
   ``pythia-6.9b-1gpu`` and ``llama-3.2-1b-lora``, one GPU) keeps its float32 weights frozen (4P)
   and 16 bytes per adapter parameter, ``r`` times the sum of in + out features over the
   backbone's linear layers; the reference policy is the policy with its adapters off (no copy);
@@ -33,7 +33,7 @@ published configuration (no weights, no download). Per rank, in bytes, with ``P`
   trained model. ``batch_size`` counts episodes, so its micro-batches are the same size.
   Sampling holds no gradients (they are freed after each optimiser step) but the key/value
   cache, ``2 L b s h x 2`` bytes (bf16), and under FSDP2 the policy gathered whole
-  (``rlhf_core.distributed.DataParallel.gathered``): its other shards, ``4P (1 - 1/N)``.
+  (``rlhf_core.train.distributed.DataParallel.gathered``): its other shards, ``4P (1 - 1/N)``.
 
 Sequence lengths are the paper's: SFT and PPO 565 tokens (query 512 + response 53), the
 reward model and DPO 638 per row, two rows (chosen, rejected) per pair. Micro-batches, batch
@@ -136,7 +136,7 @@ def trained(m: Model, strategy: str, n: int) -> float:
 
 
 def adapted(m: Model, r: int) -> float:
-    """Bytes of a model trained through rank-``r`` adapters (``rlhf_core.lora``) on one GPU: its
+    """Bytes of a model trained through rank-``r`` adapters (``rlhf_core.train.lora``) on one GPU: its
     frozen float32 weights (4P) and the adapters' float32 weights, gradients and AdamW moments
     (16 bytes each); a scalar head trained in full is negligible."""
     return 4 * m.params + 16 * r * m.linear_in_out
@@ -149,7 +149,7 @@ def frozen(m: Model, placement: str, n: int) -> float:
 
 def streamed(m: Model) -> float:
     """Bytes on the GPU while an offloaded whole frozen model runs a forward pass
-    (``rlhf_core.offload.CPUOffload``): its float32 weights outside the transformer blocks and
+    (``rlhf_core.train.offload.CPUOffload``): its float32 weights outside the transformer blocks and
     one block's. That pass's own activations (one micro-batch's hidden states, without
     gradients) are small beside a training micro-batch's and not counted."""
     return 4 * (m.params - m.layers * m.layer_params) + 4 * m.layer_params
@@ -207,7 +207,7 @@ def lora_stage_bytes(
 
 def lora_rows() -> list[dict]:
     """The LoRA presets' stages on the single GPUs they are meant for (:data:`LORA_PRESETS`)."""
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
 
     rows = []
     for preset, (model_name, capacities) in LORA_PRESETS.items():
@@ -243,7 +243,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/memory_estimate.json")
     args = parser.parse_args()
 
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
 
     machines = {"8 x 80 GB": (8, 80), "1 x 141 GB": (1, 141)}
     rows = []

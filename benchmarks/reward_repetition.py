@@ -3,10 +3,10 @@ twice, and repeated up to the response length without EOS, against the human ref
 
 PPO's greedy summaries fall into loops ("I went on a date with her, she said yes, I went on a date
 with her, ..."). This measures whether the reward model pays for that: every variant of a summary is
-scored by :func:`rlhf_core.reward.score_responses` without the EOS trick (``raw_scores``: the reward
+scored by :func:`rlhf_core.train.reward.score_responses` without the EOS trick (``raw_scores``: the reward
 model's own output at the last real token), on the same query, and compared with the summary as
 written by the mean paired difference and its 95% normal interval
-(:func:`rlhf_core.measures.paired_difference`) and the share of prompts where the variant scores
+(:func:`rlhf_core.metrics.statistics.paired_difference`) and the share of prompts where the variant scores
 higher. Variants:
 
 - ``once``: the summary, then EOS (what the SFT policy wrote);
@@ -80,9 +80,9 @@ def measure(data_dir: Path, reward_model_dir: Path, samples: Path, response_leng
     """
     import torch
 
-    from rlhf_core.measures import paired_difference
-    from rlhf_core.prepared import load_data_tokenizer, load_prepared
-    from rlhf_core.reward import ScalarModel, score_responses
+    from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
+    from rlhf_core.metrics.statistics import paired_difference
+    from rlhf_core.train.reward import ScalarModel, score_responses
 
     tokenizer = load_data_tokenizer(data_dir)
     sft, _, stats = load_prepared(data_dir)

@@ -1,6 +1,6 @@
 """How far a reward model gets on the offline TL;DR comparisons without learning any preference:
 the "longer wins" and "the preferred policy wins" baselines of the reward model's evaluation
-(:func:`rlhf_core.reward_eval.baseline_accuracies`) on comparisons held out of each candidate
+(:func:`rlhf_core.evaluation.reward_eval.baseline_accuracies`) on comparisons held out of each candidate
 training set.
 
 The cpu-demo preset trains its reward model on batch13, one policy pair, where the PPO policy's
@@ -39,7 +39,7 @@ def split_by_post(rows: list[dict], held_share: float, seed: int) -> tuple[list[
 
 def candidate(rows: list[dict], held_share: float = 0.2, seed: int = 1) -> dict:
     """Both baselines on one candidate's held-out comparisons, the policy prior learned on the rest."""
-    from rlhf_core.reward_eval import baseline_accuracies, policy_win_rates
+    from rlhf_core.evaluation.reward_eval import baseline_accuracies, policy_win_rates
 
     train, held = split_by_post(rows, held_share, seed)
 

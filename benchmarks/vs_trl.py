@@ -89,13 +89,13 @@ layer produced during training (``autocast_linear_dtype``) and fails if it is no
 Not identical, by design of each library (see the JSON's ``differences``):
 - Padding: our SFT and reward stages load every row padded to the data set's padded length (the
   reference implementation's layout) and their forward passes drop the PAD columns past each
-  micro-batch's longest row (``rlhf_core.forward.causal_forward``); TRL's collator pads each
+  micro-batch's longest row (``rlhf_core.train.forward.causal_forward``); TRL's collator pads each
   micro-batch to its longest row. The two compute on the same shapes; ``--trl-pad-to-max`` makes
   TRL pad to the data set's padded length instead, which only costs TRL time.
 - TRL's default optimiser in transformers 5 is the fused AdamW; we set ``optim="adamw_torch"``
   to match ours (plain ``torch.optim.AdamW``).
 - PPO: the reward and value models on the TRL side are ``AutoModelForSequenceClassification``
-  (``num_labels=1``) from the base model, ours :class:`rlhf_core.reward.ScalarModel`; both have
+  (``num_labels=1``) from the base model, ours :class:`rlhf_core.train.reward.ScalarModel`; both have
   an untrained head, which does not change the work done. TRL subtracts ``missing_eos_penalty``
   from a score where ours replaces it by ``non_eos_penalty`` (same cost). TRL's generation stops
   early when every row of a micro-batch has produced EOS (``stop_token="eos"``); ours always
@@ -107,7 +107,7 @@ Not identical, by design of each library (see the JSON's ``differences``):
   response per row, right-padded, loss mask on the response): no re-tokenisation, no added BOS or
   EOS, and ``max_length`` our padded length (no truncation; the worker checks).
 - DPO log-probabilities: ours runs each pair's shared query once and both responses against its
-  key/value cache (``rlhf_core.dpo.pair_logprobs``), then the LM head only at response positions,
+  key/value cache (``rlhf_core.train.dpo.pair_logprobs``), then the LM head only at response positions,
   in chunks of rows; with activation checkpointing (``--our-checkpointing selective`` or
   ``true``; off by default) it runs chosen and rejected concatenated instead, still without the
   full logits. TRL runs the chosen and
@@ -547,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 "DPO rows: TRL's DPOTrainer gets our prompt_ids/chosen_ids/rejected_ids as they are (its "
                 "_prepare_dataset, which would re-tokenise text and append EOS, is bypassed by a subclass)",
                 "DPO log-probs: ours runs each pair's shared query once and the two responses against its "
-                "key/value cache (rlhf_core.dpo.pair_logprobs; with activation checkpointing, off by default, "
+                "key/value cache (rlhf_core.train.dpo.pair_logprobs; with activation checkpointing, off by default, "
                 "it concatenates chosen and rejected instead), then the LM head only at response "
                 "positions, in chunks; TRL runs chosen and rejected rows in full and computes full-vocabulary "
                 "logits at every position (plus its logged statistics: entropy, mean logits, token accuracy)",

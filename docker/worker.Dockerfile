@@ -67,7 +67,7 @@ COPY rlhf_core rlhf_core
 COPY tasks tasks
 COPY flows flows
 RUN pip install --no-deps --editable . \
-    && python -c "import rlhf_core.config as c; c.load_config('llama-3.2-1b-h200')" \
+    && python -c "import rlhf_core.config.presets as c; c.load_config('llama-3.2-1b-h200')" \
     && python -c "import torch, prefect, mlflow; print(torch.__version__, torch.version.cuda, prefect.__version__, mlflow.__version__)"
 
 USER rlhf

@@ -31,15 +31,15 @@ import argparse
 import json
 from pathlib import Path
 
-from rlhf_core.data import TokenizedSplits, apply_holdouts, tokenize_splits
-from rlhf_core.presets import load_config
-from rlhf_core.tokenizer_sources import load_tokenizer
+from rlhf_core.config.presets import load_config
+from rlhf_core.data.prepare import TokenizedSplits, apply_holdouts, tokenize_splits
+from rlhf_core.models.tokenizers import load_tokenizer
 
 METADATA = ("batch", "chosen_policy", "rejected_policy", "confidence", "split", "worker")
 
 
 def trl_rows(row: dict, kind: str, form: str) -> dict:
-    """One tokenised TL;DR row (:func:`rlhf_core.data.tokenize_splits`) in TRL's ``form``."""
+    """One tokenised TL;DR row (:func:`rlhf_core.data.prepare.tokenize_splits`) in TRL's ``form``."""
     names = ("summary",) if kind == "sft" else ("chosen", "rejected")
     if form == "standard":
         out = {"prompt": row["query"], **{name: " " + row[name] for name in names}}
@@ -60,7 +60,7 @@ def convert(
 
     Returns:
         ``({file name: rows}, splits)``: the rows written, and the TL;DR rows as the ``tldr``
-        format tokenised them (:func:`rlhf_core.data.tokenize_splits`), for comparison.
+        format tokenised them (:func:`rlhf_core.data.prepare.tokenize_splits`), for comparison.
     """
     cfg = load_config(preset, overrides)
     tokenizer = load_tokenizer(cfg.model)

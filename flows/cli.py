@@ -1,4 +1,4 @@
-"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.cli` plus ``rlhf run``,
+"""The installed ``rlhf`` command: the stage commands of :mod:`rlhf_core.run.cli` plus ``rlhf run``,
 ``rlhf sweep`` and ``rlhf check``.
 
 ``rlhf run --preset NAME [key=value ...]`` runs the ``rlhf`` flow in this process (Prefect's
@@ -23,8 +23,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core import cli as core
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config.settings import PipelineConfig
+from rlhf_core.run import cli as core
 
 
 def run_directory(args: argparse.Namespace, cfg: PipelineConfig) -> Path:
@@ -47,7 +47,7 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     root.mkdir(parents=True, exist_ok=True)
     os.environ.update(run_locations(args, root))
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
-    from rlhf_core.pipeline import stages_until
+    from rlhf_core.run.pipeline import stages_until
     from tasks.stages import preflight
 
     # as the flow does first, but before its Prefect server starts: errors at once
@@ -65,15 +65,15 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 
 def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     """``rlhf check``: what a run of ``cfg`` up to ``--until`` checks before its first stage
-    (:func:`rlhf_core.preflight.check_before_stages`: the data rows, fetched from the hub for the
+    (:func:`rlhf_core.run.preflight.check_before_stages`: the data rows, fetched from the hub for the
     offline presets when no folder holds them; model sources; ``ppo.reward``; the splits; the
     judge's key), with no run directory, store or server. The Anthropic judge's Prefect Secret
     block is looked up on the server ``PREFECT_API_URL`` names; with none named, a run's own
     check looks it up when the run starts."""
-    from rlhf_core.config import check_world_size
-    from rlhf_core.launch import nproc_per_node
-    from rlhf_core.pipeline import stages_until
-    from rlhf_core.preflight import JUDGE_KEY_VARIABLE, check_before_stages
+    from rlhf_core.config.settings import check_world_size
+    from rlhf_core.run.launch import nproc_per_node
+    from rlhf_core.run.pipeline import stages_until
+    from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, check_before_stages
 
     stages = stages_until(args.until)
     check_world_size(cfg, nproc_per_node())
@@ -96,11 +96,11 @@ def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
 def cmd_plan(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     """``rlhf plan``: one line per stage up to ``--until``: its name, its key and whether it will
     run or be taken from the cache. A run directory of the stage commands (``rlhf stages``) is
-    planned from its finished stages (:func:`rlhf_core.cli.plan_stages`); any other, as ``rlhf
+    planned from its finished stages (:func:`rlhf_core.run.cli.plan_stages`); any other, as ``rlhf
     run`` would use it (default ``runs/<preset>``), from the artifact store and the Prefect cache
     entries beside it (:func:`tasks.stages.plan_run`). Runs nothing, writes nothing, loads no
     torch."""
-    from rlhf_core.pipeline import stages_until
+    from rlhf_core.run.pipeline import stages_until
 
     root = run_directory(args, cfg)
     if (root / core.RUN_MARKER).is_file():
@@ -164,10 +164,10 @@ def sweep_main(argv: list[str]) -> int:
     prefect_settings()
     from pydantic import ValidationError
 
-    from rlhf_core.config import ConfigError
-    from rlhf_core.errors import DataError, ModelSourceError
-    from rlhf_core.pipeline import stages_until
-    from rlhf_core.sweep import SweepSpec, cell_configs, expand, load_sweep
+    from rlhf_core.common.errors import DataError, ModelSourceError
+    from rlhf_core.config.settings import ConfigError
+    from rlhf_core.run.pipeline import stages_until
+    from rlhf_core.run.sweep import SweepSpec, cell_configs, expand, load_sweep
     from tasks.storage import ArtifactError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

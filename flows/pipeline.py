@@ -16,10 +16,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from rlhf_core.config import PipelineConfig
-from rlhf_core.io import exclusive_lock, json_digest
-from rlhf_core.pipeline import STAGES, stages_until
-from rlhf_core.presets import flatten, load_config
+from rlhf_core.common.io import exclusive_lock, json_digest
+from rlhf_core.config.presets import flatten, load_config
+from rlhf_core.config.settings import PipelineConfig
+from rlhf_core.run.pipeline import STAGES, stages_until
 from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_models import MLFLOW_MODELS
 from tasks.mlflow_tracking import (
@@ -107,8 +107,8 @@ def _run_stages(
             client.log_inputs(parent_id, datasets=dataset_inputs(data_dir, cfg))
         report = None
         if "evaluation" in records:  # the run's report, naming the run, also in the parent run in the MLflow UI
-            from rlhf_core.report import stamp_report  # matplotlib: only where a report is stamped
-            from rlhf_core.run_report import REPORT_FILES
+            from rlhf_core.report.run_report import REPORT_FILES
+            from rlhf_core.views.page import stamp_report  # matplotlib: only where a report is stamped
 
             report_dir = store.local_path(records["evaluation"].key, work_root() / "downloads")
             report = stamp_report(
@@ -198,7 +198,7 @@ def run_markdown(cfg: PipelineConfig, result: dict, client: MlflowClient) -> str
     lines += [f"| {name} | `{r['uri']}` | {r['mlflow_run_id']} |" for name, r in result["stages"].items()]
     metrics = result["stages"].get("evaluation", {}).get("metrics", {})
     if metrics:
-        from rlhf_core.evaluation import POLICIES  # torch: only where the run was evaluated
+        from rlhf_core.evaluation.stage import POLICIES  # torch: only where the run was evaluated
 
         lines += ["", "| policy | win rate vs references [95% CI] | RM score |", "|---|---:|---:|"]
         for policy, _ in POLICIES:

@@ -14,7 +14,7 @@ concurrency limits (``gpu``, ``judge-api``: the spec's ``concurrency_limits``) b
 stage tasks hold an accelerator or call the judge at once, over all workers. A failed cell is
 recorded and the others go on; the sweep then ends failed, naming them, and running it again
 resumes only what is missing. The summary
-(:mod:`rlhf_core.sweep`) goes to an MLflow parent run for the sweep, under which the cells'
+(:mod:`rlhf_core.run.sweep`) goes to an MLflow parent run for the sweep, under which the cells'
 runs are nested, and to a Prefect markdown artifact. Deployed as ``rlhf/sweep``
 (``infra/prefect.yaml``); ``rlhf sweep SPEC`` runs it in this process.
 """
@@ -35,10 +35,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
-from rlhf_core.config import ConfigError
-from rlhf_core.io import write_json_atomic
-from rlhf_core.pipeline import STAGES, stages_until
-from rlhf_core.sweep import (
+from rlhf_core.common.io import write_json_atomic
+from rlhf_core.config.settings import ConfigError
+from rlhf_core.run.pipeline import STAGES, stages_until
+from rlhf_core.run.sweep import (
     COLUMNS,
     Cell,
     CellResult,

@@ -1,4 +1,4 @@
-"""Write the subset file naming every row of the offline TL;DR folder (``rlhf_core.hub_subset``).
+"""Write the subset file naming every row of the offline TL;DR folder (``rlhf_core.data.hub_subset``).
 
     python infra/tldr_subset.py [DIR] > configs/data/tldr-offline-rows.json
 
@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core.config import DataConfig
-from rlhf_core.hub_subset import subset_document
+from rlhf_core.config.data_settings import DataConfig
+from rlhf_core.data.hub_subset import subset_document
 
 REPO = Path(__file__).resolve().parent.parent
 #: The revision of ``openai/summarize_from_feedback`` read: ``main`` as the hub reported it on

@@ -17,7 +17,7 @@ from pathlib import Path
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.io import LockHeldError, exclusive_lock
+from rlhf_core.common.io import LockHeldError, exclusive_lock
 
 log = logging.getLogger(__name__)
 

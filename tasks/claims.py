@@ -1,6 +1,6 @@
 """Stage claims on an S3 artifact store: one worker trains a stage key, across machines.
 
-A stage's ``fcntl`` lock (:func:`rlhf_core.io.exclusive_lock`) holds among the processes of one
+A stage's ``fcntl`` lock (:func:`rlhf_core.common.io.exclusive_lock`) holds among the processes of one
 machine. Workers on several machines that share an S3 artifact store also claim the stage in
 the store, beside its artifact, before they train it (:class:`StageClaim`):
 

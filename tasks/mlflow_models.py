@@ -4,7 +4,7 @@
   ``text-generation``: ``predict`` takes TL;DR prompts (the query format is in the model's
   metadata as ``prompt_format``) and returns the summaries. It samples with the pipeline's
   settings (``model_config``), not with the PPO rollout's (PAD suppressed, fixed response
-  length: :func:`rlhf_core.generation.generate`).
+  length: :func:`rlhf_core.train.generation.generate`).
 - the DPO policy (``rlhf-tldr-dpo-policy``), the same way.
 - the normalised reward model (``rlhf-tldr-reward-model``) as a pyfunc, :class:`RewardModelScorer`:
   ``predict`` takes a DataFrame with the columns ``post`` and ``summary`` (and optionally
@@ -28,7 +28,7 @@ import pandas as pd
 from mlflow.models import ModelSignature
 from mlflow.types import ColSpec, Schema
 
-from rlhf_core.config import PipelineConfig
+from rlhf_core.config.settings import PipelineConfig
 
 #: What MLflow says on every save of these models that asks nothing of the user: the policy
 #: comes from a local folder (no hub model card or licence to read), its generation settings
@@ -114,7 +114,7 @@ def save_policy_model(
     import mlflow.transformers
     from transformers import AutoTokenizer
 
-    from rlhf_core.models import load_causal_lm
+    from rlhf_core.models.saved import load_causal_lm
 
     stats = json.loads((Path(data_dir) / "stats.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -161,18 +161,18 @@ REWARD_SIGNATURE = ModelSignature(
 class RewardModelScorer(mlflow.pyfunc.PythonModel):
     """The reward model as a pyfunc: (post, summary) rows in, their scores out.
 
-    ``model_config``: ``query_format`` (:class:`rlhf_core.config.QueryFormat` as a dict) and
+    ``model_config``: ``query_format`` (:class:`rlhf_core.config.settings.QueryFormat` as a dict) and
     ``batch_size``. Artifact ``reward_model``: a directory saved by
-    :meth:`rlhf_core.reward.ScalarModel.save_pretrained`, with its tokenizer, or an existing
+    :meth:`rlhf_core.train.reward.ScalarModel.save_pretrained`, with its tokenizer, or an existing
     reward model (``ppo.reward: model:SOURCE``) with its own, which then builds the queries too
-    (:func:`rlhf_core.reward.load_reward_model`).
+    (:func:`rlhf_core.train.reward.load_reward_model`).
     """
 
     def load_context(self, context) -> None:
         from transformers import AutoTokenizer
 
-        from rlhf_core.config_data import QueryFormat
-        from rlhf_core.reward import load_reward_model
+        from rlhf_core.config.data_settings import QueryFormat
+        from rlhf_core.train.reward import load_reward_model
 
         path = context.artifacts["reward_model"]
         self.tokenizer = AutoTokenizer.from_pretrained(path)
@@ -190,9 +190,9 @@ class RewardModelScorer(mlflow.pyfunc.PythonModel):
         """
         import torch
 
-        from rlhf_core.data import left_pad, right_pad, tokenize_response, truncate_query
-        from rlhf_core.data_rows import BadRow
-        from rlhf_core.reward import score_responses
+        from rlhf_core.data.prepare import left_pad, right_pad, tokenize_response, truncate_query
+        from rlhf_core.data.rows import BadRow
+        from rlhf_core.train.reward import score_responses
 
         tok, rows = self.tokenizer, model_input.to_dict("records")
         queries, responses = [], []

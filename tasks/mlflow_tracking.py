@@ -1,4 +1,4 @@
-"""An MLflow-backed :class:`rlhf_core.tracking.Tracker`.
+"""An MLflow-backed :class:`rlhf_core.common.tracking.Tracker`.
 
 Metrics are buffered and sent with ``log_batch`` (at most every ``flush_seconds`` or
 ``flush_size`` values, and on :meth:`MLflowTracker.close`), so a training loop never waits
@@ -24,8 +24,8 @@ from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.config_data import DATA_KINDS
-from rlhf_core.io import exclusive_lock
+from rlhf_core.common.io import exclusive_lock
+from rlhf_core.config.data_settings import DATA_KINDS
 
 from .storage import ArtifactStore
 
@@ -264,7 +264,7 @@ def dataset_inputs(data_dir: str | os.PathLike, cfg) -> list:
 
 def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tuple[str, MlflowClient]:
     """Create the stage's MLflow run, nested under the pipeline's run, with its config sections as params."""
-    from rlhf_core.presets import flatten
+    from rlhf_core.config.presets import flatten
 
     client = tracking_client(cfg.tracking.tracking_uri)
     if parent_run_id is not None:
@@ -285,7 +285,7 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
         client.set_tag(dead.info.run_id, "rlhf.replaced_by", run.info.run_id)
         client.set_terminated(dead.info.run_id, "KILLED")
     tracker = MLflowTracker(run.info.run_id, client=client)
-    from rlhf_core.pipeline import stage_config
+    from rlhf_core.run.pipeline import stage_config
 
     tracker.log_params(flatten(stage_config(cfg, stage)))
     return run.info.run_id, client

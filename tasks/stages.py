@@ -1,6 +1,6 @@
 """Prefect tasks, one per pipeline stage, each wrapping a pure ``rlhf_core`` stage function.
 
-A task's cache key (:func:`rlhf_core.pipeline.stage_key`) digests its stage name, the
+A task's cache key (:func:`rlhf_core.run.pipeline.stage_key`) digests its stage name, the
 settings it reads, what else it reads (data and model files), the digests of its upstream
 artifacts, the version of the ``rlhf_core`` code and the artifact root. A task returns a small
 :class:`StageRecord` (artifact key, URI and digest, MLflow run id, key metrics), never a
@@ -29,14 +29,14 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
-from rlhf_core.config import PipelineConfig, TrainerConfig
-from rlhf_core.io import exclusive_lock, write_json_atomic
-from rlhf_core.launch import nproc_per_node
-from rlhf_core.pipeline import STAGES, key_changes, key_record, stage_key, stage_key_parts
-from rlhf_core.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
-from rlhf_core.runner import PlannedStage
-from rlhf_core.runner import run_stage as run_stage_in
-from rlhf_core.tracking import JsonlTracker, TeeTracker
+from rlhf_core.common.io import exclusive_lock, write_json_atomic
+from rlhf_core.common.tracking import JsonlTracker, TeeTracker
+from rlhf_core.config.settings import PipelineConfig, TrainerConfig
+from rlhf_core.run.launch import nproc_per_node
+from rlhf_core.run.pipeline import STAGES, key_changes, key_record, stage_key, stage_key_parts
+from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
+from rlhf_core.run.runner import PlannedStage
+from rlhf_core.run.runner import run_stage as run_stage_in
 
 from .storage import ArtifactError, ArtifactStore
 
@@ -55,7 +55,7 @@ class StageRecord(BaseModel):
 def stage_cache_parts(
     stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
 ) -> dict[str, Any]:
-    """The parts of ``stage``'s cache key (:func:`rlhf_core.pipeline.stage_key_parts`), its
+    """The parts of ``stage``'s cache key (:func:`rlhf_core.run.pipeline.stage_key_parts`), its
     upstream being the content digests of its input artifacts and its context the artifact root
     (``store``'s, default ``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its
     artifact lives in."""
@@ -65,7 +65,7 @@ def stage_cache_parts(
 def stage_cache_key(
     stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
 ) -> str:
-    """The cache key of ``stage`` (:func:`rlhf_core.pipeline.stage_key`) over
+    """The cache key of ``stage`` (:func:`rlhf_core.run.pipeline.stage_key`) over
     :func:`stage_cache_parts`."""
     return stage_key(stage, cfg, [u.digest for u in upstream], store=(store or ArtifactStore()).uri(""))
 
@@ -91,13 +91,13 @@ def provide_judge_key(secret_block: str) -> None:
 
     Raises:
         JudgeConfigError: neither the variable nor the block exists
-            (:func:`rlhf_core.preflight.judge_key_missing`).
+            (:func:`rlhf_core.run.preflight.judge_key_missing`).
     """
     if os.environ.get(JUDGE_KEY_VARIABLE):
         return
     from prefect.blocks.system import Secret
 
-    from rlhf_core.judging import JudgeConfigError
+    from rlhf_core.evaluation.judging import JudgeConfigError
 
     try:
         key = Secret.load(secret_block).get()
@@ -127,7 +127,7 @@ def preflight(cfg: PipelineConfig, stages: list[str] | None = None) -> None:
     """What must hold before the first of the stages ``stages`` (default: every stage) runs,
     checked at once: the batch settings divide for this machine's process count
     (``RLHF_NPROC_PER_NODE``); the artifact store and the work directory can be written to;
-    what the stages will read exists (:func:`rlhf_core.preflight.check_before_stages`: data
+    what the stages will read exists (:func:`rlhf_core.run.preflight.check_before_stages`: data
     splits, local data files, ``ppo.reward``, model sources, hub models and datasets); and, for
     the Anthropic judge, a key is there: ``ANTHROPIC_API_KEY`` or the Prefect Secret block named
     by ``eval.api_key_secret`` (:func:`secret_block_exists`: its presence, never its value).
@@ -136,7 +136,7 @@ def preflight(cfg: PipelineConfig, stages: list[str] | None = None) -> None:
         ConfigError (PreflightError), ModelSourceError, DataError, ArtifactError, OSError:
             naming the key or the directory.
     """
-    from rlhf_core.config import check_world_size
+    from rlhf_core.config.settings import check_world_size
 
     check_world_size(cfg, nproc_per_node())
     ArtifactStore().check_writable()
@@ -154,7 +154,7 @@ def preflight(cfg: PipelineConfig, stages: list[str] | None = None) -> None:
 
 
 #: A mid-stage checkpoint's size in multiples of the float32 weights a stage trains: the
-#: weights and AdamW's two moments (:class:`rlhf_core.training.CheckpointManager`).
+#: weights and AdamW's two moments (:class:`rlhf_core.train.training.CheckpointManager`).
 FREE_SPACE_FACTOR = 3
 #: Free space every stage needs beyond its estimate (logs, metrics, small files), in bytes.
 FREE_SPACE_MIN = 256 << 20
@@ -180,7 +180,7 @@ def estimate_stage_space(model_bytes: int, keep_checkpoints: int | None, written
     where ``output = model_bytes`` (the trained models, saved in float32 as they were read),
     ``checkpoint = FREE_SPACE_FACTOR x model_bytes`` (float32 weights and AdamW's two moments):
     ``keep_checkpoints`` complete checkpoints are kept and one more exists while a new one is
-    written (:class:`rlhf_core.training.CheckpointManager`); ``written`` is what the stage's
+    written (:class:`rlhf_core.train.training.CheckpointManager`); ``written`` is what the stage's
     work directory already holds (an interrupted attempt's checkpoint). A stage that trains
     nothing (``keep_checkpoints=None``) writes no checkpoint and at most a model of
     ``model_bytes``: ``total = max(model_bytes - written, 0) + FREE_SPACE_MIN``.
@@ -208,7 +208,7 @@ def check_free_space(stage: str, inputs: list[Path], places: list[Path], cfg: Pi
 
     A trainer stage (:data:`TRAINED_INPUTS`) is estimated from the size on disk of the input
     artifacts holding the models it trains, when ``inputs`` are in the stage's order
-    (:data:`rlhf_core.pipeline.STAGES`), else from its largest input, and from its
+    (:data:`rlhf_core.run.pipeline.STAGES`), else from its largest input, and from its
     ``keep_checkpoints`` setting in ``cfg`` (default 1); any other stage from its largest input.
     What the first place (the stage's work directory) already holds counts as written. Every
     place is held to the whole estimate.
@@ -248,9 +248,9 @@ def check_free_space(stage: str, inputs: list[Path], places: list[Path], cfg: Pi
 
 
 def _not_retried() -> tuple[type[BaseException], ...]:
-    from rlhf_core import errors
-    from rlhf_core.config import ConfigError
-    from rlhf_core.judging.errors import JudgeConfigError, JudgeRequestError
+    from rlhf_core.common import errors
+    from rlhf_core.config.settings import ConfigError
+    from rlhf_core.evaluation.judging.errors import JudgeConfigError, JudgeRequestError
 
     return (errors.DataError, errors.ModelSourceError, ConfigError, ArtifactError, JudgeConfigError, JudgeRequestError)
 
@@ -332,7 +332,7 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     """Run one stage (or resume it from its checkpoints) and store its artifact.
 
     Args:
-        stage: a name in :data:`rlhf_core.pipeline.STAGES`.
+        stage: a name in :data:`rlhf_core.run.pipeline.STAGES`.
         config: the pipeline config as a dict (``PipelineConfig.model_dump()``).
         upstream: the records of the stages it reads, in the order the stage expects.
         parent_run_id: the pipeline's MLflow run; the stage logs to a nested run under it.
@@ -445,7 +445,7 @@ FINISHED_PARTS = "finished-parts.json"
 def why_it_runs_again(stage: str, parts: dict[str, Any], work: Path) -> str:
     """Why stage ``stage`` runs with key parts ``parts`` rather than coming from the cache: what
     changed since its last finished run on this worker (:data:`FINISHED_PARTS` under ``work``;
-    :func:`rlhf_core.pipeline.key_changes`), or that there was none."""
+    :func:`rlhf_core.run.pipeline.key_changes`), or that there was none."""
     path = work / stage / FINISHED_PARTS
     if not path.is_file():
         return "no earlier finished run of it on this worker"
@@ -461,7 +461,7 @@ def _run_stage_once(
     store: ArtifactStore,
     parent_run_id: str | None,
 ) -> StageRecord:
-    from rlhf_core.runner import MARKER
+    from rlhf_core.run.runner import MARKER
 
     from .mlflow_tracking import MLflowTracker, start_stage_run, traced_judge_calls
 
@@ -513,8 +513,8 @@ def _log_stage_files(stage: str, cfg: PipelineConfig, out: Path, tracker: Any, c
         if (out / name).is_file():
             tracker.log_artifact(out / name)
     if stage == "data":
-        from rlhf_core.plots import plot_token_lengths
-        from rlhf_core.prepared import token_lengths
+        from rlhf_core.data.prepared import token_lengths
+        from rlhf_core.views.plots import plot_token_lengths
 
         from .mlflow_tracking import dataset_inputs
 

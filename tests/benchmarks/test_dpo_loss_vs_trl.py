@@ -1,4 +1,4 @@
-"""Our DPO loss against TRL's: ``rlhf_core.dpo.dpo_loss`` on the fixed summed log-probabilities of
+"""Our DPO loss against TRL's: ``rlhf_core.train.dpo.dpo_loss`` on the fixed summed log-probabilities of
 ``benchmarks/results/dpo_loss_vs_trl.json``, whose losses and rewards TRL's own
 ``DPOTrainer._compute_loss`` computed (``benchmarks/dpo_loss_vs_trl.py``, run in ``.venv-trl``;
 TRL is not imported here).
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from rlhf_core.dpo import dpo_loss
+from rlhf_core.train.dpo import dpo_loss
 
 RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "dpo_loss_vs_trl.json"
 RECORD = json.loads(RESULT.read_text())

@@ -141,7 +141,7 @@ def test_the_default_run_is_a_random_llama_1b_shape_with_just_enough_rows():
 def test_levers_off_gives_a_cuda_device_the_cpus_choices(monkeypatch):
     """``--levers off``: the worker makes CUDA's kernel choices the CPU's and decodes eagerly with
     the dynamic cache, so the same stage code runs without the speed levers on a GPU."""
-    from rlhf_core import generation, training
+    from rlhf_core.train import generation, training
 
     monkeypatch.setattr(training, "CUDA_TUNING", training.CUDA_TUNING)  # restored after the test
     monkeypatch.setattr(generation, "COMPILED_STATIC_CACHE", generation.COMPILED_STATIC_CACHE)

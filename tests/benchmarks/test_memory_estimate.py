@@ -81,7 +81,7 @@ def test_every_stage_of_the_one_gpu_presets_fits_by_the_estimate():
 
 
 def test_an_offloaded_frozen_model_holds_its_blocks_one_at_a_time_during_a_pass():
-    """``ppo.offload_frozen``, ``dpo.offload_reference`` (rlhf_core.offload.CPUOffload): nothing
+    """``ppo.offload_frozen``, ``dpo.offload_reference`` (rlhf_core.train.offload.CPUOffload): nothing
     of the frozen model on the GPU between passes; during one, its weights outside the blocks
     and one block."""
     m = memory_estimate.Model(params=8_000, layer_params=1_000, layers=4, hidden=8)

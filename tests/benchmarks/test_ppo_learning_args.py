@@ -18,7 +18,7 @@ def test_the_rows_folder_is_passed_only_when_there_is_one():
 
 
 def test_the_advantage_estimator_is_passed_and_its_settings_validate():
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
 
     built = overrides(parse_args(["--advantage-estimator", "rloo"]))
     assert "ppo.advantage_estimator=rloo" in built

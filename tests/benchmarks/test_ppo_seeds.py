@@ -3,7 +3,7 @@
 import json
 
 from benchmarks.ppo_seeds import cell, from_cells, from_run
-from rlhf_core.sweep import COLUMNS
+from rlhf_core.run.sweep import COLUMNS
 
 METRICS = {
     "eval/objective_gain_vs_sft": 0.2,
@@ -41,7 +41,7 @@ def test_a_cell_passes_only_with_every_part_of_the_check():
 
 
 def test_cells_of_a_sweep_summary_read_the_columns_the_sweep_writes(tmp_path):
-    """The column names are the sweep's own (rlhf_core.sweep.COLUMNS), as summary_rows writes them."""
+    """The column names are the sweep's own (rlhf_core.run.sweep.COLUMNS), as summary_rows writes them."""
     by_metric = {metric: (name, interval) for name, stage, metric, interval in COLUMNS if stage == "ppo"}
     row = {"cell": "cpu-demo/seed=3/ppo.advantage_estimator=rloo", "seed": 3, "error": None, "flagged": True}
     row["ppo.advantage_estimator"] = "rloo"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from benchmarks.reward_repetition import VARIANTS, measure, variant_ids
-from rlhf_core.prepared import load_data_tokenizer, load_prepared
-from rlhf_core.reward import ScalarModel, score_responses
+from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
+from rlhf_core.train.reward import ScalarModel, score_responses
 
 SUMMARY = "my cat ate my homework"
 REFERENCE = "the cat ate it"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.pipeline import STAGES
+from rlhf_core.run.pipeline import STAGES
 from tasks.storage import ArtifactStore
 from tests.servers import fresh_prefect_home
 
@@ -119,7 +119,7 @@ def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:
     import pandas as pd
     import torch
 
-    from rlhf_core.reward import ScalarModel, get_reward
+    from rlhf_core.train.reward import ScalarModel, get_reward
 
     rows = datasets.load_from_disk(str(Path(result["stages"]["data"]["uri"]) / "sft" / "validation")).select(range(4))
     before = os.environ.get("MLFLOW_TRACKING_URI")
@@ -439,7 +439,7 @@ def test_a_run_killed_part_way_is_ended_by_the_next(tmp_path):
 FLAKY_REWARD = """
 from pathlib import Path
 
-from rlhf_core.rule_rewards import word_count_12
+from rlhf_core.train.rule_rewards import word_count_12
 
 
 def fails_on_second_call(*args):

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.pipeline import STAGES
-from rlhf_core.sweep import COLUMNS
+from rlhf_core.run.pipeline import STAGES
+from rlhf_core.run.sweep import COLUMNS
 
 from .test_pipeline import finished_task_runs, flow_env
 

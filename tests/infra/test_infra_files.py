@@ -24,8 +24,8 @@ from prefect.utilities.schema_tools import ValidationError, is_valid_schema, val
 from prefect.workers.base import BaseJobConfiguration
 from pydantic import ConfigDict
 
-from rlhf_core.io import PRESET_DIR
-from rlhf_core.presets import load_config
+from rlhf_core.common.io import PRESET_DIR
+from rlhf_core.config.presets import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"

@@ -5,7 +5,7 @@ from collections import namedtuple
 
 import pytest
 
-from rlhf_core.presets import load_config
+from rlhf_core.config.presets import load_config
 from tasks.stages import FREE_SPACE_MIN, check_free_space, estimate_stage_space
 from tasks.storage import ArtifactError
 

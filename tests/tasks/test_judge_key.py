@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from rlhf_core.config import ConfigError
-from rlhf_core.judging import JudgeConfigError
-from rlhf_core.pipeline import stages_until
-from rlhf_core.preflight import PreflightError, check_judge_key
-from rlhf_core.presets import load_config
+from rlhf_core.config.presets import load_config
+from rlhf_core.config.settings import ConfigError
+from rlhf_core.evaluation.judging import JudgeConfigError
+from rlhf_core.run.pipeline import stages_until
+from rlhf_core.run.preflight import PreflightError, check_judge_key
 from tasks.stages import preflight, provide_judge_key, secret_block_exists
 
 KEY = "sk-ant-preflight-test-0123456789abcdefghij"  # a made-up key: it must appear nowhere

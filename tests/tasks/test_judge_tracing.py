@@ -5,7 +5,7 @@ import json
 
 from mlflow.tracking import MlflowClient
 
-from rlhf_core.judging import AnthropicJudge, Comparison, judge_comparisons
+from rlhf_core.evaluation.judging import AnthropicJudge, Comparison, judge_comparisons
 from tasks.mlflow_tracking import traced_judge_calls
 from tests.messages_api import MessagesAPI, text_reply
 

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 import torch
 
-from rlhf_core.prepared import load_data_tokenizer
-from rlhf_core.presets import load_config
-from rlhf_core.reward import ScalarModel, get_reward
+from rlhf_core.config.presets import load_config
+from rlhf_core.data.prepared import load_data_tokenizer
+from rlhf_core.train.reward import ScalarModel, get_reward
 from tasks.mlflow_models import _EXPECTED_MESSAGES, _without_expected_messages, save_policy_model, save_reward_model
 
 
@@ -79,9 +79,9 @@ def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, 
 def test_an_existing_reward_model_pyfunc_scores_through_its_own_tokenizer(rows, llama_tokenizer, tmp_path):
     """``ppo.reward: model:DIR``: the registered model is the existing checkpoint, whose own
     tokenizer builds the queries; its scores are ``transformers``' own on the chat template's texts."""
-    from rlhf_core.data import truncate_query
-    from rlhf_core.external_reward import import_reward_model
-    from tests.rlhf_core.test_external_reward import CHAT_TEMPLATE, direct_scores, save_llama_reward_model
+    from rlhf_core.data.prepare import truncate_query
+    from rlhf_core.train.external_reward import import_reward_model
+    from tests.rlhf_core.train.test_external_reward import CHAT_TEMPLATE, direct_scores, save_llama_reward_model
 
     save_llama_reward_model(tmp_path / "source", llama_tokenizer, CHAT_TEMPLATE)
     cfg = load_config("smoke", [f"ppo.reward=model:{tmp_path / 'source'}"])

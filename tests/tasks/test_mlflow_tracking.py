@@ -105,7 +105,7 @@ def test_experiments_open_on_model_runs_and_runs_name_their_source(tmp_path):
 
 
 def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, tmp_path, tldr_dir):
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
     from tasks.mlflow_tracking import dataset_inputs
 
     cfg = load_config("smoke")
@@ -135,7 +135,7 @@ def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, tmp_path
 
 def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
     """The resumed attempt of a stage (same key) ends the run its killed predecessor left RUNNING."""
-    from rlhf_core.presets import load_config
+    from rlhf_core.config.presets import load_config
     from tasks.mlflow_tracking import start_stage_run
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

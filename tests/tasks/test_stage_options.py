@@ -4,11 +4,11 @@ per-stage settings of ``orchestration`` reaching Prefect's task options."""
 import pytest
 from prefect.states import Failed
 
-from rlhf_core.config import ConfigError
-from rlhf_core.data import DataError
-from rlhf_core.errors import TrainingError
-from rlhf_core.judging import JudgeConfigError
-from rlhf_core.presets import load_config
+from rlhf_core.common.errors import TrainingError
+from rlhf_core.config.presets import load_config
+from rlhf_core.config.settings import ConfigError
+from rlhf_core.data.prepare import DataError
+from rlhf_core.evaluation.judging import JudgeConfigError
 from tasks.stages import run_stage, stage_tags, stage_task, worth_retrying
 from tasks.storage import ArtifactError
 
@@ -50,7 +50,7 @@ def test_orchestration_settings_are_checked_at_load():
 
 
 def test_orchestration_settings_are_in_no_stage_key():
-    from rlhf_core.pipeline import STAGES, stage_key
+    from rlhf_core.run.pipeline import STAGES, stage_key
 
     a = load_config("smoke")
     b = load_config("smoke", ["orchestration.retries=5", "orchestration.timeout_seconds.ppo=60"])

@@ -153,8 +153,8 @@ def test_a_local_store_reads_only_changed_files_and_rlhf_verify_reads_all(tmp_pa
     import os
     import time
 
-    from rlhf_core import io
-    from rlhf_core.cli import main
+    from rlhf_core.common import io
+    from rlhf_core.run.cli import main
 
     src = make_tree(tmp_path / "src")
     then = time.time_ns() - 3600 * 10**9

@@ -1,0 +1,666 @@
+"""The evaluation: base, SFT, PPO and DPO summaries of the evaluation prompts, scored by the
+reward model, judged against the human references, and measured.
+
+Huang et al. 2024 (arXiv:2403.17031): win rates against the reference summaries judged by an
+LLM (Figure 1, the prompt of Appendix I), win rate against ``log(summary length / reference
+length)`` (Figure 8), agreement between the reward model and the judge (Detail 17), and token
+ranks under the pre-trained model (Table 8).
+
+:func:`run_evaluation` writes ``summaries.jsonl`` (one row per prompt with each policy's
+summary, reward score and judgement) and ``judgements.jsonl`` to the stage's output and returns
+an :class:`Evaluation`; the report and the stage's ``metrics.json`` follow from it
+(:func:`rlhf_core.report.run_report.finish_evaluation`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..common.errors import ModelSourceError
+from ..common.io import write_jsonl_atomic
+from ..common.tracking import NullTracker, Tracker
+from ..config.settings import EvalConfig, PipelineConfig
+from ..data.prepared import load_data_tokenizer, load_prepared, require_prompts
+from ..metrics.statistics import agreement, judge_label_agreement, length_log_ratio, mean_ignoring_missing, win_rate
+from ..metrics.text import diversity, repetition_rate, rouge_l, title_copy_rate, token_ranks, words
+from ..models.saved import load_causal_lm
+from ..models.sources import resolve_source
+from ..ppo.rollout import summary_logprobs
+from ..train.generation import Summaries, summarize, trim_left_padding
+from ..train.reward import ResponseScores, load_reward_model, score_responses
+from ..train.training import autocast, pick_device, precision_name
+from ..views.html import token_shift_html
+from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
+from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
+
+log = logging.getLogger(__name__)
+
+#: The policies compared with the references, in report order: ``(key, display name)``, the key
+#: being the stage that trains the policy (``base``: the base model).
+POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
+
+
+@torch.no_grad()
+def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> list[list[int]]:
+    """Rank of each response token under ``model`` (1 = its top prediction), per row
+    (Huang et al. 2024, Table 8). PAD positions are left out.
+
+    Args:
+        queries: ``(n, query_length)`` left-padded; responses: ``(n, response_length)``.
+
+    Returns:
+        ``n`` lists of ranks, one per non-PAD response token.
+    """
+    device = next(model.parameters()).device
+    ranks = []
+    for i in range(len(queries)):
+        q = trim_left_padding(queries[i : i + 1], pad_token_id)
+        r = responses[i : i + 1]
+        keep = int((r[0] != pad_token_id).sum())
+        if keep == 0:
+            ranks.append([])
+            continue
+        seq = torch.cat([q, r[:, :keep]], dim=1).to(device)
+        logits = model(input_ids=seq).logits[0, q.size(1) - 1 : q.size(1) - 1 + keep].float().cpu()
+        ranks.append(token_ranks(logits, r[0, :keep]).tolist())
+    return ranks
+
+
+def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: torch.device | None = None) -> Judge:
+    """The configured judge: :class:`AnthropicJudge`, or :class:`OfflineJudge` on ``cfg.judge_model``
+    (a model source) or, by default, on the pipeline's base model, on ``device`` (default the CPU)
+    with ``cfg.bf16``'s precision.
+
+    Raises:
+        JudgeConfigError: the API judge has no key; ModelSourceError: ``judge_model`` is not
+        a local model directory.
+    """
+    if cfg.judge == "anthropic":
+        from .judging.anthropic_judge import AnthropicJudge  # the SDK only when the API judge is used
+
+        return AnthropicJudge(cfg.judge_model)
+    if cfg.judge_model is None:
+        return OfflineJudge.from_pretrained(
+            base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size, bf16=cfg.bf16, device=device
+        )
+    source = resolve_source(cfg.judge_model)
+    if source.kind != "local":
+        raise ModelSourceError(
+            f"eval.judge_model {cfg.judge_model!r}: an offline judge is a local model directory "
+            "(save_pretrained layout); import other sources with `rlhf model` first"
+        )
+    return OfflineJudge.from_pretrained(
+        source.location, name=f"offline:{cfg.judge_model}", batch_size=cfg.batch_size, bf16=cfg.bf16, device=device
+    )
+
+
+def _free(*_):
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class EvalPrompts:
+    """The evaluation split's first ``eval.max_samples`` rows.
+
+    Attributes:
+        queries, reference_tokens: ``(n, query_length)`` and ``(n, response_length)`` long, left-
+            and right-padded as prepared (Details 2-4).
+        references, posts, titles, ids: ``n`` strings each (references stripped).
+        max_new: tokens sampled per summary: the SFT response length (Detail 4).
+        split: the split's name.
+    """
+
+    queries: torch.Tensor
+    reference_tokens: torch.Tensor
+    references: list[str]
+    posts: list[str]
+    titles: list[str]
+    ids: list[str]
+    max_new: int
+    split: str
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def load_eval_prompts(data_dir: str | os.PathLike, ecfg: EvalConfig) -> EvalPrompts:
+    """The prompts of ``ecfg.split``.
+
+    Raises:
+        KeyError: ``ecfg.split`` is not an SFT split.
+    """
+    sft_data, _, stats = load_prepared(data_dir)
+    if ecfg.split not in sft_data:
+        raise KeyError(f"eval.split names {ecfg.split!r}, not an SFT split ({', '.join(sft_data)})")
+    require_prompts(stats, ecfg.split, "eval.split")
+    ds = sft_data[ecfg.split]
+    ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
+    return EvalPrompts(
+        queries=torch.tensor(ds["query_token"]),
+        reference_tokens=torch.tensor(ds["reference_response_token"]),
+        references=[r.strip() for r in ds["reference_response"]],
+        posts=list(ds["post"]),
+        titles=list(ds["title"]),
+        ids=[str(i) for i in ds["id"]],
+        max_new=stats["padded_lengths"]["sft_response"],
+        split=ecfg.split,
+    )
+
+
+def sample_policies(
+    model_dirs: dict[str, Path],
+    tokenizer,
+    prompts: EvalPrompts,
+    ecfg: EvalConfig,
+    train_temperature: float,
+    device: torch.device,
+) -> tuple[dict[str, Summaries], dict[str, list[list[str]]]]:
+    """Each policy's near-greedy summaries (``eval.temperature``) of every prompt, for the win
+    rates, and ``eval.diversity_samples`` samples at the training temperature of each of the
+    first ``eval.diversity_prompts`` prompts, for diversity. One model in memory at a time.
+
+    Returns:
+        ``({policy: Summaries}, {policy: [samples of prompt i]})``.
+    """
+    summaries: dict[str, Summaries] = {}
+    diverse: dict[str, list[list[str]]] = {}
+    k, q = min(ecfg.diversity_prompts, len(prompts)), prompts.queries
+    for key, _ in POLICIES:
+        model = load_causal_lm(model_dirs[key]).to(device)
+        log.info("evaluation: %s summaries of %d %s prompts", key, len(prompts), prompts.split)
+        summaries[key] = summarize(
+            model, tokenizer, q, prompts.max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed, ecfg.bf16
+        )
+        if k:
+            repeated = q[:k].repeat_interleave(ecfg.diversity_samples, dim=0)
+            texts = summarize(
+                model,
+                tokenizer,
+                repeated,
+                prompts.max_new,
+                train_temperature,
+                ecfg.batch_size,
+                ecfg.seed + 1,
+                ecfg.bf16,
+            ).texts
+            diverse[key] = [texts[i * ecfg.diversity_samples : (i + 1) * ecfg.diversity_samples] for i in range(k)]
+        model = None
+        _free()
+    return summaries, diverse
+
+
+#: The policies whose summaries' KL from the SFT policy is measured (:func:`kl_from_sft`).
+KL_POLICIES = ("ppo", "dpo")
+
+
+@torch.no_grad()
+def kl_from_sft(
+    model_dirs: dict[str, Path],
+    tokenizer,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    temperature: float,
+    device: torch.device,
+) -> dict[str, list[float]]:
+    """The KL of each PPO and DPO summary from the SFT policy: ``log pi(y|x) - log pi_sft(y|x)``
+    at the sampling temperature PPO trains with (:func:`rlhf_core.ppo.rollout.summary_logprobs`,
+    the k1 estimate of PPO's KL penalty for that summary), in nats. One model in memory at a time.
+
+    Returns:
+        ``{"ppo": [n floats], "dpo": [n floats]}``, in prompt order.
+    """
+    pad = tokenizer.pad_token_id
+
+    def logprobs(key: str, of: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        model = load_causal_lm(model_dirs[key]).to(device).eval()
+        out = {}
+        for policy in of:
+            parts = []
+            for start in range(0, len(prompts), ecfg.batch_size):
+                end = start + ecfg.batch_size
+                with autocast(device, ecfg.bf16):
+                    queries, responses = prompts.queries[start:end], summaries[policy].responses[start:end]
+                    parts.append(summary_logprobs(model, queries, responses, pad, temperature))
+            out[policy] = torch.cat(parts) if parts else torch.zeros(0)
+        model = None
+        _free()
+        return out
+
+    sft = logprobs("sft", KL_POLICIES)
+    log.info("evaluation: KL from the SFT policy of the %s summaries", " and ".join(KL_POLICIES))
+    return {key: (logprobs(key, (key,))[key] - sft[key]).tolist() for key in KL_POLICIES}
+
+
+def score_policies(
+    reward_model_dir: Path,
+    data_dir: str | os.PathLike,
+    tokenizer,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    non_eos_penalty: float | None,
+    device: torch.device,
+) -> dict[str, ResponseScores]:
+    """Reward-model scores of every policy's summaries and of the references, with PPO's EOS
+    trick (Detail 23; :func:`rlhf_core.train.reward.score_responses`). Keys: the policies and ``reference``.
+    An existing reward model reads conversational rows as their messages (``data_dir``'s data)."""
+    reward_model = load_reward_model(reward_model_dir, tokenizer, data_dir).to(device)
+    responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": prompts.reference_tokens}
+    scored = {
+        key: score_responses(
+            reward_model,
+            prompts.queries,
+            tokens,
+            tokenizer.pad_token_id,
+            tokenizer.eos_token_id,
+            non_eos_penalty,
+            ecfg.batch_size,
+            ecfg.bf16,
+        )
+        for key, tokens in responses.items()
+    }
+    reward_model = None
+    _free()
+    return scored
+
+
+def token_shift_blocks(
+    base_model_dir: Path,
+    tokenizer,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    device: torch.device,
+) -> list[str]:
+    """HTML blocks of the first ``eval.token_shift_samples`` SFT, PPO and DPO summaries, each
+    token coloured by its rank under the base model (Table 8)."""
+    m = min(ecfg.token_shift_samples, len(prompts))
+    blocks: list[str] = []
+    if not m:
+        return blocks
+    base = load_causal_lm(base_model_dir).to(device)
+    for key in ("sft", "ppo", "dpo"):
+        ranks = response_token_ranks(base, prompts.queries[:m], summaries[key].responses[:m], tokenizer.pad_token_id)
+        for i in range(m):
+            tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
+            blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>" + token_shift_html(tokens, ranks[i]))
+    base = None
+    _free()
+    return blocks
+
+
+@dataclass
+class JudgedPolicies:
+    """The judge's verdicts: ``wins[policy][i]`` is 1.0 (a win), 0.0 (a loss) or 0.5 (a tie of
+    the two orders) (``None``: unreadable or not judged), ``judged[policy][i]`` whether prompt
+    ``i`` was judged at all."""
+
+    judgements: list
+    comparisons: int
+    wins: dict[str, list[bool | None]]
+    judged: dict[str, list[bool]]
+    by_id: dict[str, Any]
+
+
+def judge_policies(
+    judge: Judge,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    ecfg: EvalConfig,
+    cache: JudgementCache,
+    template: str = JUDGE_PROMPT,
+) -> JudgedPolicies:
+    """Each policy's summary against the reference for every prompt, interleaved so that a
+    spending cap (``eval.max_comparisons``) leaves every policy the same number of comparisons;
+    ``template`` is the judge prompt (:func:`rlhf_core.evaluation.judging.prompt.load_judge_prompt`)."""
+    n, ids = len(prompts), prompts.ids
+    comparisons = [
+        Comparison(
+            id=f"{key}/{ids[i]}",
+            post=prompts.posts[i],
+            response=summaries[key].texts[i],
+            reference=prompts.references[i],
+            policy=key,
+            template=template,
+        )
+        for i in range(n)
+        for key, _ in POLICIES
+    ]
+    judgements = judge_comparisons(
+        judge,
+        comparisons,
+        cache=cache,
+        seed=ecfg.seed,
+        max_comparisons=ecfg.max_comparisons,
+        concurrency=ecfg.concurrency,
+        progress=True,
+        orders=ecfg.orders,
+    )
+    by_id = {j.id: j for j in judgements}
+    wins = {
+        key: [by_id[f"{key}/{ids[i]}"].outcome if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
+        for key, _ in POLICIES
+    }
+    judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
+    return JudgedPolicies(judgements, len(comparisons), wins, judged, by_id)
+
+
+def judge_human_labels(
+    judge: Judge, data_dir: str | os.PathLike, ecfg: EvalConfig, cache: JudgementCache, template: str = JUDGE_PROMPT
+) -> tuple[dict[str, Any], list]:
+    """The judge on human-labelled comparisons: the first ``eval.judge_human_comparisons`` rows of
+    the preference split ``eval.judge_human_split``, the human's chosen summary as the response
+    and the rejected one as the reference, judged as the policies are (the post without its
+    title, the same prompt, orders, cache and seed). A judge whose agreement interval includes 0.5 cannot tell the policies'
+    summaries apart either.
+
+    Returns:
+        ``(figures, judgements)``: :func:`rlhf_core.metrics.statistics.judge_label_agreement` of the
+        configured orders plus ``split``, or ``({}, [])`` with ``judge_human_comparisons`` 0.
+
+    Raises:
+        KeyError: ``eval.judge_human_split`` is not a preference split.
+    """
+    if not ecfg.judge_human_comparisons:
+        return {}, []
+    _, pref, _ = load_prepared(data_dir)
+    if ecfg.judge_human_split not in pref:
+        raise KeyError(
+            f"eval.judge_human_split names {ecfg.judge_human_split!r}, not a preference split ({', '.join(pref)})"
+        )
+    ds = pref[ecfg.judge_human_split]
+    ds = ds.select(range(min(len(ds), ecfg.judge_human_comparisons)))
+    comparisons = [
+        Comparison(
+            id=f"human/{i}/{row['id']}",
+            post=row["post"],
+            response=row["chosen"],
+            reference=row["rejected"],
+            policy="human-chosen",
+            template=template,
+        )
+        for i, row in enumerate(ds.select_columns(["id", "post", "chosen", "rejected"]))
+    ]
+    judgements = judge_comparisons(
+        judge, comparisons, cache=cache, seed=ecfg.seed, concurrency=ecfg.concurrency, progress=True, orders=ecfg.orders
+    )
+    return judge_label_agreement(judgements, ecfg.orders) | {"split": ecfg.judge_human_split}, judgements
+
+
+def judge_human_metrics(figures: dict[str, Any]) -> dict[str, float]:
+    """``eval/judge/human_*`` metrics of :func:`judge_human_labels`' figures (empty when not measured)."""
+    if not figures:
+        return {}
+    metrics = {
+        "eval/judge/human_agreement": float(figures["agreement"]),
+        "eval/judge/human_agreement_ci_low": float(figures["agreement_ci"][0]),
+        "eval/judge/human_agreement_ci_high": float(figures["agreement_ci"][1]),
+        "eval/judge/human_n": float(figures["n"]),
+        "eval/judge/a_share": float(figures["a_share"]),
+    }
+    if figures["order_consistency"] is not None:
+        metrics["eval/judge/order_consistency"] = float(figures["order_consistency"])
+    return metrics
+
+
+def policy_measurements(
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    diverse: dict[str, list[list[str]]],
+    scored: dict[str, ResponseScores],
+    verdicts: JudgedPolicies,
+    ecfg: EvalConfig,
+) -> tuple[dict[str, float], list[dict], dict[str, tuple[list[float], list]]]:
+    """Win rate, ROUGE-L, reward-model scores, EOS rate, title copying, diversity and RM-judge
+    agreement of each policy, and the references' scores.
+
+    Returns:
+        ``(metrics, headline rows for the report, length-control curves per policy label)``.
+    """
+    n, references, titles, ids = len(prompts), prompts.references, prompts.titles, prompts.ids
+    wins, by_id = verdicts.wins, verdicts.by_id
+    scores = {key: s.scores for key, s in scored.items()}
+    metrics: dict[str, float] = {}
+    headline, curves = [], {}
+    reward_agree, judge_agree = [], []
+    for key, label in POLICIES:
+        texts = summaries[key].texts
+        sel = [i for i in range(n) if verdicts.judged[key][i]]
+        wr = win_rate([wins[key][i] for i in sel])
+        counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
+        rouge = rouge_l(texts, references)
+        title = title_copy_rate(texts, titles, ecfg.title_copy_threshold)
+        repetition = repetition_rate(texts)
+        div = diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
+        rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
+        agree = agreement(rm_prefers, [wins[key][i] for i in sel])
+        reward_agree += rm_prefers
+        judge_agree += [wins[key][i] for i in sel]
+        curves[label] = (
+            [length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
+            [wins[key][i] for i in sel],
+        )
+        metrics.update(
+            {
+                f"eval/{key}/win_rate": wr["win_rate"],
+                f"eval/{key}/win_rate_ci_low": wr["ci_low"],
+                f"eval/{key}/win_rate_ci_high": wr["ci_high"],
+                f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
+                f"eval/{key}/win_rate_invalid": float(counts["invalid"]),
+                f"eval/{key}/win_rate_errors": float(counts["errors"]),
+                f"eval/{key}/rougeL": mean_ignoring_missing(rouge),
+                f"eval/{key}/score": scores[key].mean().item(),
+                f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
+                f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
+                f"eval/{key}/title_copy_rate": float(title["rate"]),
+                f"eval/{key}/repetition_rate": float(repetition["rate"]),
+                f"eval/{key}/win_rate_ties": float(counts["ties"]),
+                f"eval/{key}/diversity": float(div["mean"]),
+                f"eval/{key}/agreement": float(agree["agreement"]),
+                f"eval/{key}/response_words": mean_ignoring_missing([len(words(t)) for t in texts]),
+            }
+        )
+        headline.append(
+            {
+                "policy": label,
+                "win rate vs reference": wr,
+                "ROUGE-L": mean_ignoring_missing(rouge),
+                "RM score": scores[key].mean().item(),
+                "RM raw score": scored[key].raw_scores.mean().item(),
+                "EOS rate": scored[key].has_eos.double().mean().item(),
+                "title copy": float(title["rate"]),
+                "repetition loops": float(repetition["rate"]),
+                "diversity": float(div["mean"]),
+                "RM-judge agreement": float(agree["agreement"]),
+                "words": mean_ignoring_missing([len(words(t)) for t in texts]),
+            }
+        )
+    ref_title = title_copy_rate(references, titles, ecfg.title_copy_threshold)
+    metrics.update(
+        {
+            "eval/reference/score": scores["reference"].mean().item(),
+            "eval/reference/title_copy_rate": float(ref_title["rate"]),
+            "eval/agreement": float(agreement(reward_agree, judge_agree)["agreement"]),
+            "eval/samples": float(n),
+        }
+    )
+    headline.append(
+        {
+            "policy": "human reference",
+            "RM score": scores["reference"].mean().item(),
+            "RM raw score": scored["reference"].raw_scores.mean().item(),
+            "EOS rate": scored["reference"].has_eos.double().mean().item(),
+            "title copy": float(ref_title["rate"]),
+            "repetition loops": float(repetition_rate(references)["rate"]),
+            "words": mean_ignoring_missing([len(words(t)) for t in references]),
+        }
+    )
+    return metrics, headline, curves
+
+
+def summary_rows(
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    scored: dict[str, ResponseScores],
+    verdicts: JudgedPolicies,
+    kl: dict[str, list[float]] | None = None,
+) -> list[dict]:
+    """One row per prompt for ``summaries.jsonl``: the post, the reference and each policy's
+    summary with its scores (with and without the EOS trick), EOS and judgement, and the KL
+    from SFT of PPO's and DPO's (``{policy}_kl_vs_sft``, :func:`kl_from_sft`)."""
+    rows = []
+    for i in range(len(prompts)):
+        row = {
+            "id": prompts.ids[i],
+            "title": prompts.titles[i],
+            "post": prompts.posts[i],
+            "reference": prompts.references[i],
+            "reference_score": scored["reference"].scores[i].item(),
+        }
+        for key, _ in POLICIES:
+            row.update(
+                {
+                    key: summaries[key].texts[i],
+                    f"{key}_score": scored[key].scores[i].item(),
+                    f"{key}_raw_score": scored[key].raw_scores[i].item(),
+                    f"{key}_has_eos": bool(scored[key].has_eos[i]),
+                    f"{key}_wins": verdicts.wins[key][i],
+                }
+            )
+            if kl and key in kl:
+                row[f"{key}_kl_vs_sft"] = kl[key][i]
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class Evaluation:
+    """What :func:`run_evaluation` measured, for the report
+    (:func:`rlhf_core.report.run_report.finish_evaluation`).
+
+    Attributes:
+        prompts: the evaluation prompts; rows: ``summaries.jsonl``'s rows (:func:`summary_rows`).
+        headline: the report's headline rows, one per policy and one for the references;
+            curves: ``{policy label: (log length ratios, wins)}`` of the judged prompts, for
+            the length-control plot (both from :func:`policy_measurements`).
+        shift_blocks: HTML of the token-shift page (:func:`token_shift_blocks`).
+        scored: each policy's and the references' reward-model scores (:func:`score_policies`).
+        kl: PPO's and DPO's summaries' KL from the SFT policy (:func:`kl_from_sft`).
+        verdicts: the judge's verdicts; judge_human: the judge on human labels
+            (:func:`judge_human_labels`' figures, ``{}`` when not measured).
+        base_name: the base model's name in the report.
+        metrics: the flat metrics measured so far (:func:`run_evaluation`).
+        started: :func:`time.perf_counter` at the stage's start, in seconds.
+    """
+
+    prompts: EvalPrompts
+    rows: list[dict]
+    headline: list[dict]
+    curves: dict[str, tuple[list[float], list]]
+    shift_blocks: list[str]
+    scored: dict[str, ResponseScores]
+    kl: dict[str, list[float]]
+    verdicts: JudgedPolicies
+    judge_human: dict[str, Any]
+    base_name: str
+    metrics: dict[str, float]
+    started: float
+
+
+def run_evaluation(
+    cfg: PipelineConfig,
+    data_dir: str | os.PathLike,
+    base_model_dir: str | os.PathLike,
+    policy_dirs: dict[str, str | os.PathLike],
+    reward_model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    tracker: Tracker | None = None,
+    judgement_cache: str | os.PathLike | None = None,
+) -> Evaluation:
+    """Sample, score, judge and measure the base, SFT, PPO and DPO policies; write
+    ``summaries.jsonl`` and ``judgements.jsonl`` to ``out_dir``.
+
+    Args:
+        cfg: the pipeline config; reads ``cfg.eval``, ``cfg.ppo.temperature`` (the training
+            temperature, for diversity) and ``cfg.ppo.non_eos_penalty`` (the score of a summary
+            without EOS, as in PPO: Detail 23).
+        data_dir, base_model_dir: stage outputs (the prepared data, the base model).
+        policy_dirs: ``{"sft": ..., "ppo": ..., "dpo": ...}``: each trained policy's model
+            directory (``save_pretrained`` layout).
+        reward_model_dir: the normalised reward model, which scores every summary.
+        tracker: receives the ``eval.*`` settings as parameters.
+        judgement_cache: a JSONL file shared across runs (default ``out_dir/judge_cache.jsonl``):
+            a comparison already judged by the same judge with the same prompt is not sent again.
+
+    Returns:
+        An :class:`Evaluation` whose flat metrics are ``eval/{policy}/win_rate`` (and
+        ``_ci_low``, ``_ci_high``, ``_n_valid``, ``_invalid``, ``_errors``),
+        ``eval/{policy}/rougeL``, ``eval/{policy}/score`` (mean reward-model score with the EOS
+        trick), ``eval/{policy}/raw_score`` (without it), ``eval/{policy}/eos_rate`` (share of
+        summaries ending with EOS), ``eval/{policy}/title_copy_rate``,
+        ``eval/{policy}/diversity``, ``eval/{policy}/agreement``, ``eval/{policy}/repetition_rate``
+        (share of summaries with a :func:`rlhf_core.metrics.text.repetition_loop`),
+        ``eval/{policy}/win_rate_ties`` for base, sft, ppo and dpo; ``eval/ppo/kl_vs_sft`` and
+        ``eval/dpo/kl_vs_sft`` (mean KL from SFT per summary, nats); ``eval/reference/score``,
+        ``eval/reference/title_copy_rate``, ``eval/agreement``, ``eval/samples``; with
+        ``eval.judge_human_comparisons`` > 0, the judge on human labels:
+        ``eval/judge/human_agreement`` (``_ci_low``, ``_ci_high``), ``eval/judge/human_n``,
+        ``eval/judge/a_share`` and, with both orders judged, ``eval/judge/order_consistency``.
+
+    Raises:
+        KeyError: ``cfg.eval.split`` is not an SFT split; JudgeConfigError: no API key;
+        JudgeRequestError: the API refused the requests (bad key or model).
+    """
+    ecfg = cfg.eval
+    tracker = tracker or NullTracker()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    prompts = load_eval_prompts(data_dir, ecfg)
+    tokenizer = load_data_tokenizer(data_dir)
+    device = pick_device()
+    tracker.log_params(
+        {f"eval.{k}": v for k, v in ecfg.model_dump().items()} | {"eval.precision": precision_name(ecfg.bf16, device)}
+    )
+    model_dirs = {"base": Path(base_model_dir)} | {key: Path(path) for key, path in policy_dirs.items()}
+
+    # 1. Summaries: near-greedy for win rates, at the training temperature for diversity.
+    summaries, diverse = sample_policies(model_dirs, tokenizer, prompts, ecfg, cfg.ppo.temperature, device)
+    # 2. Reward-model scores of every summary and of the references, with PPO's EOS trick (Detail 23).
+    scored = score_policies(
+        Path(reward_model_dir), data_dir, tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
+    )
+    # 2b. The KL of PPO's and DPO's summaries from the SFT policy, for the RLHF objective.
+    kl = kl_from_sft(model_dirs, tokenizer, prompts, summaries, ecfg, cfg.ppo.temperature, device)
+    # 3. Token ranks of SFT, PPO and DPO summaries under the base model (Table 8).
+    shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
+    # 4. The judge: each policy's summary against the reference.
+    base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
+    judge = make_judge(ecfg, model_dirs["base"], base_name, device)
+    cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
+    template = load_judge_prompt(ecfg.judge_prompt, cfg.data.format)
+    verdicts = judge_policies(judge, prompts, summaries, ecfg, cache, template)
+    # 4b. The same judge on human-labelled comparisons: is it better than chance at all?
+    judge_human, human_judgements = judge_human_labels(judge, data_dir, ecfg, cache, template)
+    judge = None
+    _free()
+    # 5. Measurements per policy.
+    metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, verdicts, ecfg)
+    # 6. Files: summaries and judgements.
+    metrics |= {f"eval/{key}/kl_vs_sft": sum(values) / max(len(values), 1) for key, values in kl.items()}
+    rows = summary_rows(prompts, summaries, scored, verdicts, kl)
+    write_jsonl_atomic(out / "summaries.jsonl", rows)
+    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements + human_judgements))
+    metrics |= judge_human_metrics(judge_human)
+    return Evaluation(
+        prompts, rows, headline, curves, shift_blocks, scored, kl, verdicts, judge_human, base_name, metrics, t0
+    )

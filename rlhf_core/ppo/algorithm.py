@@ -1,0 +1,406 @@
+"""PPO's math as small pure functions (Huang et al. 2024, Details 23-25, Table 7).
+
+Shapes: ``(batch, response_length)`` unless stated; ``mask`` is a bool tensor, True on
+valid positions. The training loop in :mod:`rlhf_core.ppo.trainer` calls these.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Log-probability written at invalid (post-EOS) positions; never used in a loss.
+INVALID_LOGPROB = 1.0
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is True (over ``axis``, or all).
+
+    Raises:
+        ValueError: ``mask`` selects nothing (the mean would be undefined).
+    """
+    mask = mask.to(values.dtype)
+    if axis is None:
+        count = mask.sum()
+        if count == 0:
+            raise ValueError("masked_mean: the mask selects no position")
+        return (values * mask).sum() / count
+    return (values * mask).sum(axis) / mask.sum(axis)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the masked positions (Bessel-corrected when ``unbiased``).
+
+    Raises:
+        ValueError: ``unbiased`` with fewer than two valid positions.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.sum()
+        if count < 2:
+            raise ValueError("masked_var: an unbiased variance needs at least two valid positions")
+        var = var * count / (count - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with masked statistics (Details 24, 25).
+
+    With ``shift_mean=False`` the mean is added back, so only the scale changes (the
+    reward whitening of Detail 24). Positions outside ``mask`` are transformed too; callers
+    zero them.
+    """
+    return whiten(values, masked_mean(values, mask), masked_var(values, mask), shift_mean)
+
+
+def whiten(values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + 1e-8)`` with given statistics (e.g. over all ranks'
+    batches, :func:`rlhf_core.ppo.rollout.masked_mean_var`); ``shift_mean=False`` adds the
+    mean back. Any shape; ``mean`` and ``var`` are 0-d tensors."""
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened
+
+
+def compute_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the valid positions of each response
+    (Schulman et al. 2015, arXiv 1506.02438, eqs. 11-16).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}``,
+    with ``V`` and ``r`` taken as 0 outside ``mask`` (the episode ends at the last valid
+    position).
+
+    Args:
+        rewards, values: ``(batch, response_length)`` float.
+        mask: ``(batch, response_length)`` bool, True on valid positions (a prefix of each row).
+
+    Returns:
+        ``(advantages, returns)``, both ``(batch, response_length)``, 0 outside ``mask``;
+        ``returns = advantages + values``.
+    """
+    maskf = mask.to(values.dtype)
+    rewards, values = rewards * maskf, values * maskf
+    length = rewards.size(1)
+    lastgaelam = torch.zeros_like(rewards[:, 0])
+    reversed_adv = []
+    for t in reversed(range(length)):
+        next_values = values[:, t + 1] if t + 1 < length else torch.zeros_like(values[:, 0])
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        reversed_adv.append(lastgaelam)
+    advantages = torch.stack(reversed_adv[::-1], dim=1) * maskf
+    returns = (advantages + values) * maskf
+    return advantages, returns
+
+
+def sequence_returns(rewards: torch.Tensor) -> torch.Tensor:
+    """Each response's return ``R = sum_t rewards_t``: its score minus ``kl_coef`` times its summed
+    KL from the reference (the per-token rewards of :func:`per_token_rewards`, 0 outside the
+    response), the quantity the critic-free estimators compare within a group.
+
+    Args:
+        rewards: ``(batch, response_length)`` float, 0 outside the valid positions.
+
+    Returns:
+        ``(batch,)``, the dtype of ``rewards``.
+    """
+    return rewards.sum(1)
+
+
+def _groups(returns: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    if samples_per_prompt < 2 or returns.dim() != 1 or returns.numel() % samples_per_prompt:
+        raise ValueError(
+            f"a group baseline needs samples_per_prompt >= 2 dividing the batch: {returns.numel()} returns "
+            f"in groups of {samples_per_prompt}"
+        )
+    groups = returns.view(-1, samples_per_prompt)
+    # both advantages are unchanged by a shift of a group's returns; measured from its first
+    # return, a group of equal returns is exactly 0, so its advantages are exactly 0
+    return groups - groups[:, :1]
+
+
+def rloo_advantages(returns: torch.Tensor, samples_per_prompt: int) -> torch.Tensor:
+    """REINFORCE leave-one-out advantages (Ahmadian et al. 2024, arXiv 2402.14740; Kool et al.
+    2019): each sample's return minus the mean return of the other ``k - 1`` samples
+    of its prompt, ``A_i = R_i - (sum_j R_j - R_i) / (k - 1)``. A group's advantages sum to 0.
+
+    Args:
+        returns: ``(batch,)`` float, the ``k = samples_per_prompt`` samples of each prompt in
+            consecutive rows (``batch = prompts * k``).
+
+    Returns:
+        ``(batch,)``, one advantage per response (every one of its tokens gets it).
+
+    Raises:
+        ValueError: ``samples_per_prompt`` below 2 or not dividing ``batch``.
+    """
+    groups = _groups(returns, samples_per_prompt)
+    baseline = (groups.sum(1, keepdim=True) - groups) / (samples_per_prompt - 1)  # mean of the others
+    return (groups - baseline).reshape(-1)
+
+
+#: Added to a group's standard deviation in :func:`grpo_advantages` (TRL's GRPOTrainer), so a group
+#: of equal returns gets advantages 0, not NaN.
+GRPO_EPS = 1e-4
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    samples_per_prompt: int,
+    scale: str = "group",
+    batch_std: torch.Tensor | None = None,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
+    """Group-relative advantages (Shao et al. 2024, arXiv 2402.03300, Section 4.1.2, outcome
+    supervision; TRL's ``GRPOTrainer``): ``A_i = (r_i - mean(r)) / (std(r) + eps)`` over the
+    ``k`` samples of a prompt, from the scores alone (the KL penalty is a term of the loss,
+    :func:`k3_kl`, not of the reward), ``std`` Bessel-corrected as in TRL.
+
+    Args:
+        scores: ``(batch,)`` float, the ``k = samples_per_prompt`` samples of each prompt in
+            consecutive rows.
+        scale: ``group`` divides by the group's std; ``batch`` by ``batch_std``, the std of
+            every score of the global batch (TRL's ``scale_rewards="batch"``); ``none`` does
+            not divide (Dr. GRPO, Liu et al. 2025, arXiv 2503.20783).
+        batch_std: 0-d, needed with ``scale="batch"``.
+
+    Returns:
+        ``(batch,)``; exactly 0 for every sample of a group whose scores are all equal.
+
+    Raises:
+        ValueError: ``samples_per_prompt`` below 2 or not dividing ``batch``; an unknown
+            ``scale``, or ``batch`` without ``batch_std``.
+    """
+    groups = _groups(scores, samples_per_prompt)
+    centred = groups - groups.mean(1, keepdim=True)
+    if scale == "group":
+        centred = centred / (groups.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        if batch_std is None:
+            raise ValueError("grpo_advantages: scale 'batch' needs batch_std")
+        centred = centred / (batch_std + eps)
+    elif scale != "none":
+        raise ValueError(f"grpo_advantages: scale must be group, batch or none, not {scale!r}")
+    return centred.reshape(-1)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The per-token "k3" estimate of KL(policy || reference) that GRPO adds to its loss
+    (Shao et al. 2024, arXiv 2402.03300, eq. 4; http://joschu.net/blog/kl-approx.html):
+    ``exp(ref - logp) - (ref - logp) - 1``, non-negative, 0 where the two agree.
+
+    Args:
+        logprobs: ``(batch, response_length)`` float, the policy's (with gradients).
+        ref_logprobs: ``(batch, response_length)`` float, the reference policy's.
+        mask: ``(batch, response_length)`` bool, the response tokens.
+
+    Returns:
+        ``(batch, response_length)``, 0 outside ``mask``.
+    """
+    diff = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+    return torch.exp(diff) - diff - 1
+
+
+def sampling_logits(logits: torch.Tensor, temperature: float, pad_token_id: int | None) -> torch.Tensor:
+    """The logits of the distribution responses are sampled from: ``logits / temperature`` in
+    float32, with PAD's logit at the float32 minimum (Detail 23).
+
+    :func:`rlhf_core.train.generation.generate` samples at ``temperature`` and never samples PAD
+    (PAD marks the end of a response, Details 3, 12). The rollout's, the reference's and the
+    training pass's log-probabilities all go through this function, so the policy PPO trains
+    is the one that sampled: the ratio is 1 before the first update and the KL penalty
+    compares the two policies on the tokens they can sample. PAD's probability is exactly 0
+    (``exp`` of the float32 minimum underflows); a finite minimum, unlike ``-inf``, keeps
+    ``p * log p`` in the entropy at 0.
+
+    Args:
+        logits: ``(batch, length, vocab)`` raw language-model logits.
+        pad_token_id: the PAD id, or ``None`` to keep every token.
+
+    Returns:
+        ``(batch, length, vocab)`` float32; gradients flow to the other tokens' logits.
+    """
+    tempered = logits.float() / temperature
+    if pad_token_id is not None:
+        tempered[..., pad_token_id] = torch.finfo(tempered.dtype).min
+    return tempered
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float, pad_token_id: int | None
+) -> torch.Tensor:
+    """Log-probability of ``tokens`` under the sampling distribution :func:`sampling_logits`
+    (Detail 23: the sampling temperature; PAD is never sampled).
+
+    Args:
+        logits: ``(batch, length, vocab)``; tokens: ``(batch, length)`` long.
+
+    Returns:
+        ``(batch, length)`` float32.
+    """
+    logp = F.log_softmax(sampling_logits(logits, temperature, pad_token_id), dim=-1)
+    return torch.gather(logp, 2, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per position, in nats. ``(..., vocab)`` -> ``(...)``."""
+    logits = logits.float()
+    p = F.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+def response_mask(last_token_indices: torch.Tensor, response_length: int, extra: int = 0) -> torch.Tensor:
+    """True on positions ``0 .. last_token_indices + extra`` of each response.
+
+    Args:
+        last_token_indices: ``(batch,)`` index of each response's last real token (its EOS,
+            or ``response_length - 1`` when there is none).
+        extra: 1 to include the position after the EOS (``score_position: after_eos``).
+
+    Returns:
+        ``(batch, response_length)`` bool.
+    """
+    positions = torch.arange(response_length, device=last_token_indices.device).unsqueeze(0)
+    return positions <= (last_token_indices + extra).unsqueeze(1)
+
+
+def per_token_rewards(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    scores: torch.Tensor,
+    last_token_indices: torch.Tensor,
+    kl_coef: float,
+    score_position: str = "eos",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KL-penalised rewards: ``-kl_coef * (logprob - ref_logprob)`` per token, plus the score.
+
+    ``score_position="eos"`` adds the score at the response's last real token (its EOS);
+    ``"after_eos"`` adds it one position later, as the reference implementation does, where
+    the value function carries it back by one step (at the last position when there is
+    no room after it).
+
+    Args:
+        logprobs, ref_logprobs: ``(batch, response_length)`` of the sampled tokens.
+        scores: ``(batch,)``; last_token_indices: ``(batch,)`` EOS index per response.
+
+    Returns:
+        ``(rewards, non_score_reward, mask)``: rewards and the KL part alone, 0 outside
+        ``mask``, the positions that carry rewards and values (bool).
+    """
+    length = logprobs.size(1)
+    token_mask = response_mask(last_token_indices, length)
+    extra = 1 if score_position == "after_eos" else 0
+    if score_position not in ("eos", "after_eos"):
+        raise ValueError(f"score_position must be 'eos' or 'after_eos', not {score_position!r}")
+    mask = response_mask(last_token_indices, length, extra)
+    non_score_reward = -kl_coef * (logprobs - ref_logprobs) * token_mask
+    rewards = non_score_reward.clone()
+    end = torch.clamp(last_token_indices + extra, max=length - 1)
+    rewards[torch.arange(rewards.size(0), device=rewards.device), end] += scores
+    return rewards, non_score_reward, mask
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange: float,
+) -> dict[str, torch.Tensor]:
+    """PPO's clipped surrogate loss over the valid response tokens (Schulman et al. 2017,
+    arXiv 1707.06347, eq. 7, negated to minimise): ``max(-A * r, -A * clip(r, 1 - eps, 1 + eps))``
+    with ``r = exp(new_logprobs - old_logprobs)``.
+
+    Returns:
+        ``loss`` (scalar, to minimise: the mean over the valid tokens), ``per_token`` (the
+        ``(batch, length)`` terms it averages, for :func:`aggregate_loss`), ``clipfrac`` (share
+        of tokens where the clipped term is the larger loss), ``approxkl`` (``0.5 *
+        mean(log-ratio^2)``, the "k2" estimator of KL(old || new),
+        http://joschu.net/blog/kl-approx.html), ``ratio`` (``(batch, length)``).
+    """
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    losses = -advantages * ratio
+    losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    per_token = torch.max(losses, losses_clipped)
+    return {
+        "loss": masked_mean(per_token, mask),
+        "per_token": per_token,
+        "clipfrac": masked_mean((losses_clipped > losses).float(), mask),
+        "approxkl": 0.5 * masked_mean(log_ratio**2, mask),
+        "ratio": ratio,
+    }
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    minibatch_rows: int,
+    minibatch_tokens: int,
+    response_length: int,
+) -> torch.Tensor:
+    """A micro-batch's share of a minibatch's policy loss from its per-token terms, for
+    ``ppo.loss_type`` (TRL's ``GRPOTrainer`` ``loss_type``); summed over the micro-batches (and
+    ranks) of a minibatch it is the same whatever the micro-batches, except under ``paper``.
+
+    - ``paper``: the token mean of the micro-batch times its share of the minibatch's rows,
+      ``mean_tokens(l) * rows / minibatch_rows`` (the paper's PPO: it moves with the micro-batch).
+    - ``dapo``: ``sum(l) / minibatch_tokens``, the mean over the minibatch's tokens (Yu et al.
+      2025, arXiv 2503.14476).
+    - ``grpo``: ``sum_i mean_t(l_i) / minibatch_rows``, each response's token mean, then the
+      mean over responses (Shao et al. 2024, arXiv 2402.03300, eq. 3).
+    - ``dr_grpo``: ``sum(l) / (minibatch_rows * response_length)`` (Liu et al. 2025, arXiv 2503.20783).
+
+    Args:
+        per_token: ``(rows, response_length)`` float, the loss of each token.
+        mask: ``(rows, response_length)`` bool, the response tokens.
+        minibatch_rows, minibatch_tokens: rows and response tokens of the whole minibatch, over
+            every rank.
+        response_length: the longest response (``R``).
+
+    Returns:
+        A scalar.
+
+    Raises:
+        ValueError: an unknown ``loss_type``.
+    """
+    m = mask.to(per_token.dtype)
+    if loss_type == "paper":
+        return masked_mean(per_token, mask) * per_token.size(0) / minibatch_rows
+    if loss_type == "dapo":
+        return (per_token * m).sum() / minibatch_tokens
+    if loss_type == "grpo":
+        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).sum() / minibatch_rows
+    if loss_type == "dr_grpo":
+        return (per_token * m).sum() / (minibatch_rows * response_length)
+    raise ValueError(f"loss_type must be paper, dapo, grpo or dr_grpo, not {loss_type!r}")
+
+
+def value_loss(
+    new_values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+) -> dict[str, torch.Tensor]:
+    """Clipped value loss ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over valid positions
+    (value-function loss clipping of OpenAI baselines' ``ppo2``: Huang et al. 2022, "The 37
+    Implementation Details of Proximal Policy Optimization", ICLR blog track, detail 9).
+
+    ``V_clip = old_values + clamp(new_values - old_values, -cliprange_value, cliprange_value)``.
+
+    Returns:
+        ``loss`` (scalar) and ``clipfrac`` (share of positions where the clipped error is larger).
+    """
+    clipped = old_values + torch.clamp(new_values - old_values, -cliprange_value, cliprange_value)
+    losses = (new_values - returns) ** 2
+    losses_clipped = (clipped - returns) ** 2
+    return {
+        "loss": 0.5 * masked_mean(torch.max(losses, losses_clipped), mask),
+        "clipfrac": masked_mean((losses_clipped > losses).float(), mask),
+    }

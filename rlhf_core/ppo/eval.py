@@ -1,0 +1,289 @@
+"""PPO's evaluation: the policy's held-out scores, its learning check, the value-vs-reward diagnostic.
+
+:func:`evaluate_policy` is what :meth:`rlhf_core.ppo.trainer.PPOTrainer.evaluate` runs every
+``ppo.eval_every`` updates and at the end, then with :func:`learning_check_metrics` (scores
+with the EOS trick, Huang et al. 2024, Detail 23); :func:`value_vs_reward` and
+:func:`write_value_vs_reward` read the trained value model as a per-token reward model after
+training (Detail 22). Each reads the trainer's models through :class:`PPOModels`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Protocol
+
+import datasets
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..common.io import write_json_atomic
+from ..config.settings import PPOConfig
+from ..metrics.statistics import paired_difference, wilson_interval
+from ..metrics.text import repetition_rate
+from ..train.distributed import DataParallel, World, all_gather_object, split_range
+from ..train.external_reward import ExternalRewardModel
+from ..train.generation import summarize
+from ..train.lora import AdaptersDisabled
+from ..train.reward import TOKEN_TABLE_RESPONSES, ResponseScores, response_reward_logits, token_table
+from ..train.training import autocast, micro_batches
+from .rollout import summary_logprobs
+
+
+class PPOModels(Protocol):
+    """What PPO's evaluation reads of :class:`rlhf_core.ppo.trainer.PPOTrainer`: the settings,
+    the SFT data, the tokenizer, the models and their :class:`rlhf_core.train.distributed.DataParallel`
+    wrappers (``ref_parallel``: the frozen SFT policy; ``reward_parallel``: None with a rule
+    reward), and the training score (:meth:`rlhf_core.ppo.trainer.PPOTrainer.score`)."""
+
+    cfg: PPOConfig
+    sft: datasets.DatasetDict
+    tokenizer: PreTrainedTokenizerBase
+    pad_id: int
+    eos_id: int
+    response_length: int
+    device: torch.device
+    world: World
+    policy: PreTrainedModel
+    policy_parallel: DataParallel
+    ref_parallel: DataParallel | AdaptersDisabled
+    value_parallel: DataParallel | None
+    reward_parallel: DataParallel | None
+
+    def score(self, queries: torch.Tensor, responses: torch.Tensor) -> ResponseScores: ...
+
+
+@torch.no_grad()
+def evaluate_policy(
+    models: PPOModels, split: str = "validation", against_sft: bool = False
+) -> tuple[dict[str, float], list[dict], tuple[torch.Tensor, torch.Tensor] | None]:
+    """Near-greedy policy summaries on held-out prompts of ``models.sft[split]`` (at most
+    ``ppo.eval_max_samples``), scored as in training (``models.score``: the reward model, or the
+    rule reward of ``ppo.reward``) against the references. Collective: every rank calls it.
+
+    ``eval/score_policy`` is the mean score with the EOS trick (``non_eos_penalty`` for a
+    summary without EOS, Detail 23), the score PPO optimises; ``eval/raw_score_policy``
+    the mean score without the trick (the reward model's own output) and ``eval/eos_rate_policy`` the share of
+    summaries that end with EOS. The references always end with EOS. The prompts are split
+    over the ranks and the results gathered, in order, on every rank.
+
+    With ``against_sft`` (the last evaluation), the SFT policy (the frozen reference) also
+    summarises the same prompts with the same seeds, and the stage's learning check is
+    measured here, so that a run stopped after PPO has it: ``eval/score_gain_vs_sft`` (the
+    mean paired difference of the scores, with ``_ci_low``/``_ci_high``, a 95% Student's
+    t interval), the RLHF objective's gain ``eval/objective_gain_vs_sft`` (score minus
+    ``kl_coef`` times the summary's KL from SFT, ``eval/kl_vs_sft``, both with the policy's
+    summaries' log-probabilities under both models at the training temperature),
+    ``eval/eos_rate_policy_ci_low``/``_ci_high`` (95% Wilson), ``eval/score_sft``,
+    ``eval/eos_rate_sft``, and ``eval/repetition_rate_policy``/``_sft`` (share of summaries
+    with a :func:`rlhf_core.metrics.text.repetition_loop`; :func:`learning_check_metrics`).
+
+    Returns:
+        ``(metrics, samples, responses)``: the metrics above (floats, equal on every rank); one
+        record per prompt (``post``, ``reference``, ``policy`` and their scores, with
+        ``against_sft`` also ``sft``, ``score_sft`` and ``kl_vs_sft``), in the split's order;
+        and this rank's ``(queries, summaries)``, ``(n, query_length)`` and ``(n, response_length)`` long token
+        ids, for :func:`value_vs_reward` (None on a rank without prompts).
+    """
+    cfg = models.cfg
+    ds = models.sft[split]
+    ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
+    mine = ds.select(split_range(len(ds), models.world))
+    rows: list[tuple[float, float, bool, float, str, float, bool, str | None, float]] = []
+    models.policy.eval()
+
+    def sample(parallel):  # the same samples every time, training's RNG untouched
+        # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
+        # gathered whole first; a rank without prompts joins the gathering and computes nothing.
+        rng = torch.random.fork_rng(devices=[models.device] if models.device.type == "cuda" else [])
+        with parallel.gathered(), rng:
+            if len(mine):
+                return parallel.inference(
+                    summarize,
+                    models.tokenizer,
+                    queries,
+                    models.response_length,
+                    cfg.eval_temperature,
+                    cfg.micro_batch_size,
+                    cfg.seed + models.world.rank,
+                    cfg.bf16,
+                )
+        return None
+
+    queries = torch.tensor(mine["query_token"]) if len(mine) else None
+    summaries = sample(models.policy_parallel)
+    # the SFT policy (the frozen reference) on the same prompts, with the same seeds, and the
+    # KL of the policy's summaries from it: log pi(y|x) - log pi_sft(y|x)
+    sft_summaries = sample(models.ref_parallel) if against_sft else None
+    kl = policy_kl_from_sft(models, queries, summaries.responses if len(mine) else None) if against_sft else None
+    with models.reward_parallel.gathered() if models.reward_parallel is not None else nullcontext():
+        if len(mine):
+            policy = models.score(queries, summaries.responses)
+            reference = models.score(queries, torch.tensor(mine["reference_response_token"]))
+            sft = models.score(queries, sft_summaries.responses) if against_sft else None
+    responses = None
+    if len(mine):
+        responses = (queries, summaries.responses)  # for value_vs_reward (Detail 22)
+        rows = list(
+            zip(
+                policy.scores.tolist(),
+                policy.raw_scores.tolist(),
+                policy.has_eos.tolist(),
+                reference.scores.tolist(),
+                summaries.texts,
+                sft.scores.tolist() if sft is not None else [math.nan] * len(mine),
+                sft.has_eos.tolist() if sft is not None else [False] * len(mine),
+                sft_summaries.texts if against_sft else [None] * len(mine),
+                kl.tolist() if kl is not None else [math.nan] * len(mine),
+            )
+        )
+    rows = [row for rank_rows in all_gather_object(rows) for row in rank_rows]
+    sp, raw, has_eos, sr = (torch.tensor([row[i] for row in rows], dtype=torch.float64) for i in range(4))
+    metrics = {
+        "eval/score_policy": sp.mean().item(),
+        "eval/raw_score_policy": raw.mean().item(),
+        "eval/eos_rate_policy": has_eos.mean().item(),
+        "eval/score_reference": sr.mean().item(),
+        "eval/rm_win_rate_vs_reference": (sp > sr).double().mean().item(),
+    }
+    if against_sft:
+        metrics |= learning_check_metrics(rows, cfg.kl_coef)
+    samples = [
+        {
+            "post": p,
+            "reference": r.strip(),
+            "policy": row[4],
+            "score_policy": row[0],
+            "raw_score_policy": row[1],
+            "score_reference": row[3],
+            **({"sft": row[7], "score_sft": row[5], "kl_vs_sft": row[8]} if against_sft else {}),
+        }
+        for p, r, row in zip(ds["post"], ds["reference_response"], rows)
+    ]
+    return metrics, samples, responses
+
+
+def policy_kl_from_sft(
+    models: PPOModels, queries: torch.Tensor | None, responses: torch.Tensor | None
+) -> torch.Tensor | None:
+    """Each of this rank's policy summaries' KL from the SFT policy (the frozen reference),
+    ``log pi(y|x) - log pi_sft(y|x)`` at the training temperature
+    (:func:`rlhf_core.ppo.rollout.summary_logprobs`), in micro-batches of ``ppo.micro_batch_size``.
+    Collective (each model is gathered whole first): every rank calls it, a rank without
+    prompts with ``None``.
+
+    Args:
+        queries: ``(n, query_length)`` long, left-padded; responses: ``(n, response_length)``.
+
+    Returns:
+        ``(n,)`` float32 nats on the CPU; None on a rank without prompts.
+    """
+    cfg = models.cfg
+
+    def logprobs(parallel) -> torch.Tensor | None:
+        with parallel.gathered():
+            if queries is None or responses is None:
+                return None
+            parts = []
+            for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
+                with autocast(models.device, cfg.bf16):
+                    args = (queries[mb], responses[mb], models.pad_id, cfg.temperature)
+                    parts.append(parallel.inference(summary_logprobs, *args))
+            return torch.cat(parts)
+
+    policy, sft = logprobs(models.policy_parallel), logprobs(models.ref_parallel)
+    return policy - sft if policy is not None and sft is not None else None
+
+
+@torch.no_grad()
+def value_vs_reward(
+    models: PPOModels, responses: tuple[torch.Tensor, torch.Tensor] | None, n: int = TOKEN_TABLE_RESPONSES
+) -> list[dict] | None:
+    """The value model read as a per-token reward model (Huang et al. 2024, Detail 22): its
+    output at every token of the first ``n`` of ``responses`` (this rank's ``(queries,
+    summaries)`` of the last :func:`evaluate_policy`; None before any evaluation),
+    beside the reward model's logits there (Detail 13), one forward pass of each
+    (:func:`rlhf_core.train.reward.response_reward_logits`). Collective: every rank calls it.
+
+    ``values`` are read at the same positions as ``reward_logits``, the state after each
+    token: PPO's value of response token ``t`` (:func:`rlhf_core.ppo.trainer.response_values`, the state before
+    it) is ``values[t - 1]``. The value model starts as the reward model (Detail 22), so the
+    two are equal before training.
+
+    Returns:
+        :func:`rlhf_core.train.reward.token_table` rows with ``row`` (the evaluation prompt's
+        index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
+        None on ranks other than 0, with a rule reward (no reward model) or an existing reward
+        model of its own tokenizer (``ppo.reward: model:SOURCE``), without a value model
+        (``ppo.advantage_estimator`` rloo or grpo), or before any evaluation.
+    """
+    if models.value_parallel is None:
+        return None  # a critic-free estimator
+    if models.reward_parallel is None or isinstance(models.reward_parallel.model, ExternalRewardModel):
+        return None  # no reward model, or one that reads other tokens than the policy's
+    pad, eos, bf16 = models.pad_id, models.eos_id, models.cfg.bf16
+    # gathered whole (collective) so that rank 0 alone may run its forward passes
+    with models.value_parallel.gathered(), models.reward_parallel.gathered():
+        if not models.world.is_main or responses is None:
+            return None
+        queries, summaries = responses[0][:n], responses[1][:n]
+        logits, scores, indices = models.reward_parallel.inference(
+            response_reward_logits, queries, summaries, pad, bf16
+        )
+        values, _, _ = models.value_parallel.inference(response_reward_logits, queries, summaries, pad, bf16)
+    rows = token_table(
+        models.tokenizer, summaries, scores, indices, eos, pad, {"reward_logits": logits, "values": values}
+    )
+    return [
+        {"row": i, **row, "value_at_eos": row["values"][row["eos_index"]] if row["eos_index"] >= 0 else None}
+        for i, row in enumerate(rows)
+    ]
+
+
+def learning_check_metrics(rows: list[tuple], kl_coef: float) -> dict[str, float]:
+    """PPO's learning check on the evaluation prompts, from :func:`evaluate_policy`'s rows
+    ``(score_policy, raw_score_policy, has_eos_policy, score_reference, text_policy, score_sft,
+    has_eos_sft, text_sft, kl_vs_sft)``.
+
+    - ``eval/objective_gain_vs_sft`` (with ``_ci_low``/``_ci_high``): the RLHF objective that
+      PPO maximises, ``score - kl_coef * KL`` per summary (Huang et al. 2024, arXiv 2403.17031:
+      "our PPO implementation at least optimizes the RLHF objective"), the policy's minus SFT's
+      on the same prompt; SFT's KL from itself is 0. The KL of a summary is its log-ratio
+      ``log pi(y|x) - log pi_sft(y|x)`` at the training temperature
+      (:func:`rlhf_core.ppo.rollout.summary_logprobs`), ``eval/kl_vs_sft`` its mean, in nats.
+    - ``eval/score_gain_vs_sft``: the paired score gain alone.
+    - PPO's EOS rate with its Wilson interval, SFT's, and both policies' repetition rates.
+
+    Intervals are 95%, Student's t for the paired differences
+    (:func:`rlhf_core.metrics.statistics.paired_difference`).
+    """
+    policy, sft = [row[0] for row in rows], [row[5] for row in rows]
+    kl = [row[8] for row in rows]
+    gain = paired_difference(policy, sft)
+    objective = paired_difference([s - kl_coef * k for s, k in zip(policy, kl)], sft)
+    eos = sum(bool(row[2]) for row in rows)
+    low, high = wilson_interval(eos, len(rows))
+    return {
+        "eval/score_sft": sum(sft) / len(sft),
+        "eval/eos_rate_sft": sum(bool(row[6]) for row in rows) / len(rows),
+        "eval/score_gain_vs_sft": gain["mean"],
+        "eval/score_gain_vs_sft_ci_low": gain["ci_low"],
+        "eval/score_gain_vs_sft_ci_high": gain["ci_high"],
+        "eval/kl_vs_sft": sum(kl) / len(kl),
+        "eval/objective_gain_vs_sft": objective["mean"],
+        "eval/objective_gain_vs_sft_ci_low": objective["ci_low"],
+        "eval/objective_gain_vs_sft_ci_high": objective["ci_high"],
+        "eval/eos_rate_policy_ci_low": low,
+        "eval/eos_rate_policy_ci_high": high,
+        "eval/repetition_rate_policy": repetition_rate([row[4] for row in rows])["rate"],
+        "eval/repetition_rate_sft": repetition_rate([row[7] for row in rows])["rate"],
+    }
+
+
+def write_value_vs_reward(rows: list[dict], out_dir: str | os.PathLike) -> Path:
+    """Write :func:`value_vs_reward`'s rows as ``value_vs_reward.json`` (``{"responses": rows}``)
+    to ``out_dir``; returns its path. The report draws them
+    (:func:`rlhf_core.report.run_report.per_token_sections`): no plotting code runs in the PPO stage."""
+    return write_json_atomic(Path(out_dir) / "value_vs_reward.json", {"responses": rows})
