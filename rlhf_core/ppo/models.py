@@ -65,9 +65,10 @@ def build_models(
     # ppo.offload_frozen: the frozen models stay in CPU memory, their DataParallel copies
     # them to the device for each forward pass (Detail 8)
     frozen_home = torch.device("cpu") if cfg.offload_frozen else device
-    reward_model = (
-        None if not with_reward_model else load_reward_model(reward_model_dir, tokenizer, data_dir)  # type: ignore[arg-type].to(frozen_home).eval().requires_grad_(False)
-    )
+    reward_model = None
+    if with_reward_model:  # frozen, in eval mode, where the frozen models live
+        reward_model = load_reward_model(reward_model_dir, tokenizer, data_dir)  # type: ignore[arg-type]
+        reward_model = reward_model.to(frozen_home).eval().requires_grad_(False)
     # the value model of GAE (Detail 22); none for a critic-free estimator (rloo, grpo)
     critic = cfg.advantage_estimator == "gae"
     value_model = initial_value_model(cfg, sft_model_dir, reward_model_dir, reward_model).to(device) if critic else None

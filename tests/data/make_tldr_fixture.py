@@ -4,7 +4,7 @@ such folder is beside the repository (tests/conftest.py).
     python tests/data/make_tldr_fixture.py [DIR]
 
 ``DIR`` defaults to ``$RLHF_TLDR_DIR``, else ``../shared/data/tldr``. The rows are chosen by the
-rule below, in each file's order, and named by identity (``rlhf_core.hub_subset.row_identity``)
+rule below, in each file's order, and named by identity (``rlhf_core.data.hub_subset.row_identity``)
 in ``ROWS.json``, a subset file of the same hub datasets as ``configs/data/tldr-offline-rows.json``:
 the fixture's rows are a subset of those rows. Each row is copied byte for byte (its whole line).
 """
@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from rlhf_core.hub_subset import subset_document
+from rlhf_core.data.hub_subset import subset_document
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

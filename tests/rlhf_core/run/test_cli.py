@@ -311,7 +311,7 @@ def test_the_code_version_covers_subpackages(tmp_path):
 
     unchanged = digest("copy")
     assert pipeline.code_version("evaluation").digest == unchanged
-    assert len({unchanged, digest("judging", "judging/prompt.py"), digest("ppo", "ppo.py")}) == 3
+    assert len({unchanged, digest("judging", "evaluation/judging/prompt.py"), digest("ppo", "ppo/algorithm.py")}) == 3
 
 
 def test_the_reward_command_answers_to_its_old_name_rm(tmp_path, monkeypatch):
