@@ -33,7 +33,7 @@ from rlhf_core.common.io import exclusive_lock, write_json_atomic
 from rlhf_core.common.tracking import JsonlTracker, TeeTracker
 from rlhf_core.config.settings import PipelineConfig, TrainerConfig
 from rlhf_core.run.launch import nproc_per_node
-from rlhf_core.run.pipeline import STAGES, key_changes, key_record, stage_key, stage_key_parts
+from rlhf_core.run.pipeline import STAGES, key_changes, key_of, key_record, stage_key_parts
 from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
 from rlhf_core.run.runner import PlannedStage
 from rlhf_core.run.runner import run_stage as run_stage_in
@@ -65,9 +65,9 @@ def stage_cache_parts(
 def stage_cache_key(
     stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
 ) -> str:
-    """The cache key of ``stage`` (:func:`rlhf_core.run.pipeline.stage_key`) over
+    """The cache key of ``stage``: :func:`rlhf_core.run.pipeline.key_of` its
     :func:`stage_cache_parts`."""
-    return stage_key(stage, cfg, [u.digest for u in upstream], store=(store or ArtifactStore()).uri(""))
+    return key_of(stage_cache_parts(stage, cfg, upstream, store))
 
 
 def task_cache_key(
@@ -345,8 +345,9 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     if stage == "evaluation" and cfg.eval.judge == "anthropic":
         provide_judge_key(cfg.eval.api_key_secret)
     records = [StageRecord.model_validate(u) for u in upstream or []]
-    key = f"{stage}/{stage_cache_key(stage, cfg, records)}"
     store = ArtifactStore()
+    parts = stage_cache_parts(stage, cfg, records, store)  # what the key covers: read once
+    key = f"{stage}/{key_of(parts)}"
     # One writer per stage key: a second run of the same stage waits here for the first, then
     # returns the record the first left beside the work directory, its artifact intact. On an
     # S3 store, workers on other machines are kept out by a claim in the store (tasks.claims).
@@ -361,7 +362,7 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
                     "stage %s: finished by another worker sharing the store; its artifact is used", stage
                 )
                 return claim.record.model_dump()
-            record = _run_stage_once(stage, cfg, records, key, store, parent_run_id)
+            record = _run_stage_once(stage, cfg, records, key, parts, store, parent_run_id)
             write_json_atomic(work_root() / f"{key}.record.json", record.model_dump())
             if not store.is_local:  # for workers elsewhere: before the claim is released
                 store.put_text(f"{key}.record.json", record.model_dump_json())
@@ -421,8 +422,8 @@ def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: 
             planned.append(PlannedStage(name, "-", False, f"its key needs the digest of {waiting}'s new artifact"))
             continue
         upstream = [records[dep] for dep in STAGES[name].inputs]
-        entry = task_cache_key(name, cfg, upstream, store)
-        key = f"{name}/{stage_cache_key(name, cfg, upstream, store)}"
+        parts = stage_cache_parts(name, cfg, upstream, store)  # the data files are read once
+        entry, key = f"rlhf-{name}-{key_of(parts)}", f"{name}/{key_of(parts)}"
         record = StageRecord.model_validate(results.read(entry).result) if results.exists(entry) else None
         damage = None if record is None else store.damage(record.key, record.digest)
         if record is not None and damage is None:
@@ -432,7 +433,7 @@ def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: 
             records[name] = done
             planned.append(PlannedStage(name, key, True, f"finished by an earlier run: {done.uri}"))
         else:
-            why = why_it_runs_again(name, stage_cache_parts(name, cfg, upstream, store), work)
+            why = why_it_runs_again(name, parts, work)
             planned.append(PlannedStage(name, key, False, f"no cache entry: {why}" if record is None else str(damage)))
     return planned
 
@@ -458,6 +459,7 @@ def _run_stage_once(
     cfg: PipelineConfig,
     records: list[StageRecord],
     key: str,
+    parts: dict[str, Any],
     store: ArtifactStore,
     parent_run_id: str | None,
 ) -> StageRecord:
@@ -469,7 +471,6 @@ def _run_stage_once(
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
     check_free_space(stage, inputs, [out] + ([Path(store.base)] if store.is_local else []), cfg)
-    parts = stage_cache_parts(stage, cfg, records, store)
     get_run_logger().info("stage %s runs: %s", stage, why_it_runs_again(stage, parts, work_root()))
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
     mlflow_tracker = MLflowTracker(run_id, client=client)

@@ -37,7 +37,7 @@ from ..config.credentials import redact
 from ..config.presets import available_presets, load_config
 from ..config.settings import ConfigError, PipelineConfig
 from ..models.sources import RewardSpecError
-from .pipeline import STAGES, key_parts
+from .pipeline import STAGES, key_of, key_parts
 from .runner import PlannedStage
 
 log = logging.getLogger("rlhf")
@@ -176,12 +176,11 @@ def plan_stages(cfg: PipelineConfig, root: Path | None, until: str | None = None
         KeyError: ``until`` is not a stage.
         DataError, ModelSourceError: what a stage reads cannot be found (its key needs it).
     """
-    from ..common.io import json_digest
     from .runner import finished_output, why_it_runs
 
     planned = []
     for name, parts in key_parts(cfg, until).items():
-        key, out = json_digest(parts, length=24), None if root is None else root / name
+        key, out = key_of(parts), None if root is None else root / name
         found = None if out is None else finished_output(out, key)
         if found is not None and found.damage is None:
             planned.append(PlannedStage(name, key, True, f"finished in {out}"))
@@ -209,7 +208,7 @@ def print_plan(cfg: PipelineConfig, planned: list[PlannedStage]) -> None:
 
 
 def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: bool, nproc: int) -> dict:
-    from ..common.io import json_digest, write_json_atomic
+    from ..common.io import write_json_atomic
     from ..common.tracking import JsonlTracker
     from .pipeline import key_record
     from .runner import run_stage
@@ -219,7 +218,7 @@ def _run_stages_locked(cfg: PipelineConfig, root: Path, until: str, overwrite: b
     (root / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     summary = {}
     for name, stage_parts in parts.items():
-        key, out = json_digest(stage_parts, length=24), root / name
+        key, out = key_of(stage_parts), root / name
         inputs = [root / dep for dep in STAGES[name].inputs]
         tracker = JsonlTracker(out / "metrics.jsonl")
         run = run_stage(name, cfg, inputs, out, key, key_record(stage_parts), tracker, nproc=nproc, overwrite=overwrite)

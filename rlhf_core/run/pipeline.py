@@ -18,6 +18,7 @@ from typing import Any
 from ..common.io import json_digest
 from ..common.stage_code import StageCode, stage_code
 from ..common.tracking import Tracker
+from ..config.presets import flatten
 from ..config.settings import PipelineConfig
 from ..data.files import data_fingerprint
 from ..models.sources import (
@@ -282,15 +283,21 @@ def stage_key_parts(name: str, cfg: PipelineConfig, upstream: list[str], **conte
     return payload
 
 
+def key_of(parts: dict[str, Any]) -> str:
+    """The cache key (24 hex) of a stage's key parts (:func:`stage_key_parts`): the SHA-256 of
+    their canonical JSON (:func:`rlhf_core.common.io.json_digest`)."""
+    return json_digest(parts, length=24)
+
+
 def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:
-    """The cache key of stage ``name`` (24 hex): the digest of :func:`stage_key_parts`, the one
-    key scheme of ``rlhf run`` and of the Prefect tasks (``tasks.stages.stage_cache_key``).
+    """The cache key of stage ``name`` (24 hex): :func:`key_of` its :func:`stage_key_parts`, the
+    one key scheme of ``rlhf run`` and of the Prefect tasks (``tasks.stages.stage_cache_key``).
 
     Raises:
         KeyError: ``name`` is not a stage.
         DataError, ModelSourceError: what the stage reads cannot be found.
     """
-    return json_digest(stage_key_parts(name, cfg, upstream, **context), length=24)
+    return key_of(stage_key_parts(name, cfg, upstream, **context))
 
 
 def key_record(parts: dict[str, Any]) -> dict[str, Any]:
@@ -305,15 +312,6 @@ def key_record(parts: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(tree, dict):
-        return {prefix: tree}
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        flat |= _flat(value, f"{prefix}.{key}" if prefix else str(key))
-    return flat
-
-
 def key_changes(recorded: dict[str, Any], parts: dict[str, Any]) -> list[str]:
     """Why stage ``parts["stage"]``'s key differs from the one a finished output recorded: one
     phrase per part that changed, naming the settings (with old and new values), the code's
@@ -321,7 +319,7 @@ def key_changes(recorded: dict[str, Any], parts: dict[str, Any]) -> list[str]:
     :func:`key_record`) matches ``parts`` (:func:`stage_key_parts`).
     """
     reasons = []
-    old, new = _flat(recorded.get("config", {})), _flat(parts["config"])
+    old, new = flatten(recorded.get("config", {})), flatten(parts["config"])
     settings = [k for k in sorted(set(old) | set(new), key=str) if old.get(k, "unset") != new.get(k, "unset")]
     if settings:
         shown = [f"{k} {old.get(k, 'unset')!r} -> {new.get(k, 'unset')!r}" for k in settings[:4]]
@@ -394,7 +392,7 @@ def key_parts(cfg: PipelineConfig, until: str | None = None) -> dict[str, dict[s
     keys: dict[str, str] = {}
     for name in stages_until(until):
         parts[name] = stage_key_parts(name, cfg, [keys[dep] for dep in STAGES[name].inputs])
-        keys[name] = json_digest(parts[name], length=24)
+        keys[name] = key_of(parts[name])
     return parts
 
 
@@ -406,4 +404,4 @@ def stage_keys(cfg: PipelineConfig, until: str | None = None) -> dict[str, str]:
     Raises:
         KeyError: ``until`` is not a stage.
     """
-    return {name: json_digest(parts, length=24) for name, parts in key_parts(cfg, until).items()}
+    return {name: key_of(parts) for name, parts in key_parts(cfg, until).items()}

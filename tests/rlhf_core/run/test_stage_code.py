@@ -151,7 +151,7 @@ def _finished(root: Path, cfg) -> None:
     """Mark every stage of ``cfg`` finished in the run directory ``root`` with the keys of the
     code now in ``pipeline.SOURCE_ROOT``, as ``rlhf stages`` leaves them (no files besides)."""
     for name, parts in pipeline.key_parts(cfg).items():
-        marker = {"key": pipeline.json_digest(parts, length=24), "status": "done", "manifest": {"files": {}}}
+        marker = {"key": pipeline.key_of(parts), "status": "done", "manifest": {"files": {}}}
         (root / name).mkdir(parents=True)
         (root / name / "stage.json").write_text(json.dumps({**marker, "parts": pipeline.key_record(parts)}))
 
