@@ -63,6 +63,36 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(cfg: PipelineConfig, args: argparse.Namespace) -> int:
+    """``rlhf evaluate``: the flow ``evaluate`` (:mod:`flows.evaluate`) in this process, in the run
+    directory as ``rlhf run`` uses it (its stores, so a run's data stage is taken from the cache)."""
+    root = run_directory(args, cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.update(run_locations(args, root))
+    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    from flows.evaluate import EVALUATE_STAGES, evaluate, with_policies
+    from tasks.mlflow_tracking import tracking_client
+    from tasks.stages import preflight
+
+    # as the flow does first, but before its Prefect server starts: errors at once, in one line
+    client = tracking_client(cfg.tracking.tracking_uri)
+    preflight(with_policies(cfg, args.policy or [], args.reward, client)[0], EVALUATE_STAGES)
+    result = evaluate(preset=args.preset, policies=args.policy or [], reward=args.reward, overrides=args.overrides)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    metrics = result["stages"]["policy_eval"]["metrics"]
+    print(f"rlhf evaluate: finished; MLflow run {result['mlflow_run_id']}")
+    for name, key in result["policies"].items():
+        low, high = metrics[f"eval/{key}/win_rate_ci_low"], metrics[f"eval/{key}/win_rate_ci_high"]
+        print(
+            f"  {name}: win rate {metrics[f'eval/{key}/win_rate']:.1%} [{low:.1%}, {high:.1%}], "
+            f"ROUGE-L {metrics[f'eval/{key}/rougeL']:.3f}, {metrics[f'eval/{key}/response_tokens']:.1f} tokens"
+        )
+    print(f"report: {result['report']} (also under report/ in the MLflow run)")
+    return 0
+
+
 def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     """``rlhf check``: what a run of ``cfg`` up to ``--until`` checks before its first stage
     (:func:`rlhf_core.run.preflight.check_before_stages`: the data rows, fetched from the hub for the
@@ -228,6 +258,22 @@ COMMANDS: dict[str, core.Command] = {
         out="optional",
         until=True,
     ),
+    "evaluate": core.Command(
+        cmd_evaluate,
+        "judge any policies (local directories, hub ids[@REVISION], registered models:/NAME@ALIAS) against "
+        "the preset's references as the Prefect flow rlhf/evaluate: ROUGE-L, win rates, length, one MLflow "
+        "run and a report (stores under --out, default runs/<preset>)",
+        out="optional",
+        flags=(("--json", "print the evaluation's record as JSON"),),
+        options=(
+            ("--policy", "a policy to evaluate; repeat for several", True),
+            (
+                "--reward",
+                "a reward model to score the summaries: a directory, model:SOURCE or models:/NAME@ALIAS",
+                False,
+            ),
+        ),
+    ),
     "run": core.Command(
         cmd_run,
         "run the whole pipeline as the Prefect flow `rlhf` in this process, every stage "
@@ -263,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["sweep"]:
         return sweep_main(args[1:])
-    if args[:1] == ["run"] and not {"-h", "--help"} & set(args):
+    if args[:1] in (["run"], ["evaluate"]) and not {"-h", "--help"} & set(args):
         prefect_settings()
     return core.main(argv, COMMANDS, user_errors=(ArtifactError,), listed={"sweep": SWEEP_HELP})
 

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from rlhf_core.common.io import exclusive_lock, json_digest
 from rlhf_core.config.presets import flatten, load_config
 from rlhf_core.config.settings import PipelineConfig
-from rlhf_core.run.pipeline import STAGES, stages_until
+from rlhf_core.run.pipeline import STAGES, stage_entry, stages_until
 from tasks.attempts import attempt, end_dead_attempts
 from tasks.mlflow_models import MLFLOW_MODELS
 from tasks.mlflow_tracking import (
@@ -79,25 +79,9 @@ def _run_stages(
 ) -> dict:
     """The stages ``names`` in order under the pipeline's MLflow run ``parent_id``, then the
     report and the model registrations; the run ends FINISHED, or FAILED on an error."""
-    c = cfg.model_dump()
     try:
         store = ArtifactStore()
-        storage = result_storage(store)  # cache entries beside the artifacts: every worker finds them
-        raw: dict[str, dict] = {}
-        for name in names:
-            stage = STAGES[name]
-            upstream = [raw[dep] for dep in stage.inputs]
-            run_stage = stage_task(name, cfg, storage)
-            record = run_stage(name, c, upstream, parent_id)
-            damage = store.damage(record["key"], record["digest"])
-            if damage is not None:
-                # A cache entry whose artifact was deleted or damaged since: run the stage again.
-                logger.warning(
-                    "stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage
-                )
-                record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
-            raw[name] = record
-        records = {name: StageRecord.model_validate(r) for name, r in raw.items()}
+        records = stage_records(cfg, names, parent_id, store, logger)
         for stage, record in records.items():
             client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
             client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")
@@ -148,6 +132,27 @@ def _run_stages(
         description=f"rlhf run of preset {cfg.name}: stages, headline, MLflow run and report",
     )
     return result
+
+
+def stage_records(
+    cfg: PipelineConfig, names: list[str], parent_id: str, store: ArtifactStore, logger: Any
+) -> dict[str, StageRecord]:
+    """Run (or take from the cache) the stages ``names`` in order as Prefect tasks under the MLflow
+    run ``parent_id``, each reading its inputs' records; a cache entry whose artifact was deleted
+    or damaged since runs its stage again. Returns each stage's record."""
+    c = cfg.model_dump()
+    storage = result_storage(store)  # cache entries beside the artifacts: every worker finds them
+    raw: dict[str, dict] = {}
+    for name in names:
+        upstream = [raw[dep] for dep in stage_entry(name).inputs]
+        run_stage = stage_task(name, cfg, storage)
+        record = run_stage(name, c, upstream, parent_id)
+        damage = store.damage(record["key"], record["digest"])
+        if damage is not None:
+            logger.warning("stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage)
+            record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
+        raw[name] = record
+    return {name: StageRecord.model_validate(r) for name, r in raw.items()}
 
 
 def config_digest(cfg: PipelineConfig) -> str:

@@ -49,6 +49,7 @@ from rlhf_core.run.sweep import (
     health_flags,
     load_sweep,
     plot_sweep,
+    plot_win_rate_by_length_sweep,
     summary_markdown,
     summary_rows,
 )
@@ -282,9 +283,10 @@ def _run_cells(s: SweepSpec, cells: list[Cell], client: MlflowClient, parent_id:
 
 
 def write_summary(spec: SweepSpec, results: list[CellResult], flags: dict, out: Path) -> Path:
-    """The summary files in ``out``: ``summary.md``, ``cells.json`` and one plot per plotted
-    column with values (``ppo_win_rate.png``: Figure 1 across sizes, the ablation within one);
-    returns the markdown file."""
+    """The summary files in ``out``: ``summary.md``, ``cells.json``, one plot per plotted
+    column with values (``ppo_win_rate.png``: Figure 1 across sizes, the ablation within one)
+    and every cell's policies' win rate by summary length (``win_rate_by_length.png``: Figures 7
+    and 8); returns the markdown file."""
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "cells.json", {"spec": spec.model_dump(mode="json"), "cells": summary_rows(results, flags)})
     for column in (
@@ -298,6 +300,7 @@ def write_summary(spec: SweepSpec, results: list[CellResult], flags: dict, out: 
     ):
         if any(r.error is None and not math.isnan(r.value(column)[0]) for r in results):
             plot_sweep(results, column, out / (re.sub(r"[^a-z0-9]+", "_", column.lower()) + ".png"))
+    plot_win_rate_by_length_sweep(results, out / "win_rate_by_length.png")
     path = out / "summary.md"
     path.write_text(summary_markdown(spec, results, flags))
     return path

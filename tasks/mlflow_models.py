@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import pandas as pd
@@ -242,3 +244,52 @@ MLFLOW_MODELS = {
     "reward_norm": ("rlhf-tldr-reward-model", save_reward_model),
     "dpo": ("rlhf-tldr-dpo-policy", partial(save_policy_model, method="DPO")),
 }
+
+
+def download_registered_model(client: Any, uri: str, root: Path) -> Path:
+    """The model directory (``save_pretrained`` layout) of the registered model ``uri``
+    (``models:/NAME@ALIAS`` or ``models:/NAME/VERSION``), downloaded once into
+    ``root/NAME-vVERSION``: a policy's ``model/`` folder (MLflow's ``transformers`` flavor) with
+    its tokenizer's files beside the weights, or a reward model's ``artifacts/reward_model``.
+
+    Raises:
+        ModelSourceError: naming ``uri``: not a ``models:/`` URI, no such model, version or
+            alias, or no model directory in it.
+    """
+    import shutil
+
+    from mlflow.exceptions import MlflowException
+
+    from rlhf_core.common.errors import ModelSourceError
+
+    match = re.fullmatch(r"models:/([^/@]+)(?:@([^/@]+)|/(\d+))", uri)
+    if match is None:
+        raise ModelSourceError(f"{uri}: a registered model is models:/NAME@ALIAS or models:/NAME/VERSION")
+    name, alias, number = match.groups()
+    try:
+        version = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, number)
+    except MlflowException as exc:
+        raise ModelSourceError(f"{uri}: not in the model registry at {client.tracking_uri}: {exc.message}") from None
+    target = root / f"{name}-v{version.version}"
+    if not (target / "MLmodel").is_file():
+        partial_dir = root / f".{name}-v{version.version}.partial"
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir(parents=True)
+        mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{version.version}",
+            dst_path=str(partial_dir),
+            tracking_uri=client.tracking_uri,
+            registry_uri=client.tracking_uri,  # the registry lives beside the runs, as the pipeline registers
+        )
+        shutil.rmtree(target, ignore_errors=True)
+        partial_dir.rename(target)
+    if (target / "model" / "config.json").is_file():  # the transformers flavor: the tokenizer beside the weights
+        tokenizer = target / "components" / "tokenizer"
+        for file in tokenizer.iterdir() if tokenizer.is_dir() else ():
+            if not (target / "model" / file.name).exists():
+                shutil.copyfile(file, target / "model" / file.name)
+        return target / "model"
+    found = sorted(p.parent for p in (target / "artifacts").glob("*/config.json"))
+    if not found:
+        raise ModelSourceError(f"{uri}: version {version.version} holds no model directory (config.json)")
+    return found[0]

@@ -33,8 +33,8 @@ from rlhf_core.common.io import exclusive_lock, write_json_atomic
 from rlhf_core.common.tracking import JsonlTracker, TeeTracker
 from rlhf_core.config.settings import PipelineConfig, TrainerConfig
 from rlhf_core.run.launch import nproc_per_node
-from rlhf_core.run.pipeline import STAGES, key_changes, key_of, key_record, stage_key_parts
-from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, check_before_stages, judge_key_missing
+from rlhf_core.run.pipeline import ON_DEMAND, STAGES, key_changes, key_of, key_record, stage_key_parts
+from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, JUDGING_STAGES, check_before_stages, judge_key_missing
 from rlhf_core.run.runner import PlannedStage
 from rlhf_core.run.runner import run_stage as run_stage_in
 
@@ -292,7 +292,7 @@ def result_storage_block(store: ArtifactStore | None = None):
 
 
 #: Stages that run a model (on the accelerator, where there is one): tagged ``gpu``.
-MODEL_STAGES = frozenset(STAGES) - {"data", "base_model"}
+MODEL_STAGES = (frozenset(STAGES) | frozenset(ON_DEMAND)) - {"data", "base_model"}
 
 
 def stage_tags(stage: str, cfg: PipelineConfig) -> set[str]:
@@ -302,7 +302,7 @@ def stage_tags(stage: str, cfg: PipelineConfig) -> set[str]:
     sweep spec's ``concurrency_limits``) bounds how many such tasks run at once, across flows
     and workers."""
     tags = {"gpu"} if stage in MODEL_STAGES else set()
-    if stage == "evaluation" and cfg.eval.judge == "anthropic":
+    if stage in JUDGING_STAGES and cfg.eval.judge == "anthropic":
         tags.add("judge-api")
     return tags
 
@@ -342,7 +342,7 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     """
     logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
-    if stage == "evaluation" and cfg.eval.judge == "anthropic":
+    if stage in JUDGING_STAGES and cfg.eval.judge == "anthropic":
         provide_judge_key(cfg.eval.api_key_secret)
     records = [StageRecord.model_validate(u) for u in upstream or []]
     store = ArtifactStore()
@@ -479,7 +479,7 @@ def _run_stage_once(
     tracker = TeeTracker(mlflow_tracker, JsonlTracker(out / "metrics.jsonl"))
     try:
         # the Anthropic judge's calls appear as MLflow traces of the evaluation's run
-        traced = stage == "evaluation" and cfg.eval.judge == "anthropic"
+        traced = stage in JUDGING_STAGES and cfg.eval.judge == "anthropic"
         with traced_judge_calls(client, run_id) if traced else nullcontext():
             # rank 0 of a torchrun job writes metrics.jsonl; its records are relayed to MLflow
             run = run_stage_in(

@@ -405,6 +405,19 @@ class PPOConfig(TrainerConfig):
         return spec
 
 
+#: The judge compares each policy with the references; these keys name pipeline policies.
+PIPELINE_POLICY_KEYS = ("base", "sft", "ppo", "dpo")
+
+
+def policy_key(name: str) -> str:
+    """The key of policy ``name`` (``eval.policies``) in metric names (``eval/{key}/win_rate``) and
+    file columns: its letters, digits, ``.``, ``_`` and ``-``, every other run of characters
+    one ``-`` (``models:/rlhf-tldr-policy@champion`` -> ``models-rlhf-tldr-policy-champion``),
+    prefixed ``policy-`` where it would be a pipeline policy's key or empty."""
+    key = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-")
+    return f"policy-{key}" if key in PIPELINE_POLICY_KEYS or not key else key
+
+
 class EvalConfig(StrictModel):
     """Judge evaluation of base, SFT, PPO and DPO summaries against the references (Huang et al. 2024,
     Figure 1, Figure 8, Appendix I).
@@ -444,12 +457,34 @@ class EvalConfig(StrictModel):
     #: rlhf_core.train.training.resolve_bf16). The resolved precision is logged as a param.
     bf16: bool | Literal["auto"] = "auto"
     length_bins: int = Field(6, gt=0)
+    #: Policies from elsewhere that ``rlhf evaluate`` judges (the stage ``policy_eval``, never
+    #: part of a pipeline run): ``{name: source}``, the source a local directory in the
+    #: ``save_pretrained`` layout or a hub id with an optional ``@REVISION``; the name, shown in
+    #: the report and MLflow, is the source as given on the command line.
+    policies: dict[str, str] = Field(default_factory=dict)
+    #: The reward model that scores those policies' summaries: a local directory of one saved by
+    #: the pipeline (a run's ``reward_norm`` artifact's ``model``) or ``model:SOURCE[@REVISION]``
+    #: (an existing reward model, as ``ppo.reward`` takes it); unset: no scores.
+    reward_model: str | None = None
     diversity_prompts: int = Field(8, ge=0)
     diversity_samples: int = Field(4, gt=1)
     token_shift_samples: int = Field(4, ge=0)
     report_samples: int = Field(16, ge=0)
     title_copy_threshold: float = Field(0.8, gt=0, le=1)
     seed: int = 1
+
+    @field_validator("policies")
+    @classmethod
+    def _check_policies(cls, policies: dict[str, str]) -> dict[str, str]:
+        keys: dict[str, str] = {}
+        for name, source in policies.items():
+            if not name.strip() or not str(source).strip():
+                raise ValueError(f"eval.policies: an empty name or source ({name!r}: {source!r})")
+            key = policy_key(name)
+            if key in keys:
+                raise ValueError(f"eval.policies: {keys[key]!r} and {name!r} share the key {key!r}; rename one")
+            keys[key] = name
+        return policies
 
     @model_validator(mode="after")
     def _judge_model_for_api(self):

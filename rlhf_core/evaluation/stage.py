@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,49 +29,31 @@ from ..common.io import write_jsonl_atomic
 from ..common.tracking import NullTracker, Tracker
 from ..config.settings import EvalConfig, PipelineConfig
 from ..data.prepared import load_data_tokenizer, load_prepared, require_prompts
-from ..metrics.statistics import agreement, judge_label_agreement, length_log_ratio, mean_ignoring_missing, win_rate
-from ..metrics.text import diversity, repetition_rate, rouge_l, title_copy_rate, token_ranks, words
+from ..metrics.statistics import (
+    NAN,
+    agreement,
+    judge_label_agreement,
+    length_log_ratio,
+    mean_ignoring_missing,
+    wilson_interval,
+    win_rate,
+)
+from ..metrics.text import diversity, repetition_rate, rouge_l, title_copy_rate, words
 from ..models.saved import load_causal_lm
 from ..models.sources import resolve_source
 from ..ppo.rollout import summary_logprobs
-from ..train.generation import Summaries, summarize, trim_left_padding
+from ..train.generation import Summaries, summarize
 from ..train.reward import ResponseScores, load_reward_model, score_responses
 from ..train.training import autocast, pick_device, precision_name
-from ..views.html import token_shift_html
 from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
 from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
+from .token_shift import token_shift_blocks
 
 log = logging.getLogger(__name__)
 
 #: The policies compared with the references, in report order: ``(key, display name)``, the key
 #: being the stage that trains the policy (``base``: the base model).
 POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
-
-
-@torch.no_grad()
-def response_token_ranks(model, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int) -> list[list[int]]:
-    """Rank of each response token under ``model`` (1 = its top prediction), per row
-    (Huang et al. 2024, Table 8). PAD positions are left out.
-
-    Args:
-        queries: ``(n, query_length)`` left-padded; responses: ``(n, response_length)``.
-
-    Returns:
-        ``n`` lists of ranks, one per non-PAD response token.
-    """
-    device = next(model.parameters()).device
-    ranks = []
-    for i in range(len(queries)):
-        q = trim_left_padding(queries[i : i + 1], pad_token_id)
-        r = responses[i : i + 1]
-        keep = int((r[0] != pad_token_id).sum())
-        if keep == 0:
-            ranks.append([])
-            continue
-        seq = torch.cat([q, r[:, :keep]], dim=1).to(device)
-        logits = model(input_ids=seq).logits[0, q.size(1) - 1 : q.size(1) - 1 + keep].float().cpu()
-        ranks.append(token_ranks(logits, r[0, :keep]).tolist())
-    return ranks
 
 
 def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: torch.device | None = None) -> Judge:
@@ -116,6 +99,8 @@ class EvalPrompts:
         references, posts, titles, ids: ``n`` strings each (references stripped).
         max_new: tokens sampled per summary: the SFT response length (Detail 4).
         split: the split's name.
+        reference_lengths: ``(n,)`` long, each reference's tokens up to and including its EOS
+            (counted as :attr:`Summaries.lengths` counts a summary's).
     """
 
     queries: torch.Tensor
@@ -126,6 +111,7 @@ class EvalPrompts:
     ids: list[str]
     max_new: int
     split: str
+    reference_lengths: torch.Tensor
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -143,15 +129,17 @@ def load_eval_prompts(data_dir: str | os.PathLike, ecfg: EvalConfig) -> EvalProm
     require_prompts(stats, ecfg.split, "eval.split")
     ds = sft_data[ecfg.split]
     ds = ds.select(range(min(len(ds), ecfg.max_samples or len(ds))))
+    reference_tokens = torch.tensor(ds["reference_response_token"])
     return EvalPrompts(
         queries=torch.tensor(ds["query_token"]),
-        reference_tokens=torch.tensor(ds["reference_response_token"]),
+        reference_tokens=reference_tokens,
         references=[r.strip() for r in ds["reference_response"]],
         posts=list(ds["post"]),
         titles=list(ds["title"]),
         ids=[str(i) for i in ds["id"]],
         max_new=stats["padded_lengths"]["sft_response"],
         split=ecfg.split,
+        reference_lengths=(reference_tokens != stats["tokenizer"]["pad_token_id"]).sum(dim=1),
     )
 
 
@@ -167,14 +155,17 @@ def sample_policies(
     rates, and ``eval.diversity_samples`` samples at the training temperature of each of the
     first ``eval.diversity_prompts`` prompts, for diversity. One model in memory at a time.
 
+    Args:
+        model_dirs: ``{policy key: model directory}``, in report order.
+
     Returns:
         ``({policy: Summaries}, {policy: [samples of prompt i]})``.
     """
     summaries: dict[str, Summaries] = {}
     diverse: dict[str, list[list[str]]] = {}
     k, q = min(ecfg.diversity_prompts, len(prompts)), prompts.queries
-    for key, _ in POLICIES:
-        model = load_causal_lm(model_dirs[key]).to(device)
+    for key, model_dir in model_dirs.items():
+        model = load_causal_lm(model_dir).to(device)
         log.info("evaluation: %s summaries of %d %s prompts", key, len(prompts), prompts.split)
         summaries[key] = summarize(
             model, tokenizer, q, prompts.max_new, ecfg.temperature, ecfg.batch_size, ecfg.seed, ecfg.bf16
@@ -251,10 +242,11 @@ def score_policies(
     device: torch.device,
 ) -> dict[str, ResponseScores]:
     """Reward-model scores of every policy's summaries and of the references, with PPO's EOS
-    trick (Detail 23; :func:`rlhf_core.train.reward.score_responses`). Keys: the policies and ``reference``.
-    An existing reward model reads conversational rows as their messages (``data_dir``'s data)."""
+    trick (Detail 23; :func:`rlhf_core.train.reward.score_responses`). Keys: the policies of
+    ``summaries`` and ``reference``. An existing reward model reads conversational rows as their
+    messages (``data_dir``'s data)."""
     reward_model = load_reward_model(reward_model_dir, tokenizer, data_dir).to(device)
-    responses = {key: summaries[key].responses for key, _ in POLICIES} | {"reference": prompts.reference_tokens}
+    responses = {key: s.responses for key, s in summaries.items()} | {"reference": prompts.reference_tokens}
     scored = {
         key: score_responses(
             reward_model,
@@ -271,31 +263,6 @@ def score_policies(
     reward_model = None
     _free()
     return scored
-
-
-def token_shift_blocks(
-    base_model_dir: Path,
-    tokenizer,
-    prompts: EvalPrompts,
-    summaries: dict[str, Summaries],
-    ecfg: EvalConfig,
-    device: torch.device,
-) -> list[str]:
-    """HTML blocks of the first ``eval.token_shift_samples`` SFT, PPO and DPO summaries, each
-    token coloured by its rank under the base model (Table 8)."""
-    m = min(ecfg.token_shift_samples, len(prompts))
-    blocks: list[str] = []
-    if not m:
-        return blocks
-    base = load_causal_lm(base_model_dir).to(device)
-    for key in ("sft", "ppo", "dpo"):
-        ranks = response_token_ranks(base, prompts.queries[:m], summaries[key].responses[:m], tokenizer.pad_token_id)
-        for i in range(m):
-            tokens = [tokenizer.decode([t]) for t in summaries[key].responses[i, : len(ranks[i])].tolist()]
-            blocks.append(f"<h4>{dict(POLICIES)[key]}, post {i + 1}</h4>" + token_shift_html(tokens, ranks[i]))
-    base = None
-    _free()
-    return blocks
 
 
 @dataclass
@@ -319,10 +286,11 @@ def judge_policies(
     cache: JudgementCache,
     template: str = JUDGE_PROMPT,
 ) -> JudgedPolicies:
-    """Each policy's summary against the reference for every prompt, interleaved so that a
-    spending cap (``eval.max_comparisons``) leaves every policy the same number of comparisons;
-    ``template`` is the judge prompt (:func:`rlhf_core.evaluation.judging.prompt.load_judge_prompt`)."""
-    n, ids = len(prompts), prompts.ids
+    """Each policy's summary (the policies of ``summaries``) against the reference for every
+    prompt, interleaved so that a spending cap (``eval.max_comparisons``) leaves every policy the
+    same number of comparisons; ``template`` is the judge prompt
+    (:func:`rlhf_core.evaluation.judging.prompt.load_judge_prompt`)."""
+    n, ids, keys = len(prompts), prompts.ids, list(summaries)
     comparisons = [
         Comparison(
             id=f"{key}/{ids[i]}",
@@ -333,7 +301,7 @@ def judge_policies(
             template=template,
         )
         for i in range(n)
-        for key, _ in POLICIES
+        for key in keys
     ]
     judgements = judge_comparisons(
         judge,
@@ -348,9 +316,9 @@ def judge_policies(
     by_id = {j.id: j for j in judgements}
     wins = {
         key: [by_id[f"{key}/{ids[i]}"].outcome if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
-        for key, _ in POLICIES
+        for key in keys
     }
-    judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key, _ in POLICIES}
+    judged = {key: [f"{key}/{ids[i]}" in by_id for i in range(n)] for key in keys}
     return JudgedPolicies(judgements, len(comparisons), wins, judged, by_id)
 
 
@@ -416,107 +384,153 @@ def policy_measurements(
     prompts: EvalPrompts,
     summaries: dict[str, Summaries],
     diverse: dict[str, list[list[str]]],
-    scored: dict[str, ResponseScores],
+    scored: dict[str, ResponseScores] | None,
     verdicts: JudgedPolicies,
     ecfg: EvalConfig,
+    policies: Sequence[tuple[str, str]] = POLICIES,
 ) -> tuple[dict[str, float], list[dict], dict[str, tuple[list[float], list]]]:
-    """Win rate, ROUGE-L, reward-model scores, EOS rate, title copying, diversity and RM-judge
-    agreement of each policy, and the references' scores.
+    """Win rate, ROUGE-L, length, reward-model scores, EOS rate, title copying, diversity and
+    RM-judge agreement of each policy (:func:`measure_policy`), and the references' figures.
+
+    Args:
+        scored: :func:`score_policies`' scores; ``None`` when no reward model scored the
+            summaries (no score, raw score or agreement figures then).
+        policies: ``(key, report label)`` of each policy in ``summaries``, in report order.
 
     Returns:
-        ``(metrics, headline rows for the report, length-control curves per policy label)``.
+        ``(metrics, headline rows for the report, length-control curves per policy label)``;
+        besides each policy's ``eval/{key}/...`` metrics, ``eval/agreement`` (with
+        ``_ci_low``, ``_ci_high`` and ``_n``: the reward model's agreement with the judge over
+        every policy's judged pairs, Detail 17), ``eval/reference/...`` and ``eval/samples``.
     """
-    n, references, titles, ids = len(prompts), prompts.references, prompts.titles, prompts.ids
-    wins, by_id = verdicts.wins, verdicts.by_id
-    scores = {key: s.scores for key, s in scored.items()}
+    references, n = prompts.references, len(prompts)
     metrics: dict[str, float] = {}
     headline, curves = [], {}
-    reward_agree, judge_agree = [], []
-    for key, label in POLICIES:
-        texts = summaries[key].texts
-        sel = [i for i in range(n) if verdicts.judged[key][i]]
-        wr = win_rate([wins[key][i] for i in sel])
-        counts = win_counts([by_id[f"{key}/{ids[i]}"] for i in sel])
-        rouge = rouge_l(texts, references)
-        title = title_copy_rate(texts, titles, ecfg.title_copy_threshold)
-        repetition = repetition_rate(texts)
-        div = diversity(diverse[key]) if key in diverse else {"mean": float("nan")}
-        rm_prefers = [bool(scores[key][i] > scores["reference"][i]) for i in sel]
-        agree = agreement(rm_prefers, [wins[key][i] for i in sel])
-        reward_agree += rm_prefers
-        judge_agree += [wins[key][i] for i in sel]
-        curves[label] = (
-            [length_log_ratio([texts[i]], [references[i]])[0] for i in sel],
-            [wins[key][i] for i in sel],
+    reward_agree: list[bool] = []
+    judge_agree: list = []
+    for key, label in policies:
+        figures, row, curves[label], agree = measure_policy(
+            key, prompts, summaries[key], diverse, scored, verdicts, ecfg
         )
-        metrics.update(
-            {
-                f"eval/{key}/win_rate": wr["win_rate"],
-                f"eval/{key}/win_rate_ci_low": wr["ci_low"],
-                f"eval/{key}/win_rate_ci_high": wr["ci_high"],
-                f"eval/{key}/win_rate_n_valid": float(wr["n_valid"]),
-                f"eval/{key}/win_rate_invalid": float(counts["invalid"]),
-                f"eval/{key}/win_rate_errors": float(counts["errors"]),
-                f"eval/{key}/rougeL": mean_ignoring_missing(rouge),
-                f"eval/{key}/score": scores[key].mean().item(),
-                f"eval/{key}/raw_score": scored[key].raw_scores.mean().item(),
-                f"eval/{key}/eos_rate": scored[key].has_eos.double().mean().item(),
-                f"eval/{key}/title_copy_rate": float(title["rate"]),
-                f"eval/{key}/repetition_rate": float(repetition["rate"]),
-                f"eval/{key}/win_rate_ties": float(counts["ties"]),
-                f"eval/{key}/diversity": float(div["mean"]),
-                f"eval/{key}/agreement": float(agree["agreement"]),
-                f"eval/{key}/response_words": mean_ignoring_missing([len(words(t)) for t in texts]),
-            }
+        metrics |= {f"eval/{key}/{name}": value for name, value in figures.items()}
+        headline.append({"policy": label} | row)
+        reward_agree += agree[0]
+        judge_agree += agree[1]
+    ref_title = title_copy_rate(references, prompts.titles, ecfg.title_copy_threshold)
+    metrics |= {"eval/reference/title_copy_rate": float(ref_title["rate"]), "eval/samples": float(n)}
+    reference: dict[str, Any] = {"policy": "human reference"}
+    if scored is not None:
+        together = agreement(reward_agree, judge_agree)
+        low, high = (
+            wilson_interval(together["agreement"] * together["n"], together["n"]) if together["n"] else (NAN, NAN)
         )
-        headline.append(
-            {
-                "policy": label,
-                "win rate vs reference": wr,
-                "ROUGE-L": mean_ignoring_missing(rouge),
-                "RM score": scores[key].mean().item(),
-                "RM raw score": scored[key].raw_scores.mean().item(),
-                "EOS rate": scored[key].has_eos.double().mean().item(),
-                "title copy": float(title["rate"]),
-                "repetition loops": float(repetition["rate"]),
-                "diversity": float(div["mean"]),
-                "RM-judge agreement": float(agree["agreement"]),
-                "words": mean_ignoring_missing([len(words(t)) for t in texts]),
-            }
-        )
-    ref_title = title_copy_rate(references, titles, ecfg.title_copy_threshold)
-    metrics.update(
-        {
-            "eval/reference/score": scores["reference"].mean().item(),
-            "eval/reference/title_copy_rate": float(ref_title["rate"]),
-            "eval/agreement": float(agreement(reward_agree, judge_agree)["agreement"]),
-            "eval/samples": float(n),
+        metrics |= {
+            "eval/reference/score": scored["reference"].scores.mean().item(),
+            "eval/agreement": float(together["agreement"]),
+            "eval/agreement_ci_low": low,
+            "eval/agreement_ci_high": high,
+            "eval/agreement_n": float(together["n"]),
         }
-    )
-    headline.append(
-        {
-            "policy": "human reference",
-            "RM score": scores["reference"].mean().item(),
+        reference |= {
+            "RM score": scored["reference"].scores.mean().item(),
             "RM raw score": scored["reference"].raw_scores.mean().item(),
             "EOS rate": scored["reference"].has_eos.double().mean().item(),
+        }
+    headline.append(
+        reference
+        | {
             "title copy": float(ref_title["rate"]),
             "repetition loops": float(repetition_rate(references)["rate"]),
             "words": mean_ignoring_missing([len(words(t)) for t in references]),
+            "tokens": float(prompts.reference_lengths.double().mean().item()),
         }
     )
+    metrics["eval/reference/response_tokens"] = float(prompts.reference_lengths.double().mean().item())
     return metrics, headline, curves
+
+
+def measure_policy(
+    key: str,
+    prompts: EvalPrompts,
+    summaries: Summaries,
+    diverse: dict[str, list[list[str]]],
+    scored: dict[str, ResponseScores] | None,
+    verdicts: JudgedPolicies,
+    ecfg: EvalConfig,
+) -> tuple[dict[str, float], dict[str, Any], tuple[list[float], list], tuple[list[bool], list]]:
+    """One policy's figures (:func:`policy_measurements`).
+
+    Returns:
+        ``(metrics without the eval/{key}/ prefix, its headline row without the label, its
+        length-control curve: log length ratios and wins of the judged prompts, (the reward
+        model's and the judge's preferences of its judged pairs: the policy's summary over the
+        reference) for the RM-judge agreement, empty without scores)``.
+    """
+    n, texts, ids = len(prompts), summaries.texts, prompts.ids
+    sel = [i for i in range(n) if verdicts.judged[key][i]]
+    wins = [verdicts.wins[key][i] for i in sel]
+    wr = win_rate(wins)
+    counts = win_counts([verdicts.by_id[f"{key}/{ids[i]}"] for i in sel])
+    rouge = mean_ignoring_missing(rouge_l(texts, prompts.references))
+    title = float(title_copy_rate(texts, prompts.titles, ecfg.title_copy_threshold)["rate"])
+    repetition = float(repetition_rate(texts)["rate"])
+    div = float(diversity(diverse[key])["mean"]) if key in diverse else float("nan")
+    n_words = mean_ignoring_missing([len(words(t)) for t in texts])
+    tokens = float(summaries.lengths.double().mean().item()) if n else float("nan")
+    metrics = {
+        "win_rate": wr["win_rate"],
+        "win_rate_ci_low": wr["ci_low"],
+        "win_rate_ci_high": wr["ci_high"],
+        "win_rate_n_valid": float(wr["n_valid"]),
+        "win_rate_invalid": float(counts["invalid"]),
+        "win_rate_errors": float(counts["errors"]),
+        "win_rate_ties": float(counts["ties"]),
+        "rougeL": rouge,
+        "title_copy_rate": title,
+        "repetition_rate": repetition,
+        "diversity": div,
+        "response_words": n_words,
+        "response_tokens": tokens,
+    }
+    row: dict[str, Any] = {"win rate vs reference": wr, "ROUGE-L": rouge}
+    rm_prefers: list[bool] = []
+    if scored is not None:
+        scores, reference = scored[key].scores, scored["reference"].scores
+        rm_prefers = [bool(scores[i] > reference[i]) for i in sel]
+        agree = float(agreement(rm_prefers, wins)["agreement"])
+        metrics |= {
+            "score": scores.mean().item(),
+            "raw_score": scored[key].raw_scores.mean().item(),
+            "eos_rate": scored[key].has_eos.double().mean().item(),
+            "agreement": agree,
+        }
+        row |= {
+            "RM score": metrics["score"],
+            "RM raw score": metrics["raw_score"],
+            "EOS rate": metrics["eos_rate"],
+        }
+    else:
+        metrics["eos_rate"] = summaries.has_eos.double().mean().item()
+        row["EOS rate"] = metrics["eos_rate"]
+    row |= {"title copy": title, "repetition loops": repetition, "diversity": div}
+    if scored is not None:
+        row["RM-judge agreement"] = metrics["agreement"]
+    row |= {"words": n_words, "tokens": tokens}
+    curve = ([length_log_ratio([texts[i]], [prompts.references[i]])[0] for i in sel], wins)
+    return metrics, row, curve, (rm_prefers, wins if scored is not None else [])
 
 
 def summary_rows(
     prompts: EvalPrompts,
     summaries: dict[str, Summaries],
-    scored: dict[str, ResponseScores],
+    scored: dict[str, ResponseScores] | None,
     verdicts: JudgedPolicies,
     kl: dict[str, list[float]] | None = None,
 ) -> list[dict]:
     """One row per prompt for ``summaries.jsonl``: the post, the reference and each policy's
-    summary with its scores (with and without the EOS trick), EOS and judgement, and the KL
-    from SFT of PPO's and DPO's (``{policy}_kl_vs_sft``, :func:`kl_from_sft`)."""
+    (those of ``summaries``) summary with its length in tokens, EOS, judgement and, where a
+    reward model scored them (``scored``), its scores with and without the EOS trick, and the
+    KL from SFT of PPO's and DPO's (``{policy}_kl_vs_sft``, :func:`kl_from_sft`)."""
     rows = []
     for i in range(len(prompts)):
         row = {
@@ -524,18 +538,17 @@ def summary_rows(
             "title": prompts.titles[i],
             "post": prompts.posts[i],
             "reference": prompts.references[i],
-            "reference_score": scored["reference"].scores[i].item(),
         }
-        for key, _ in POLICIES:
-            row.update(
-                {
-                    key: summaries[key].texts[i],
-                    f"{key}_score": scored[key].scores[i].item(),
-                    f"{key}_raw_score": scored[key].raw_scores[i].item(),
-                    f"{key}_has_eos": bool(scored[key].has_eos[i]),
-                    f"{key}_wins": verdicts.wins[key][i],
-                }
-            )
+        if scored is not None:
+            row["reference_score"] = scored["reference"].scores[i].item()
+        for key, summary in summaries.items():
+            row[key] = summary.texts[i]
+            if scored is not None:
+                row[f"{key}_score"] = scored[key].scores[i].item()
+                row[f"{key}_raw_score"] = scored[key].raw_scores[i].item()
+            row[f"{key}_tokens"] = int(summary.lengths[i])
+            row[f"{key}_has_eos"] = bool(summary.has_eos[i])
+            row[f"{key}_wins"] = verdicts.wins[key][i]
             if kl and key in kl:
                 row[f"{key}_kl_vs_sft"] = kl[key][i]
         rows.append(row)
@@ -642,7 +655,7 @@ def run_evaluation(
     # 2b. The KL of PPO's and DPO's summaries from the SFT policy, for the RLHF objective.
     kl = kl_from_sft(model_dirs, tokenizer, prompts, summaries, ecfg, cfg.ppo.temperature, device)
     # 3. Token ranks of SFT, PPO and DPO summaries under the base model (Table 8).
-    shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts, summaries, ecfg, device)
+    shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts.queries, summaries, ecfg, device)
     # 4. The judge: each policy's summary against the reference.
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
     judge = make_judge(ecfg, model_dirs["base"], base_name, device)

@@ -108,6 +108,30 @@ def source_fingerprint(spec: str, revision: str | None = None) -> dict[str, str 
     return {"content": content_digest([Path(source.location)])}
 
 
+def split_revision(source: str) -> tuple[str, str | None]:
+    """``SOURCE@REVISION`` as ``(SOURCE, REVISION)``; ``(source, None)`` without a revision or
+    for an existing local path (whose name may hold an ``@``)."""
+    if "@" not in source or Path(source).expanduser().exists():
+        return source, None
+    location, _, revision = source.rpartition("@")
+    return location, revision or None
+
+
+def policy_fingerprint(source: str) -> dict[str, str | int | None]:
+    """What the ``policy_eval`` stage's key holds of one policy (``eval.policies``), or of its
+    reward model (``eval.reward_model``, a local directory or ``model:SOURCE[@REVISION]``): its files' digest for a local
+    directory, the hub id and revision for a hub id
+    (:func:`source_fingerprint`).
+
+    Raises:
+        ModelSourceError: the source cannot be resolved.
+    """
+    if source.startswith("model:"):
+        return external_reward_fingerprint(source)  # type: ignore[return-value]
+    location, revision = split_revision(source)
+    return source_fingerprint(location, revision)
+
+
 def judge_prompt_fingerprint(path: str | None) -> str | None:
     """A digest of the judge prompt file ``eval.judge_prompt`` (16 hex), for the evaluation
     stage's key; ``None`` when unset (the prompt is then the code's, covered by its digest).

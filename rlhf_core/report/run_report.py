@@ -15,6 +15,7 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from ..evaluation.reward_eval import BASELINES, CALIBRATION_PLOT, REWARD_LOGITS
 from ..evaluation.stage import POLICIES, Evaluation
 from ..metrics.statistics import mean_ignoring_missing
 from ..views.page import plot_training_curves, write_report
-from ..views.plots import plot_length_control, plot_value_vs_reward
+from ..views.plots import WIN_RATE_BY_LENGTH, plot_length_control, plot_value_vs_reward, plot_win_rate_by_length
 from .learning_checks import NOT_GATED, learning_checks, rm_splits
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ REPORT_FILES = (
     "report.html",
     "report.md",
     "length_control.png",
+    f"{WIN_RATE_BY_LENGTH}.png",
     "training_curves.png",
     "ppo_curves.png",
     CALIBRATION_PLOT,
@@ -139,7 +141,7 @@ def report_plots(
     ecfg: EvalConfig, evaluation: Evaluation, stages: StageOutputs, out: Path
 ) -> tuple[dict[str, Path], dict[str, list[dict[str, Any]]]]:
     """The report's plots in ``out``, in report order: PPO's curves per update, the win rate
-    against summary length (Figure 8), the reward model's calibration (Figure 5), the per-token
+    by mean summary length (:func:`win_rate_by_length`) and against the length ratio (Figure 8), the reward model's calibration (Figure 5), the per-token
     plots (:func:`per_token_sections`) and every stage's training curves; those whose inputs
     exist.
 
@@ -147,7 +149,7 @@ def report_plots(
         ``({heading: PNG in out}, {heading: table rows})`` for ``write_report``'s ``plots`` and
         ``figure_tables``.
     """
-    plots = {}
+    plots = {"Win rate by mean summary length": win_rate_by_length(evaluation.metrics, POLICIES, out)}
     if any(math.isfinite(r) for ratios, _ in evaluation.curves.values() for r in ratios):
         plots["Win rate against summary length"] = plot_length_control(
             evaluation.curves, out / "length_control.png", bins=ecfg.length_bins
@@ -174,6 +176,30 @@ def report_plots(
         except ValueError:  # no stepped PPO record: nothing to plot
             pass
     return plots, token_tables
+
+
+def win_rate_by_length(metrics: dict[str, float], policies: Sequence[tuple[str, str]], out: Path) -> Path:
+    """Each policy's win rate against the references by its mean summary length in tokens, from
+    the evaluation's metrics (``eval/{key}/win_rate``, its interval, ``eval/{key}/response_tokens``,
+    ``eval/reference/response_tokens``), drawn into ``out`` (Huang et al. 2024, Figures 7 and 8,
+    left: :func:`rlhf_core.views.plots.plot_win_rate_by_length`).
+
+    Args:
+        policies: ``(key, label)`` pairs, the label naming the point.
+    """
+    points = {
+        label: (
+            metrics.get(f"eval/{key}/response_tokens", math.nan),
+            {
+                "win_rate": metrics.get(f"eval/{key}/win_rate", math.nan),
+                "ci_low": metrics.get(f"eval/{key}/win_rate_ci_low", math.nan),
+                "ci_high": metrics.get(f"eval/{key}/win_rate_ci_high", math.nan),
+            },
+        )
+        for key, label in policies
+    }
+    reference = metrics.get("eval/reference/response_tokens")
+    return plot_win_rate_by_length(points, out / f"{WIN_RATE_BY_LENGTH}.png", reference_tokens=reference)
 
 
 def _metric_logs(stages: StageOutputs) -> dict[str, Path]:

@@ -399,8 +399,9 @@ class Command:
     """A sub-command: its function, help line, whether it takes ``--out`` and ``--until``, other
     names it answers to (older names kept working), on/off options of its own (``(flag,
     help)`` pairs), whether it takes ``--preset`` and ``key=value`` overrides (``config``;
-    without, ``run`` gets ``None`` for the config) and directory arguments of its own
-    (``(name, help)`` pairs, given to ``run`` as :class:`~pathlib.Path`)."""
+    without, ``run`` gets ``None`` for the config), directory arguments of its own
+    (``(name, help)`` pairs, given to ``run`` as :class:`~pathlib.Path`) and options taking a
+    ``SOURCE`` value (``(flag, help, repeated)``: a repeated one gives ``run`` a list)."""
 
     run: Callable[[PipelineConfig | None, argparse.Namespace], int]
     help: str
@@ -410,6 +411,7 @@ class Command:
     flags: tuple[tuple[str, str], ...] = ()
     config: bool = True
     paths: tuple[tuple[str, str], ...] = ()
+    options: tuple[tuple[str, str, bool], ...] = ()
 
 
 COMMANDS: dict[str, Command] = {
@@ -506,6 +508,8 @@ def build_parser(commands: dict[str, Command] | None = None, listed: dict[str, s
             p.add_argument("--until", choices=list(STAGES), default=None, help="last stage to run")
         for flag, text in command.flags:
             p.add_argument(flag, action="store_true", help=text)
+        for flag, text, repeated in command.options:
+            p.add_argument(flag, action="append" if repeated else "store", metavar="SOURCE", help=text)
     for name, text in (listed or {}).items():
         sub.add_parser(name, help=text, add_help=False)
     return parser

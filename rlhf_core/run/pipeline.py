@@ -25,6 +25,7 @@ from ..models.sources import (
     external_reward_fingerprint,
     external_reward_source,
     judge_prompt_fingerprint,
+    policy_fingerprint,
     reward_code_digest,
     source_fingerprint,
 )
@@ -92,6 +93,14 @@ def _evaluation_reads(cfg: PipelineConfig) -> dict[str, Any]:
     if cfg.eval.judge_prompt:  # the template file, by content (unset: the prompt is in the code)
         reads["judge_prompt"] = judge_prompt_fingerprint(cfg.eval.judge_prompt)
     return reads
+
+
+def _policy_eval_reads(cfg: PipelineConfig) -> dict[str, Any]:
+    # the policies and the reward model by their files (or hub id and revision), beside the judge
+    return _evaluation_reads(cfg) | {
+        "policies": {name: policy_fingerprint(source) for name, source in cfg.eval.policies.items()},
+        "reward_model": policy_fingerprint(cfg.eval.reward_model) if cfg.eval.reward_model else None,
+    }
 
 
 def _data(cfg, inputs, out, tracker):
@@ -179,6 +188,19 @@ def _evaluation(cfg, inputs, out, tracker):
     return finish_evaluation(cfg, evaluation, stages, out, tracker)
 
 
+def _policy_eval(cfg, inputs, out, tracker):
+    from ..evaluation.policies import evaluate_policies
+    from ..report.policy_report import finish_policy_evaluation
+
+    data, base = inputs
+    cache = Path(os.environ.get("RLHF_JUDGE_CACHE") or out.parent / "judge_cache.jsonl")
+    evaluation = evaluate_policies(cfg, data, base, out, tracker, cache)
+    return finish_policy_evaluation(cfg, evaluation, out, tracker)
+
+
+#: The settings of the ``eval`` section that only ``policy_eval`` reads.
+POLICY_EVAL_KEYS = ("eval.policies", "eval.reward_model")
+
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
@@ -206,10 +228,40 @@ STAGES: dict[str, Stage] = {
             ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval"),
             ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
             _evaluation,
+            ignore=POLICY_EVAL_KEYS,
             reads=_evaluation_reads,
         ),
     )
 }
+
+#: Stages that no pipeline run holds, each run by a command of its own from the stages it reads:
+#: ``policy_eval``, the evaluation of policies from elsewhere (``eval.policies``) by ``rlhf evaluate``.
+ON_DEMAND: dict[str, Stage] = {
+    s.name: s
+    for s in (
+        Stage(
+            "policy_eval",
+            ("data", "base_model"),
+            ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
+            _policy_eval,
+            ignore=POLICY_EVAL_KEYS,  # the policies and the reward model enter by name and files: reads
+            reads=_policy_eval_reads,
+        ),
+    )
+}
+
+
+def stage_entry(name: str) -> Stage:
+    """Stage ``name`` of :data:`STAGES` or :data:`ON_DEMAND`.
+
+    Raises:
+        KeyError: no stage has that name.
+    """
+    if name in STAGES:
+        return STAGES[name]
+    if name in ON_DEMAND:
+        return ON_DEMAND[name]
+    raise KeyError(f"no stage {name!r}; the stages are {', '.join([*STAGES, *ON_DEMAND])}")
 
 
 def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
@@ -218,7 +270,7 @@ def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
     Raises:
         KeyError: ``name`` is not a stage.
     """
-    stage = STAGES[name]
+    stage = stage_entry(name)
     values: dict[str, Any] = {}
     for key in stage.keys:
         section, _, field = key.partition(".")
@@ -270,7 +322,7 @@ def stage_key_parts(name: str, cfg: PipelineConfig, upstream: list[str], **conte
         KeyError: ``name`` is not a stage.
         DataError, ModelSourceError: what the stage reads cannot be found.
     """
-    stage = STAGES[name]
+    stage = stage_entry(name)
     payload: dict[str, Any] = {
         "stage": name,
         "config": stage_config(cfg, name),
@@ -330,7 +382,7 @@ def key_changes(recorded: dict[str, Any], parts: dict[str, Any]) -> list[str]:
         modules = [m for m in sorted(set(was) | set(now)) if was.get(m) != now.get(m)]
         where = ", ".join(modules) if modules else "its run function in the stage table (rlhf_core/run/pipeline.py)"
         reasons.append(f"its code changed: {where}")
-    inputs = STAGES[parts["stage"]].inputs
+    inputs = stage_entry(parts["stage"]).inputs
     was_up = recorded.get("upstream", [])
     changed = [s for i, s in enumerate(inputs) if i >= len(was_up) or was_up[i] != parts["upstream"][i]]
     if changed:

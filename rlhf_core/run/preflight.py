@@ -29,8 +29,14 @@ from ..common.errors import DataError, ModelSourceError
 from ..config.data_settings import DATA_KINDS
 from ..config.settings import ConfigError, DataConfig, PipelineConfig
 from ..data.files import local_split_files
-from ..models.sources import RewardSpecError, external_reward_source, parse_reward_spec, resolve_source
-from .pipeline import STAGES, stages_until
+from ..models.sources import (
+    RewardSpecError,
+    external_reward_source,
+    parse_reward_spec,
+    resolve_source,
+    split_revision,
+)
+from .pipeline import ON_DEMAND, STAGES, stages_until
 
 
 class PreflightError(ConfigError):
@@ -54,7 +60,11 @@ SPLIT_SETTINGS: tuple[tuple[str, str, SplitKind], ...] = (
     ("dpo_eval", "reward.eval_splits", "preference"),
     ("evaluation", "eval.split", "sft"),
     ("evaluation", "eval.judge_human_split", "preference"),
+    ("policy_eval", "eval.split", "sft"),
+    ("policy_eval", "eval.judge_human_split", "preference"),
 )
+#: The stages that judge summaries (``eval.judge``): the pipeline's evaluation and ``rlhf evaluate``'s.
+JUDGING_STAGES = frozenset({"evaluation", "policy_eval"})
 #: The splits that stages read by a fixed name: ``(stage, kind, split)``.
 FIXED_SPLITS: tuple[tuple[str, SplitKind, str], ...] = (
     ("sft", "sft", "train"),
@@ -208,7 +218,8 @@ def model_sources(cfg: PipelineConfig, stages: Iterable[str]) -> list[tuple[str,
     revision)``, each source once: ``model.tokenizer`` (else ``model.base``) for the data and
     base model stages, ``model.base`` for the base model stage unless ``model.random_init`` is
     set, ``ppo.reward``'s existing reward model (``model:SOURCE[@REVISION]``) for the reward
-    stage, and ``eval.judge_model`` for the evaluation with the offline judge."""
+    stage, ``eval.judge_model`` for the evaluation with the offline judge, and for ``policy_eval``
+    the policies of ``eval.policies`` (hub ids with their ``@REVISION``) and ``eval.reward_model``."""
     stages, m = set(stages), cfg.model
     sources: dict[str, tuple[str, str, str | None]] = {}
     if stages & {"data", "base_model"}:
@@ -219,8 +230,16 @@ def model_sources(cfg: PipelineConfig, stages: Iterable[str]) -> list[tuple[str,
     external = external_reward_source(cfg.ppo.reward)
     if "reward" in stages and external is not None:
         sources.setdefault(external[0], ("ppo.reward", *external))
-    if "evaluation" in stages and cfg.eval.judge == "offline" and cfg.eval.judge_model:
+    if stages & JUDGING_STAGES and cfg.eval.judge == "offline" and cfg.eval.judge_model:
         sources.setdefault(cfg.eval.judge_model, ("eval.judge_model", cfg.eval.judge_model, None))
+    if "policy_eval" in stages:
+        for name, source in cfg.eval.policies.items():
+            if not source.startswith("models:/"):  # a registered model: `rlhf evaluate` downloads it first
+                sources.setdefault(source, (f"eval.policies[{name!r}]", *split_revision(source)))
+        reward = cfg.eval.reward_model
+        if reward and not reward.startswith("models:/"):
+            location, revision = external_reward_source(reward) or (reward, None)
+            sources.setdefault(location, ("eval.reward_model", location, revision))
     return list(sources.values())
 
 
@@ -434,17 +453,18 @@ def check_before_stages(
     cheapest first: the split settings (:func:`check_splits`), the local data files
     (:func:`check_local_data`) and ``ppo.reward`` (:func:`check_reward_function`), then the
     model and tokenizer sources (:func:`model_sources`, :func:`check_model_source`) and the hub
-    datasets (:func:`check_hub_datasets`), then the judge's key (:func:`check_judge_key`, with
-    ``secret_exists``). Each check applies only where a stage of ``stages`` reads its settings.
+    datasets (:func:`check_hub_datasets`), for ``policy_eval`` the policies themselves
+    (:func:`rlhf_core.evaluation.policies.check_policies`), then the judge's key
+    (:func:`check_judge_key`, with ``secret_exists``). Each check applies only where a stage of ``stages`` reads its settings.
 
     Raises:
         PreflightError, ModelSourceError, DataError: the first failure, naming the setting's key.
         KeyError: ``stages`` names something that is not a stage.
     """
     names = stages_until() if stages is None else list(stages)
-    unknown = [s for s in names if s not in STAGES]
+    unknown = [s for s in names if s not in STAGES and s not in ON_DEMAND]
     if unknown:
-        raise KeyError(f"not stages: {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
+        raise KeyError(f"not stages: {', '.join(unknown)}; the stages are {', '.join([*STAGES, *ON_DEMAND])}")
     check_splits(cfg, names)
     if "data" in names:
         check_local_data(cfg.data)
@@ -454,6 +474,10 @@ def check_before_stages(
         check_model_source(key, spec, revision)
     if "data" in names:
         check_hub_datasets(cfg.data)
-    if "evaluation" in names:
+    if "policy_eval" in names:  # each policy a causal LM reading the preset's tokenizer
+        from ..evaluation.policies import check_policies
+
+        check_policies(cfg)
+    if JUDGING_STAGES & set(names):
         check_judge_prompt(cfg)
         check_judge_key(cfg, secret_exists)

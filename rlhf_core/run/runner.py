@@ -21,7 +21,7 @@ from ..common.io import ManifestCheck, check_manifest, tree_manifest, write_json
 from ..common.memory import release_free_memory
 from ..common.tracking import NullTracker, Tracker
 from ..config.settings import PipelineConfig
-from .pipeline import STAGES, key_changes
+from .pipeline import key_changes, stage_entry
 
 log = logging.getLogger("rlhf")
 
@@ -164,7 +164,7 @@ def run_stage(
         if nproc > 1 and name in DATA_PARALLEL:
             result = launch_torchrun(name, cfg, inputs, out, nproc, relay or NullTracker())
         else:
-            result = STAGES[name].run(cfg, inputs, out, tracker)
+            result = stage_entry(name).run(cfg, inputs, out, tracker)
     finally:
         release_free_memory(after=name)  # the next stage (or a retry) starts from what is live, not this one's peak
     seconds = time.perf_counter() - start

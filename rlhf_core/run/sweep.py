@@ -440,3 +440,61 @@ def plot_sweep(results: list[CellResult], column: str, path: str | os.PathLike) 
     ax.legend(fontsize=7)
     fig.tight_layout()
     return savefig_atomic(fig, path)
+
+
+#: The grid setting that Figure 7 compares: PPO with and without reward whitening (Detail 24).
+WHITENING = "ppo.whiten_rewards"
+
+
+def length_points(
+    results: list[CellResult],
+) -> tuple[dict[str, tuple[float, dict[str, float]]], dict[str, str], float | None]:
+    """Every policy of every finished cell (base, SFT, PPO, DPO) as a point of the win rate by mean
+    summary length (:func:`plot_win_rate_by_length_sweep`): its mean length in tokens and win rate
+    with interval, named ``"{cell} {policy}"``; its group, the policy and preset (model size) and,
+    for PPO when the sweep's grid holds both reward whitening settings (Figure 7, Detail 24),
+    ``reward whitening on``/``off``; and the references' mean length.
+
+    Returns:
+        ``(points, groups, reference mean length or None)``.
+    """
+    done = [r for r in results if r.error is None and r.stages.get("evaluation")]
+    both = len({dict(r.cell.settings).get(WHITENING) for r in done} - {None}) > 1
+    points: dict[str, tuple[float, dict[str, float]]] = {}
+    groups: dict[str, str] = {}
+    for r in done:
+        m = r.stages["evaluation"]
+        for key, label in (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO")):
+            if f"eval/{key}/response_tokens" not in m:
+                continue
+            name = f"{r.cell.name} {label}"
+            groups[name] = f"{label} {r.cell.preset}"
+            if both and key == "ppo":
+                groups[name] += f", reward whitening {'on' if dict(r.cell.settings)[WHITENING] else 'off'}"
+            points[name] = (
+                m[f"eval/{key}/response_tokens"],
+                {
+                    "win_rate": m.get(f"eval/{key}/win_rate", math.nan),
+                    "ci_low": m.get(f"eval/{key}/win_rate_ci_low", math.nan),
+                    "ci_high": m.get(f"eval/{key}/win_rate_ci_high", math.nan),
+                },
+            )
+    references = _finite(r.stages["evaluation"].get("eval/reference/response_tokens", math.nan) for r in done)
+    return points, groups, statistics.fmean(references) if references else None
+
+
+def plot_win_rate_by_length_sweep(results: list[CellResult], path: str | os.PathLike) -> Path | None:
+    """Every policy of every finished cell on one plot: its win rate against the references by its
+    mean summary length in tokens (Huang et al. 2024, Figure 7 right and Figure 8 left), one
+    colour per group of :func:`length_points` (policy and size, and reward whitening when the
+    sweep holds both), the seeds its points (:func:`rlhf_core.views.plots.plot_win_rate_by_length`).
+
+    Returns:
+        ``path``, or ``None`` when no cell has an evaluation to plot.
+    """
+    from ..views.plots import plot_win_rate_by_length
+
+    points, groups, reference = length_points(results)
+    if not points:
+        return None
+    return plot_win_rate_by_length(points, path, reference_tokens=reference, groups=groups)

@@ -67,6 +67,13 @@ DEFAULT_CAPTIONS: dict[str, str] = {
         "scores higher. The dashed curve 1/(1+e^−Δ) is a perfectly calibrated model; points below it "
         "mean the model is over-confident."
     ),
+    "win_rate_by_length": (
+        "Each policy's win rate against the human references (y, with its 95% Wilson interval) by the mean "
+        "length of its summaries in tokens (x; the dotted line is the references' mean length): Huang et al. "
+        "2024, Figures 7 and 8, left. A judge tends to prefer longer summaries, so a policy that wins more "
+        "while writing longer has not necessarily learned to summarise better: compare policies at similar "
+        "lengths, or read the plot by length ratio below."
+    ),
     "token_lengths": (
         "Histograms of token lengths of queries and responses per split; the dashed red line marks "
         "the longest (Huang et al. 2024, Figures 9-10)."

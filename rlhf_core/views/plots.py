@@ -96,6 +96,67 @@ def plot_length_control(
     return savefig_atomic(fig, path)
 
 
+#: The file stem of the win rate against mean summary length (:func:`plot_win_rate_by_length`).
+WIN_RATE_BY_LENGTH = "win_rate_by_length"
+
+
+def plot_win_rate_by_length(
+    points: dict[str, tuple[float, dict[str, float]]],
+    path: str | os.PathLike,
+    reference_tokens: float | None = None,
+    groups: dict[str, str] | None = None,
+) -> Path:
+    """Each policy's win rate against the reference summaries by its mean summary length in
+    tokens, one point with its interval per policy (Huang et al. 2024, Figure 7 right and
+    Figure 8 left: longer summaries win more often, so a win rate is read beside its length),
+    written atomically as a PNG.
+
+    Args:
+        points: ``{policy name: (mean summary length in tokens, win_rate result)}``, the
+            result as :func:`rlhf_core.metrics.statistics.win_rate` returns it (``win_rate``,
+            ``ci_low``, ``ci_high``); a point whose length or win rate is not finite is left out.
+        path: the PNG to write.
+        reference_tokens: the references' mean length in tokens, drawn as a dotted line.
+        groups: ``{policy name: group}``: policies of one group share a colour and a legend
+            entry (for example the cells of a sweep with and without reward whitening); by
+            default every policy is its own group.
+
+    Returns:
+        ``path``. The dashed line is a 50% win rate.
+    """
+    groups = groups or {name: name for name in points}
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    colours: dict[str, Any] = {}
+    for name, (tokens, result) in points.items():
+        rate = result["win_rate"]
+        if not (np.isfinite(tokens) and np.isfinite(rate)):
+            continue
+        group = groups.get(name, name)
+        low, high = result.get("ci_low", np.nan), result.get("ci_high", np.nan)
+        err = [[rate - low], [high - rate]] if np.isfinite(low) and np.isfinite(high) else None
+        bars = ax.errorbar(
+            [tokens],
+            [rate],
+            yerr=err,
+            fmt="o",
+            capsize=3,
+            color=colours.get(group),
+            label=None if group in colours else group,
+        )
+        colours.setdefault(group, bars.lines[0].get_color())
+    ax.axhline(0.5, color="gray", linestyle="--", linewidth=1)
+    if reference_tokens is not None and np.isfinite(reference_tokens):
+        ax.axvline(reference_tokens, color="gray", linestyle=":", linewidth=1, label="reference mean length")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("mean summary length (tokens)")
+    ax.set_ylabel("win rate against the reference")
+    ax.set_title("Win rate by mean summary length (95% Wilson intervals)", fontsize=10)
+    if colours:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return savefig_atomic(fig, path)
+
+
 def plot_token_lengths(lengths: dict[str, dict[str, list[int]]], path: str | os.PathLike) -> Path:
     """Histogram token lengths per split and column (Huang et al. 2024, Figures 9-10).
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from rlhf_core.config.settings import policy_key
 from rlhf_core.run.pipeline import STAGES
 from tasks.storage import ArtifactStore
 from tests.servers import fresh_prefect_home
@@ -184,7 +185,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     assert (
         0 <= eval_run.data.metrics["eval/ppo/win_rate"] <= 1 and "evaluation/eval/ppo/win_rate" in parent.data.metrics
     )
-    assert {"report/report.html", "report/length_control.png"} <= {
+    assert {"report/report.html", "report/length_control.png", "report/win_rate_by_length.png"} <= {
         f.path for f in client.list_artifacts(parent.info.run_id, "report")
     }
     # The run's report names it: preset, config digest, commit, date, MLflow run (stamped on a
@@ -277,6 +278,57 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     sft_run = client.get_run(fourth["stages"]["sft"]["mlflow_run_id"])
     assert sft_run.info.status == "FINISHED" and "eval/rougeL" in sft_run.data.metrics
     assert sft_run.data.params["sft.micro_batch_size"] == "2"
+
+
+EVAL_FAST = [o for o in FAST if o.startswith("eval.")]
+
+
+def rlhf_evaluate(root: Path, *args: str) -> tuple[dict, str]:
+    """``rlhf evaluate --preset smoke --json ARGS`` (with ``FAST``'s evaluation settings) in a subprocess on ``root``'s stores;
+    it must succeed: its JSON record and its whole output."""
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "evaluate", "--preset", "smoke", "--json", *args, *EVAL_FAST],
+        cwd=root,
+        env=flow_env(root),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    out = result.stdout
+    return json.loads(out[out.index("{\n") : out.rindex("}") + 1]), result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smoke-flow")
+def test_evaluate_two_checkpoints_and_a_registered_model_in_one_mlflow_run_and_report(first_run):
+    root, first, _ = first_run
+    sft = str(Path(first["stages"]["sft"]["uri"]) / "model")
+    base = first["stages"]["base_model"]["uri"]
+    registered = "models:/rlhf-tldr-policy@latest-pipeline"
+    result, log = rlhf_evaluate(root, "--policy", sft, "--policy", base, "--policy", registered, "--out", str(root))
+    assert states(log) == {"data": "Cached", "base_model": "Cached", "policy_eval": "Completed"}
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.data.tags["rlhf.command"] == "evaluate" and run.info.status == "FINISHED"
+    keys = {name: policy_key(name) for name in (sft, base, registered)}
+    assert result["policies"] == keys
+    for name, key in keys.items():
+        assert run.data.params[f"policy.{key}"] == name
+        for metric in ("win_rate", "win_rate_ci_low", "win_rate_ci_high", "rougeL", "response_tokens"):
+            assert f"eval/{key}/{metric}" in run.data.metrics, (name, metric)
+    version = client.get_model_version_by_alias("rlhf-tldr-policy", "latest-pipeline").version
+    assert result["registered"][registered].endswith(f"rlhf-tldr-policy-v{version}/model")
+    artifacts = {f.path for f in client.list_artifacts(run.info.run_id, "report")}
+    assert {"report/report.html", "report/report.md", "report/win_rate_by_length.png"} <= artifacts
+    md = Path(result["report"]).with_name("report.md").read_text()
+    for name in keys:
+        assert f"| {name} | " in md
+    assert f"| {run.info.run_id} in sqlite:" in md.replace("| MLflow run | ", "| ")  # the report names its run
+    # the same policies again: the stage comes from the cache, keyed by their files
+    again, log = rlhf_evaluate(root, "--policy", sft, "--policy", base, "--policy", registered, "--out", str(root))
+    assert states(log) == {"data": "Cached", "base_model": "Cached", "policy_eval": "Cached"}
+    assert again["stages"]["policy_eval"] == result["stages"]["policy_eval"]
 
 
 def test_run_with_a_bad_setting_stops_before_starting_anything(tmp_path, capsys):

@@ -118,7 +118,7 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
     assert summary.read_text() == Path(result["summary"]).read_text()
     assert "2 of 2 cells finished" in summary.read_text()
     stored = {Path(a.path).name: a.file_size for a in client.list_artifacts(sweep_run.info.run_id, "summary")}
-    assert {"summary.md", "cells.json", "ppo_win_rate.png", "ppo_kl.png"} <= set(stored)
+    assert {"summary.md", "cells.json", "ppo_win_rate.png", "ppo_kl.png", "win_rate_by_length.png"} <= set(stored)
     assert stored["ppo_win_rate.png"] > 5000
 
 

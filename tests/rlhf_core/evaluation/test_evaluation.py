@@ -11,8 +11,9 @@ from rlhf_core.common.tracking import NullTracker
 from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import EvalConfig
 from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
-from rlhf_core.evaluation.stage import judge_human_metrics, response_token_ranks
-from rlhf_core.metrics.statistics import paired_difference
+from rlhf_core.evaluation.stage import judge_human_metrics
+from rlhf_core.evaluation.token_shift import response_token_ranks
+from rlhf_core.metrics.statistics import agreement, paired_difference
 from rlhf_core.models.saved import load_causal_lm, save_pretrained_atomic
 from rlhf_core.report.learning_checks import learning_checks, reward_model_checks
 from rlhf_core.report.run_report import (
@@ -509,3 +510,38 @@ def test_the_report_names_ppos_advantage_estimator():
     assert "return" not in grpo  # the KL is in GRPO's loss, not its advantages
     dr_grpo = estimator_note(load_config("cpu-demo", ["ppo.advantage_estimator=grpo", "ppo.scale_rewards=none"]).ppo)
     assert "not divided (Dr. GRPO" in dr_grpo
+
+
+def test_the_stage_measures_rm_judge_agreement_and_length_on_its_own_rows(stages, tmp_path, monkeypatch):
+    """Detail 17 at the stage level: the reward model's agreement with the judge is measured on
+    the very pairs the judge decided (each policy's summary against the reference), and each
+    policy's mean length in tokens is its summaries' (Figures 7 and 8, left)."""
+    _, root = stages
+    cfg = load_config(
+        "smoke",
+        [
+            "eval.max_samples=4",
+            "eval.diversity_prompts=0",
+            "eval.token_shift_samples=0",
+            "eval.judge_human_comparisons=0",
+        ],
+    )
+    monkeypatch.setenv("RLHF_JUDGE_CACHE", str(tmp_path / "cache.jsonl"))
+    names = ("data", "base", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval")
+    metrics = STAGES["evaluation"].run(cfg, [root / name for name in names], tmp_path / "out", NullTracker())
+    rows = [json.loads(line) for line in (tmp_path / "out" / "summaries.jsonl").read_text().splitlines()]
+    rm_prefers, wins = [], []
+    for policy in ("base", "sft", "ppo", "dpo"):
+        prefers = [r[f"{policy}_score"] > r["reference_score"] for r in rows]
+        won = [r[f"{policy}_wins"] for r in rows]
+        assert metrics[f"eval/{policy}/agreement"] == pytest.approx(agreement(prefers, won)["agreement"])
+        assert metrics[f"eval/{policy}/response_tokens"] == pytest.approx(sum(r[f"{policy}_tokens"] for r in rows) / 4)
+        rm_prefers += prefers
+        wins += won
+    expected = agreement(rm_prefers, wins)
+    assert expected["n"] == 16 and expected["agreement"] != 0.5  # a reversed comparison would not pass unseen
+    assert metrics["eval/agreement"] == pytest.approx(expected["agreement"]) and metrics["eval/agreement_n"] == 16
+    assert metrics["eval/agreement_ci_low"] <= expected["agreement"] <= metrics["eval/agreement_ci_high"]
+    assert "win_rate_by_length.png" in REPORT_FILES and (tmp_path / "out" / "win_rate_by_length.png").is_file()
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "### Win rate by mean summary length" in md and "| tokens |" in md

@@ -18,8 +18,10 @@ from rlhf_core.run.sweep import (
     expand,
     group_stats,
     health_flags,
+    length_points,
     load_sweep,
     plot_sweep,
+    plot_win_rate_by_length_sweep,
     summary_markdown,
     summary_rows,
     sweep_axis,
@@ -243,3 +245,35 @@ def test_the_estimators_cells_of_a_seed_share_every_stage_before_ppo():
         for stage in STAGES:  # by their own settings; the stages after PPO differ through its output
             same = stage_key(stage, gae, [], store="s") == stage_key(stage, rloo, [], store="s")
             assert same == (stage != "ppo"), stage
+
+
+def _whitening_cell(seed: int, whiten: bool, preset: str = "p", tokens: float = 30.0) -> CellResult:
+    cell = Cell(preset, seed, (("ppo.whiten_rewards", whiten),), ())
+    evaluation = {"eval/reference/response_tokens": 40.0 + seed}
+    for key, win in (("sft", 0.3), ("ppo", 0.6 if whiten else 0.7)):
+        evaluation |= {
+            f"eval/{key}/win_rate": win,
+            f"eval/{key}/win_rate_ci_low": win - 0.1,
+            f"eval/{key}/win_rate_ci_high": win + 0.1,
+            f"eval/{key}/response_tokens": tokens - (5 if whiten else 0),
+        }
+    return CellResult(cell, {"evaluation": evaluation}, f"run{seed}")
+
+
+def test_every_policy_of_every_cell_by_length_with_and_without_reward_whitening(tmp_path):
+    """Figure 7 (right) and Figure 8 (left) of a sweep: each cell's policies by mean length, PPO's
+    split by reward whitening when the grid holds both settings; failed cells left out."""
+    results = [_whitening_cell(s, w) for s in (1, 2) for w in (True, False)]
+    results.append(CellResult(Cell("p", 3, (("ppo.whiten_rewards", True),), ()), error="X: y"))
+    points, groups, reference = length_points(results)
+    assert len(points) == 8 and reference == pytest.approx(41.5)
+    assert points["p/seed=1/ppo.whiten_rewards=true PPO"] == (25.0, {"win_rate": 0.6, "ci_low": 0.5, "ci_high": 0.7})
+    assert groups["p/seed=1/ppo.whiten_rewards=true PPO"] == "PPO p, reward whitening on"
+    assert groups["p/seed=2/ppo.whiten_rewards=false PPO"] == "PPO p, reward whitening off"
+    assert groups["p/seed=2/ppo.whiten_rewards=false SFT"] == "SFT p"  # SFT does not whiten
+    assert len(set(groups.values())) == 3
+    one_setting = [_whitening_cell(s, True, preset) for s in (1, 2) for preset in ("p", "q")]
+    assert set(length_points(one_setting)[1].values()) == {"PPO p", "PPO q", "SFT p", "SFT q"}
+    path = plot_win_rate_by_length_sweep(results, tmp_path / "win_rate_by_length.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+    assert plot_win_rate_by_length_sweep(results[-1:], tmp_path / "none.png") is None
