@@ -410,3 +410,29 @@ def test_rlhf_check_runs_the_checks_and_nothing_else(tmp_path, monkeypatch, caps
     assert main(["check", "--preset", "smoke", "eval.judge=anthropic", "eval.judge_model=claude-test"]) == 0
     assert "the Prefect Secret block 'anthropic-api-key' (eval.api_key_secret) is looked up" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_rlhf_check_asks_the_openai_judges_server(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+    from tests.servers import free_port
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    judge = ["eval.judge=openai", "eval.judge_model=judge-test-model"]
+    with ChatCompletionsAPI() as api:
+        assert main(["check", "--preset", "smoke", *judge, f"eval.judge_base_url={api.base_url}"]) == 0
+        assert [r.path for r in api.requests] == ["/v1/models"]
+    assert "can start" in capsys.readouterr().out
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["check", "--preset", "smoke", *judge, f"eval.judge_base_url={down}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rlhf check: error: eval.judge_base_url: the judge's server {down} cannot be reached")
+    assert "\n" not in err
+    # the OpenAI API without OPENAI_API_KEY: its Secret block is left to the run (no Prefect server named)
+    assert main(["check", "--preset", "smoke", "eval.judge=openai", "eval.judge_model=gpt-test"]) == 0
+    assert (
+        "rlhf check: OPENAI_API_KEY is unset; the Prefect Secret block 'openai-api-key' (eval.api_key_secret) is "
+        "looked up" in capsys.readouterr().err
+    )
+    assert list(tmp_path.iterdir()) == []
