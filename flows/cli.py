@@ -97,23 +97,24 @@ def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     """``rlhf check``: what a run of ``cfg`` up to ``--until`` checks before its first stage
     (:func:`rlhf_core.run.preflight.check_before_stages`: the data rows, fetched from the hub for the
     offline presets when no folder holds them; model sources; ``ppo.reward``; the splits; the
-    judge's key), with no run directory, store or server. The Anthropic judge's Prefect Secret
-    block is looked up on the server ``PREFECT_API_URL`` names; with none named, a run's own
-    check looks it up when the run starts."""
+    judge's key; the OpenAI judge's server), with no run directory or store. An API judge's
+    Prefect Secret block is looked up on the server ``PREFECT_API_URL`` names; with none named, a
+    run's own check looks it up when the run starts."""
     from rlhf_core.config.settings import check_world_size
     from rlhf_core.run.launch import nproc_per_node
     from rlhf_core.run.pipeline import stages_until
-    from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, check_before_stages
+    from rlhf_core.run.preflight import check_before_stages
 
     stages = stages_until(args.until)
     check_world_size(cfg, nproc_per_node())
     lookup = None
-    if cfg.eval.judge == "anthropic" and "evaluation" in stages and not os.environ.get(JUDGE_KEY_VARIABLE):
+    variable = cfg.eval.judge_key_variable or ""
+    if cfg.eval.judge_needs_key and "evaluation" in stages and not os.environ.get(variable):
         if os.environ.get("PREFECT_API_URL"):
             from tasks.stages import secret_block_exists as lookup
         else:
             print(
-                f"rlhf check: {JUDGE_KEY_VARIABLE} is unset; the Prefect Secret block {cfg.eval.api_key_secret!r} "
+                f"rlhf check: {variable} is unset; the Prefect Secret block {cfg.eval.judge_key_secret!r} "
                 "(eval.api_key_secret) is looked up on the Prefect server when the run starts",
                 file=sys.stderr,
             )

@@ -365,25 +365,35 @@ def register_model_version(
 
 
 @contextmanager
-def traced_judge_calls(client: MlflowClient, run_id: str) -> Iterator[None]:
-    """Trace every Anthropic Messages API call made inside (``mlflow.anthropic.autolog``) to the
-    experiment of run ``run_id``, the run active meanwhile, so its traces show beside it in the
-    MLflow UI: each span records the model, the messages and the reply with its token counts.
-    The API key is an attribute of the SDK's client, not an argument of a call, so no span
-    records it. Autologging is turned off again on the way out.
+def traced_judge_calls(client: MlflowClient, run_id: str, judge: str = "anthropic") -> Iterator[None]:
+    """Trace every API call of the judge ``judge`` (``eval.judge``) made inside to the experiment
+    of run ``run_id``, the run active meanwhile, so its traces show beside it in the MLflow UI:
+    Anthropic Messages API calls (``mlflow.anthropic.autolog``) for ``anthropic``, Chat
+    Completions calls (``mlflow.openai.autolog``) for ``openai``. Each span records the model,
+    the messages and the reply with its token counts. The API key is an attribute of the SDK's
+    client, not an argument of a call, so no span records it. Autologging is turned off again on
+    the way out.
+
+    Raises:
+        ValueError: ``judge`` is neither ``anthropic`` nor ``openai``.
     """
     import mlflow
-    import mlflow.anthropic
 
+    if judge == "anthropic":
+        import mlflow.anthropic as flavor
+    elif judge == "openai":
+        import mlflow.openai as flavor
+    else:
+        raise ValueError(f"no API judge to trace: {judge!r} (anthropic or openai)")
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(client.tracking_uri)
     mlflow.set_experiment(experiment_id=client.get_run(run_id).info.experiment_id)
-    mlflow.anthropic.autolog(log_traces=True)
+    flavor.autolog(log_traces=True)
     try:
         with mlflow.start_run(run_id=run_id):
             yield
     finally:
-        mlflow.anthropic.autolog(disable=True)
+        flavor.autolog(disable=True)
         mlflow.set_tracking_uri(before)
         if before is not None:
             os.environ["MLFLOW_TRACKING_URI"] = before

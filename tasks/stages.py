@@ -31,10 +31,10 @@ from pydantic import BaseModel
 
 from rlhf_core.common.io import exclusive_lock, write_json_atomic
 from rlhf_core.common.tracking import JsonlTracker, TeeTracker
-from rlhf_core.config.settings import PipelineConfig, TrainerConfig
+from rlhf_core.config.settings import EvalConfig, PipelineConfig, TrainerConfig
 from rlhf_core.run.launch import nproc_per_node
 from rlhf_core.run.pipeline import ON_DEMAND, STAGES, key_changes, key_of, key_record, stage_key_parts
-from rlhf_core.run.preflight import JUDGE_KEY_VARIABLE, JUDGING_STAGES, check_before_stages, judge_key_missing
+from rlhf_core.run.preflight import JUDGING_STAGES, check_before_stages, judge_key_missing
 from rlhf_core.run.runner import PlannedStage
 from rlhf_core.run.runner import run_stage as run_stage_in
 
@@ -83,27 +83,31 @@ def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return task_cache_key(parameters["stage"], cfg, upstream)
 
 
-def provide_judge_key(secret_block: str) -> None:
-    """Make the Anthropic API key available to the judge as ``ANTHROPIC_API_KEY``.
+def provide_judge_key(ecfg: EvalConfig) -> None:
+    """Make the API judge's key available to it in its environment variable
+    (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_variable`: ``ANTHROPIC_API_KEY``,
+    ``OPENAI_API_KEY``), for a judge that needs one (``judge_needs_key``).
 
     A key already in the environment wins; otherwise it is read from the Prefect Secret block
-    ``secret_block``. The key is never logged.
+    ``eval.api_key_secret`` (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_secret`).
+    The key is never logged.
 
     Raises:
         JudgeConfigError: neither the variable nor the block exists
             (:func:`rlhf_core.run.preflight.judge_key_missing`).
     """
-    if os.environ.get(JUDGE_KEY_VARIABLE):
+    variable = ecfg.judge_key_variable
+    if not ecfg.judge_needs_key or variable is None or os.environ.get(variable):
         return
     from prefect.blocks.system import Secret
 
     from rlhf_core.evaluation.judging import JudgeConfigError
 
     try:
-        key = Secret.load(secret_block).get()
+        key = Secret.load(ecfg.judge_key_secret).get()
     except ValueError:
-        raise JudgeConfigError(judge_key_missing(secret_block)) from None
-    os.environ[JUDGE_KEY_VARIABLE] = str(key)
+        raise JudgeConfigError(judge_key_missing(ecfg, ecfg.judge_key_secret)) from None
+    os.environ[variable] = str(key)
 
 
 def secret_block_exists(name: str) -> bool:
@@ -128,9 +132,10 @@ def preflight(cfg: PipelineConfig, stages: list[str] | None = None) -> None:
     checked at once: the batch settings divide for this machine's process count
     (``RLHF_NPROC_PER_NODE``); the artifact store and the work directory can be written to;
     what the stages will read exists (:func:`rlhf_core.run.preflight.check_before_stages`: data
-    splits, local data files, ``ppo.reward``, model sources, hub models and datasets); and, for
-    the Anthropic judge, a key is there: ``ANTHROPIC_API_KEY`` or the Prefect Secret block named
-    by ``eval.api_key_secret`` (:func:`secret_block_exists`: its presence, never its value).
+    splits, local data files, ``ppo.reward``, model sources, hub models and datasets); for an API
+    judge that needs a key, that it is there: ``ANTHROPIC_API_KEY`` (``OPENAI_API_KEY``) or the
+    Prefect Secret block named by ``eval.api_key_secret`` (:func:`secret_block_exists`: its
+    presence, never its value); and that the OpenAI judge's server serves its model.
 
     Raises:
         ConfigError (PreflightError), ModelSourceError, DataError, ArtifactError, OSError:
@@ -297,12 +302,13 @@ MODEL_STAGES = (frozenset(STAGES) | frozenset(ON_DEMAND)) - {"data", "base_model
 
 def stage_tags(stage: str, cfg: PipelineConfig) -> set[str]:
     """The Prefect tags of stage ``stage``'s task: ``gpu`` for a stage that runs a model
-    (:data:`MODEL_STAGES`), ``judge-api`` for the evaluation with the Anthropic judge. A tag
+    (:data:`MODEL_STAGES`), ``judge-api`` for the evaluation with an API judge (``anthropic``,
+    ``openai``). A tag
     concurrency limit on the orchestrator (``prefect concurrency-limit create gpu 8``, or a
     sweep spec's ``concurrency_limits``) bounds how many such tasks run at once, across flows
     and workers."""
     tags = {"gpu"} if stage in MODEL_STAGES else set()
-    if stage in JUDGING_STAGES and cfg.eval.judge == "anthropic":
+    if stage in JUDGING_STAGES and cfg.eval.judge != "offline":
         tags.add("judge-api")
     return tags
 
@@ -342,8 +348,8 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     """
     logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
-    if stage in JUDGING_STAGES and cfg.eval.judge == "anthropic":
-        provide_judge_key(cfg.eval.api_key_secret)
+    if stage in JUDGING_STAGES:
+        provide_judge_key(cfg.eval)
     records = [StageRecord.model_validate(u) for u in upstream or []]
     store = ArtifactStore()
     parts = stage_cache_parts(stage, cfg, records, store)  # what the key covers: read once
@@ -478,9 +484,9 @@ def _run_stage_once(
     # resumed stage it holds every attempt's records in order.
     tracker = TeeTracker(mlflow_tracker, JsonlTracker(out / "metrics.jsonl"))
     try:
-        # the Anthropic judge's calls appear as MLflow traces of the evaluation's run
-        traced = stage in JUDGING_STAGES and cfg.eval.judge == "anthropic"
-        with traced_judge_calls(client, run_id) if traced else nullcontext():
+        # an API judge's calls appear as MLflow traces of the evaluation's run
+        traced = stage in JUDGING_STAGES and cfg.eval.judge != "offline"
+        with traced_judge_calls(client, run_id, cfg.eval.judge) if traced else nullcontext():
             # rank 0 of a torchrun job writes metrics.jsonl; its records are relayed to MLflow
             run = run_stage_in(
                 stage, cfg, inputs, out, key, key_record(parts), tracker, nproc=nproc_per_node(), relay=mlflow_tracker

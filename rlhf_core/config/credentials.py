@@ -135,8 +135,8 @@ def check_no_credentials(settings: dict[str, Any], origin: str) -> None:
         if holds_credential(value, key.rsplit(".", 1)[-1]):
             raise ConfigError(
                 f"{key} ({origin}): the value looks like a credential, and settings are stored in the "
-                "Prefect database and MLflow; give a key through the environment (ANTHROPIC_API_KEY for "
-                "the judge) or a Prefect Secret block named by eval.api_key_secret, never as a setting"
+                "Prefect database and MLflow; give a key through the environment (ANTHROPIC_API_KEY or "
+                "OPENAI_API_KEY for the judge) or a Prefect Secret block named by eval.api_key_secret, never as a setting"
             )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     Field,
@@ -405,6 +406,18 @@ class PPOConfig(TrainerConfig):
         return spec
 
 
+#: The OpenAI API's address: the default ``eval.judge_base_url``.
+OPENAI_API_URL = "https://api.openai.com/v1"
+#: The environment variable holding each API judge's key (``eval.judge``).
+JUDGE_KEY_VARIABLES = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY"}
+
+
+def is_openai_api(base_url: str) -> bool:
+    """Whether ``base_url`` is the OpenAI API itself (host ``api.openai.com``), which needs a key;
+    any other OpenAI-compatible server (vLLM, llama.cpp, Ollama) is asked without one."""
+    return urlsplit(base_url).hostname == "api.openai.com"
+
+
 #: The judge compares each policy with the references; these keys name pipeline policies.
 PIPELINE_POLICY_KEYS = ("base", "sft", "ppo", "dpo")
 
@@ -425,7 +438,12 @@ class EvalConfig(StrictModel):
     ``judge: offline`` uses a local causal LM (``judge_model``: a model source; default the
     pipeline's own base model); ``judge: anthropic`` the Anthropic Messages API
     (``judge_model``: a model id, required; key from ``ANTHROPIC_API_KEY`` or the Prefect
-    Secret block ``api_key_secret``).
+    Secret block ``api_key_secret``, default ``anthropic-api-key``); ``judge: openai`` the Chat
+    Completions API of the server at ``judge_base_url`` (default the OpenAI API; any
+    OpenAI-compatible server: vLLM, llama.cpp, Ollama), ``judge_model`` a model id it serves,
+    required; the OpenAI API needs a key (``OPENAI_API_KEY`` or the Secret block
+    ``api_key_secret``, default ``openai-api-key``), another server none (``OPENAI_API_KEY`` is
+    sent when set).
 
     ``judge_orders``: ``both`` judges every comparison with the two summaries in each order
     (a split verdict is a tie, or for the offline judge the two letter margins are summed, so a
@@ -437,12 +455,16 @@ class EvalConfig(StrictModel):
     states the judge's agreement with human labels beside its win rates; 0 skips it.
     """
 
-    judge: Literal["offline", "anthropic"] = "offline"
+    judge: Literal["offline", "anthropic", "openai"] = "offline"
     judge_model: str | None = None
+    #: The OpenAI-compatible server of ``judge: openai``: its API root, ending in ``/v1``.
+    judge_base_url: str = OPENAI_API_URL
     judge_orders: Literal["one", "both"] | None = None
     judge_human_comparisons: int = Field(64, ge=0)
     judge_human_split: str = "validation"
-    api_key_secret: str = "anthropic-api-key"
+    #: The Prefect Secret block holding the API judge's key; unset: ``{judge}-api-key``
+    #: (:attr:`judge_key_secret`).
+    api_key_secret: str | None = None
     #: A judge prompt template file naming {prompt}, {a} and {b}
     #: (rlhf_core.evaluation.judging.prompt.load_judge_prompt); unset: Huang et al. 2024's Appendix I prompt
     #: for TL;DR data, a neutral pairwise prompt for data.format trl.
@@ -488,14 +510,40 @@ class EvalConfig(StrictModel):
 
     @model_validator(mode="after")
     def _judge_model_for_api(self):
-        if self.judge == "anthropic" and not self.judge_model:
-            raise ValueError("eval.judge_model must name a model when eval.judge is anthropic")
+        if self.judge != "offline" and not self.judge_model:
+            raise ValueError(f"eval.judge_model must name a model when eval.judge is {self.judge}")
         return self
+
+    @field_validator("judge_base_url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("an http:// or https:// address is needed, e.g. http://127.0.0.1:8000/v1")
+        return url
 
     @property
     def orders(self) -> Literal["one", "both"]:
         """``judge_orders``, or the judge's default when unset: ``both`` offline, ``one`` by API."""
         return self.judge_orders or ("both" if self.judge == "offline" else "one")
+
+    @property
+    def judge_key_variable(self) -> str | None:
+        """The environment variable the API judge reads its key from (:data:`JUDGE_KEY_VARIABLES`);
+        ``None`` for the offline judge."""
+        return JUDGE_KEY_VARIABLES.get(self.judge)
+
+    @property
+    def judge_needs_key(self) -> bool:
+        """Whether the judge cannot run without a key: the Anthropic judge, and the OpenAI judge on
+        the OpenAI API (:func:`is_openai_api`); another OpenAI-compatible server takes none."""
+        return self.judge == "anthropic" or (self.judge == "openai" and is_openai_api(self.judge_base_url))
+
+    @property
+    def judge_key_secret(self) -> str:
+        """The Prefect Secret block the key is read from when its variable is unset:
+        ``api_key_secret``, or ``{judge}-api-key`` (``anthropic-api-key``, ``openai-api-key``)."""
+        return self.api_key_secret or f"{self.judge}-api-key"
 
 
 class TrackingConfig(StrictModel):

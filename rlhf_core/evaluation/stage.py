@@ -57,9 +57,10 @@ POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
 
 
 def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: torch.device | None = None) -> Judge:
-    """The configured judge: :class:`AnthropicJudge`, or :class:`OfflineJudge` on ``cfg.judge_model``
-    (a model source) or, by default, on the pipeline's base model, on ``device`` (default the CPU)
-    with ``cfg.bf16``'s precision.
+    """The configured judge: :class:`AnthropicJudge`, :class:`OpenAIJudge` on the server
+    ``cfg.judge_base_url``, or :class:`OfflineJudge` on ``cfg.judge_model`` (a model source) or, by
+    default, on the pipeline's base model, on ``device`` (default the CPU) with ``cfg.bf16``'s
+    precision.
 
     Raises:
         JudgeConfigError: the API judge has no key; ModelSourceError: ``judge_model`` is not
@@ -69,6 +70,10 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: to
         from .judging.anthropic_judge import AnthropicJudge  # the SDK only when the API judge is used
 
         return AnthropicJudge(cfg.judge_model)
+    if cfg.judge == "openai":
+        from .judging.openai_judge import OpenAIJudge  # likewise
+
+        return OpenAIJudge(cfg.judge_model, base_url=cfg.judge_base_url)
     if cfg.judge_model is None:
         return OfflineJudge.from_pretrained(
             base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size, bf16=cfg.bf16, device=device

@@ -11,9 +11,11 @@ each failure is one line naming the setting's key and what to do, raised as an e
 
 The hub checks ask the hub for each repository's metadata (one request per repository and
 revision, answers kept for the process) unless ``HF_HUB_OFFLINE`` is set; offline, or when the
-hub cannot be reached, a repository passes only if the local hub cache holds it. No check reads
-a key's value. Importing this module loads neither torch, transformers nor datasets: a check
-imports what it needs when it runs.
+hub cannot be reached, a repository passes only if the local hub cache holds it. The OpenAI
+judge's server is asked for its model list (one request). No check reads a key's value but that
+request, which sends ``OPENAI_API_KEY`` as the judge will, never showing it. Importing this
+module loads neither torch, transformers nor datasets: a check imports what it needs when it
+runs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Literal
 
 from ..common.errors import DataError, ModelSourceError
 from ..config.data_settings import DATA_KINDS
-from ..config.settings import ConfigError, DataConfig, PipelineConfig
+from ..config.settings import ConfigError, DataConfig, EvalConfig, PipelineConfig
 from ..data.files import local_split_files
 from ..models.sources import (
     RewardSpecError,
@@ -44,10 +46,10 @@ class PreflightError(ConfigError):
     or cannot use (the judge's key); the message names the setting's key and what to do."""
 
 
-#: The environment variable holding the Anthropic judge's key (:class:`rlhf_core.evaluation.judging.AnthropicJudge`).
-JUDGE_KEY_VARIABLE = "ANTHROPIC_API_KEY"
 #: Seconds a hub metadata request may take before the hub counts as unreachable.
 HUB_TIMEOUT = 10.0
+#: Seconds the OpenAI judge's server may take to list its models before it counts as unreachable.
+JUDGE_SERVER_TIMEOUT = 10.0
 
 SplitKind = Literal["sft", "preference", "prompt"]
 
@@ -388,41 +390,93 @@ def check_hub_repo(key: str, repo_id: str, repo_type: Literal["model", "dataset"
     )
 
 
-# ------------------------------------------------------------------------ the judge's key
+# ------------------------------------------------------------------------ the judge's key and server
 
 
-def judge_key_missing(secret_block: str | None) -> str:
-    """The one-line message for an Anthropic judge without a key: where a key may come from, the
-    ``ANTHROPIC_API_KEY`` variable and, when ``secret_block`` is given, the Prefect Secret block of
-    that name (``eval.api_key_secret``). Never holds a key."""
+def judge_key_missing(ecfg: EvalConfig, secret_block: str | None) -> str:
+    """The one-line message for an API judge without the key it needs
+    (:attr:`EvalConfig.judge_needs_key`): where a key may come from, its variable
+    (``ANTHROPIC_API_KEY``, ``OPENAI_API_KEY``) and, when ``secret_block`` is given, the Prefect
+    Secret block of that name (``eval.api_key_secret``). Never holds a key."""
+    variable = ecfg.judge_key_variable
+    judge = f"eval.judge is {ecfg.judge}" + (f" on {ecfg.judge_base_url}" if ecfg.judge == "openai" else "")
+    other = " or point eval.judge_base_url at a server that needs no key," if ecfg.judge == "openai" else ""
     if secret_block is None:
-        return (
-            f"eval.judge is anthropic but {JUDGE_KEY_VARIABLE} is not set: export {JUDGE_KEY_VARIABLE}, "
-            "or set eval.judge=offline"
-        )
+        return f"{judge} but {variable} is not set: export {variable},{other} or set eval.judge=offline"
     return (
-        f"eval.judge is anthropic but neither is {JUDGE_KEY_VARIABLE} set nor does a Prefect Secret block named "
-        f"{secret_block!r} exist (eval.api_key_secret): export {JUDGE_KEY_VARIABLE}, or save the key in that block "
-        "(prefect block create secret), or set eval.api_key_secret to the name of yours"
+        f"{judge} but neither is {variable} set nor does a Prefect Secret block named {secret_block!r} exist "
+        f"(eval.api_key_secret): export {variable}, or save the key in that block (prefect block create secret), "
+        f"or set eval.api_key_secret to the name of yours"
     )
 
 
 def check_judge_key(cfg: PipelineConfig, secret_exists: Callable[[str], bool] | None = None) -> None:
-    """Check that the Anthropic judge (``eval.judge`` anthropic) will have a key: the
-    ``ANTHROPIC_API_KEY`` environment variable, or, when ``secret_exists`` is given (a lookup of
+    """Check that an API judge that needs a key (:attr:`EvalConfig.judge_needs_key`: the Anthropic
+    judge, the OpenAI judge on the OpenAI API) will have one: its environment variable
+    (``ANTHROPIC_API_KEY``, ``OPENAI_API_KEY``), or, when ``secret_exists`` is given (a lookup of
     a secret's name, such as the Prefect Secret block lookup of :mod:`tasks.stages`), the secret
-    named by ``eval.api_key_secret``. Only whether a key is there is checked; its value is never
-    read.
+    named by ``eval.api_key_secret`` (:attr:`EvalConfig.judge_key_secret`). Only whether a key is
+    there is checked; its value is never read.
 
     Raises:
-        PreflightError: naming ``ANTHROPIC_API_KEY`` and, with ``secret_exists``,
-            ``eval.api_key_secret`` (:func:`judge_key_missing`).
+        PreflightError: naming the variable and, with ``secret_exists``, ``eval.api_key_secret``
+            (:func:`judge_key_missing`).
     """
-    if cfg.eval.judge != "anthropic" or os.environ.get(JUDGE_KEY_VARIABLE):
+    ecfg = cfg.eval
+    if not ecfg.judge_needs_key or os.environ.get(ecfg.judge_key_variable or ""):
         return
-    if secret_exists is not None and secret_exists(cfg.eval.api_key_secret):
+    if secret_exists is not None and secret_exists(ecfg.judge_key_secret):
         return
-    raise PreflightError(judge_key_missing(cfg.eval.api_key_secret if secret_exists is not None else None))
+    raise PreflightError(judge_key_missing(ecfg, ecfg.judge_key_secret if secret_exists is not None else None))
+
+
+def check_judge_server(cfg: PipelineConfig) -> None:
+    """Check that the OpenAI judge's server (``eval.judge`` openai) answers and serves
+    ``eval.judge_model``: one request for its model list (``GET {eval.judge_base_url}/models``,
+    :data:`JUDGE_SERVER_TIMEOUT`, no retry), sent with ``OPENAI_API_KEY`` when set, as the judge
+    will send it (:func:`rlhf_core.evaluation.judging.openai_judge.served_models`); never shown.
+    A model listed as ``NAME:latest`` (Ollama) counts for ``NAME``. Not asked when the key the
+    server needs is still in a Prefect Secret block (:func:`check_judge_key` found it there).
+
+    Raises:
+        PreflightError: one line naming ``eval.judge_base_url`` (the server cannot be reached,
+            times out, has no model list or answers with an error), ``OPENAI_API_KEY`` (the
+            server refuses the key or wants one) or ``eval.judge_model`` (not listed: the models
+            it serves, the first ten), and what to do.
+    """
+    ecfg = cfg.eval
+    if ecfg.judge != "openai" or (ecfg.judge_needs_key and not os.environ.get("OPENAI_API_KEY")):
+        return
+    from ..evaluation.judging import JudgeRequestError
+    from ..evaluation.judging.openai_judge import served_models
+
+    url = ecfg.judge_base_url
+    try:
+        models = served_models(url, timeout=JUDGE_SERVER_TIMEOUT)
+    except JudgeRequestError as exc:
+        why = _one_line(str(exc))
+        if exc.status in (401, 403):
+            given = "refused the key in OPENAI_API_KEY" if os.environ.get("OPENAI_API_KEY") else "wants a key"
+            raise PreflightError(
+                f"OPENAI_API_KEY: the judge's server {url} (eval.judge_base_url) {given} ({why}): export the key "
+                "it accepts as OPENAI_API_KEY"
+            ) from None
+        if exc.status is None and why.startswith(("connection failed", "timed out")):
+            raise PreflightError(
+                f"eval.judge_base_url: the judge's server {url} cannot be reached ({why}): start the server "
+                "(vLLM, llama.cpp, Ollama serve an OpenAI-compatible API), or set eval.judge_base_url to its "
+                "address, e.g. http://127.0.0.1:8000/v1"
+            ) from None
+        raise PreflightError(
+            f"eval.judge_base_url: {url} gave no model list at {url.rstrip('/')}/models ({why}): set "
+            "eval.judge_base_url to the server's OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1"
+        ) from None
+    if ecfg.judge_model not in models and f"{ecfg.judge_model}:latest" not in models:
+        listed = ", ".join(models[:10]) + (f" and {len(models) - 10} more" if len(models) > 10 else "")
+        raise PreflightError(
+            f"eval.judge_model: {ecfg.judge_model!r} is not among the models the judge's server {url} serves "
+            f"({listed or 'none'}): set eval.judge_model to one of them, or load it on the server"
+        )
 
 
 # ------------------------------------------------------------------------ entry point
@@ -455,7 +509,9 @@ def check_before_stages(
     model and tokenizer sources (:func:`model_sources`, :func:`check_model_source`) and the hub
     datasets (:func:`check_hub_datasets`), for ``policy_eval`` the policies themselves
     (:func:`rlhf_core.evaluation.policies.check_policies`), then the judge's key
-    (:func:`check_judge_key`, with ``secret_exists``). Each check applies only where a stage of ``stages`` reads its settings.
+    (:func:`check_judge_key`, with ``secret_exists``) and the OpenAI judge's server
+    (:func:`check_judge_server`). Each check applies only where a stage of ``stages`` reads its
+    settings.
 
     Raises:
         PreflightError, ModelSourceError, DataError: the first failure, naming the setting's key.
@@ -481,3 +537,4 @@ def check_before_stages(
     if JUDGING_STAGES & set(names):
         check_judge_prompt(cfg)
         check_judge_key(cfg, secret_exists)
+        check_judge_server(cfg)

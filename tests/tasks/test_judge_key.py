@@ -1,6 +1,6 @@
-"""The Anthropic key reaches the evaluation stage from the environment or a Prefect Secret block,
-on a real (temporary) Prefect server; before any stage runs, the preflight checks that one of
-them is there, without reading or showing the key."""
+"""An API judge's key (Anthropic's; OpenAI's for the OpenAI API) reaches the evaluation stage from
+the environment or a Prefect Secret block, on a real (temporary) Prefect server; before any stage
+runs, the preflight checks that one of them is there, without reading or showing the key."""
 
 import logging
 import os
@@ -49,6 +49,28 @@ def test_without_the_variable_or_the_block_the_error_names_both(anthropic_cfg):
     preflight(anthropic_cfg, stages_until("ppo"))  # no evaluation: no key needed, Prefect not asked
 
 
+def test_the_openai_judge_needs_a_key_for_the_openai_api_only(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    cfg = load_config("smoke", ["eval.judge=openai", "eval.judge_model=gpt-test"])
+    asked = []
+    with pytest.raises(PreflightError) as info:
+        check_judge_key(cfg, secret_exists=lambda name: asked.append(name) or False)
+    assert asked == ["openai-api-key"] and str(info.value).startswith(
+        "eval.judge is openai on https://api.openai.com/v1 but neither is OPENAI_API_KEY set nor does a Prefect "
+        "Secret block named 'openai-api-key' exist (eval.api_key_secret)"
+    )
+    check_judge_key(cfg, secret_exists=lambda name: name == "openai-api-key")
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    check_judge_key(cfg, secret_exists=lambda name: False)
+    monkeypatch.delenv("OPENAI_API_KEY")
+    local = load_config(
+        "smoke", ["eval.judge=openai", "eval.judge_model=m", "eval.judge_base_url=http://127.0.0.1:8000/v1"]
+    )
+    check_judge_key(local, secret_exists=lambda name: asked.append(name) or False)
+    provide_judge_key(local.eval)  # no key needed: no block is looked up, no variable set
+    assert asked == ["openai-api-key"] and os.environ.get("OPENAI_API_KEY") is None  # the local server: not asked
+
+
 @pytest.mark.slow
 def test_key_from_environment_or_secret_block(anthropic_cfg, monkeypatch, tmp_path, capsys, caplog):
     from prefect.blocks.system import Secret
@@ -68,7 +90,7 @@ def check(Secret, prefect_test_harness, cfg, capsys, caplog):
     with prefect_test_harness(server_startup_timeout=180):
         Secret(value=KEY).save("another-key")  # a block of another name does not count
         with pytest.raises(JudgeConfigError, match="'judge-key'") as info:
-            provide_judge_key("judge-key")
+            provide_judge_key(cfg.eval)
         assert "ANTHROPIC_API_KEY" in str(info.value) and os.environ.get("ANTHROPIC_API_KEY") is None
         with pytest.raises(PreflightError) as info:
             preflight(cfg)
@@ -83,8 +105,8 @@ def check(Secret, prefect_test_harness, cfg, capsys, caplog):
         captured = capsys.readouterr()
         assert KEY not in captured.out + captured.err + caplog.text
 
-        provide_judge_key("judge-key")
+        provide_judge_key(cfg.eval)
         assert os.environ["ANTHROPIC_API_KEY"] == KEY
         os.environ["ANTHROPIC_API_KEY"] = "sk-from-env"  # the environment wins over the block
-        provide_judge_key("judge-key")
+        provide_judge_key(cfg.eval)
         assert os.environ["ANTHROPIC_API_KEY"] == "sk-from-env"

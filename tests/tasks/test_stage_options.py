@@ -69,3 +69,7 @@ def test_stages_that_run_a_model_are_tagged_gpu_and_the_api_judge_judge_api():
     }
     assert stage_tags("evaluation", offline) == {"gpu"}
     assert stage_tags("evaluation", api) == {"gpu", "judge-api"} and stage_tags("ppo", api) == {"gpu"}
+    local = load_config(
+        "smoke", ["eval.judge=openai", "eval.judge_model=m", "eval.judge_base_url=http://127.0.0.1:8000/v1"]
+    )
+    assert stage_tags("evaluation", local) == {"gpu", "judge-api"}

@@ -7,9 +7,11 @@ is randomised per comparison to remove positional bias; here it is derived from 
 the comparison's id (:func:`response_is_a`), so it is reproducible and does not depend on
 which other comparisons are judged.
 
-Two judges share one interface (``name``, ``thread_safe``, ``answer(prompt) -> str``):
+Three judges share one interface (``name``, ``thread_safe``, ``answer(prompt) -> str``):
 
 - :class:`AnthropicJudge`: a Claude model through the Anthropic Messages API.
+- :class:`OpenAIJudge`: a model on any OpenAI-compatible server (the OpenAI API, vLLM,
+  llama.cpp, Ollama) through the Chat Completions API.
 - :class:`OfflineJudge`: a local Hugging Face causal LM that compares the next-token
   probabilities of the letters A and B after ``Preferred:``; for runs without network.
 
@@ -33,6 +35,7 @@ from .runner import Judge, judge_comparisons
 
 if TYPE_CHECKING:
     from .anthropic_judge import AnthropicJudge
+    from .openai_judge import OpenAIJudge
 
 __all__ = [
     "JUDGE_PROMPT",
@@ -46,6 +49,7 @@ __all__ = [
     "Judgement",
     "JudgementCache",
     "OfflineJudge",
+    "OpenAIJudge",
     "Preference",
     "format_judge_prompt",
     "judge_comparisons",
@@ -57,9 +61,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """``AnthropicJudge`` is imported on first use, so the offline judge needs no ``anthropic`` SDK."""
+    """``AnthropicJudge`` and ``OpenAIJudge`` are imported on first use, so the offline judge needs
+    neither the ``anthropic`` nor the ``openai`` SDK."""
     if name == "AnthropicJudge":
         from .anthropic_judge import AnthropicJudge
 
         return AnthropicJudge
+    if name == "OpenAIJudge":
+        from .openai_judge import OpenAIJudge
+
+        return OpenAIJudge
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -156,6 +156,29 @@ def test_model_needs_a_source():
         load_config(None, ["model.base=null"])
 
 
+def test_an_api_judge_needs_a_model_and_the_openai_judge_an_http_address():
+    for judge in ("anthropic", "openai"):
+        with pytest.raises(ConfigError, match=rf"eval\.judge_model must name a model when eval\.judge is {judge}"):
+            load_config("smoke", [f"eval.judge={judge}"])
+    with pytest.raises(ConfigError, match=r"eval\.judge_base_url: an http:// or https:// address is needed"):
+        load_config("smoke", ["eval.judge=openai", "eval.judge_model=m", "eval.judge_base_url=127.0.0.1:8000/v1"])
+    cfg = load_config("smoke", ["eval.judge=openai", "eval.judge_model=gpt-test"]).eval
+    assert (cfg.judge_base_url, cfg.judge_key_variable, cfg.judge_needs_key, cfg.orders) == (
+        "https://api.openai.com/v1",
+        "OPENAI_API_KEY",
+        True,
+        "one",
+    )
+    local = load_config(
+        "smoke", ["eval.judge=openai", "eval.judge_model=m", "eval.judge_base_url=http://localhost:11434/v1"]
+    )
+    assert not local.eval.judge_needs_key and local.eval.judge_key_secret == "openai-api-key"
+    assert (
+        load_config("smoke", ["eval.judge=anthropic", "eval.judge_model=m"]).eval.judge_key_secret
+        == "anthropic-api-key"
+    )
+
+
 def test_flatten_gives_dotted_keys():
     flat = flatten(load_config("smoke"))
     assert flat["ppo.kl_coef"] == 0.05

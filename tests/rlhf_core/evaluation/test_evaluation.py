@@ -1,8 +1,10 @@
 """The evaluation stage: its pieces against direct computations, and the whole stage with the
-Anthropic judge served by a local Messages API server (tests/messages_api.py)."""
+Anthropic judge served by a local Messages API server (tests/messages_api.py) and with the OpenAI
+judge served by a local Chat Completions server (tests/chat_completions_api.py)."""
 
 import json
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ from rlhf_core.train.generation import summarize, trim_left_padding, truncate_af
 from rlhf_core.train.reward import ResponseScores, ScalarModel, get_reward, reward_model_from_causal_lm, score_responses
 from rlhf_core.views.page import write_report
 from rlhf_core.views.plots import plot_reward_logits, plot_value_vs_reward
+from tests.chat_completions_api import ChatCompletionsAPI, completion_reply
 from tests.messages_api import MessagesAPI, error_reply, text_reply
 from tests.stages import link_stages
 
@@ -181,6 +184,75 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
     for path in (tmp_path / "out").iterdir():
         if path.is_file() and path.suffix in (".json", ".jsonl", ".md", ".html"):
             assert "sk-test-secret" not in path.read_text(), path
+
+
+@pytest.mark.slow
+def test_stage_with_an_openai_compatible_judge_in_both_orders(stages, tmp_path, monkeypatch):
+    """eval.judge openai on a local Chat Completions server (no key), both orders: the server
+    prefers the human reference over each policy's summary and the human's chosen summary over
+    the rejected one, whichever is A; every comparison is asked in both orders and the report
+    names the judge and its agreement with the human labels."""
+    cfg, root = stages
+    with ChatCompletionsAPI() as api:
+        cfg = load_config(
+            "smoke",
+            [
+                "eval.judge=openai",
+                "eval.judge_model=judge-test-model",
+                f"eval.judge_base_url={api.base_url}",
+                "eval.judge_orders=both",
+                "eval.max_samples=2",
+                "eval.judge_human_comparisons=4",
+                "eval.diversity_prompts=0",
+                "eval.token_shift_samples=1",
+            ],
+        )
+        sft, pref, _ = load_prepared(root / "data")
+        references = {r.strip() for r in sft["validation"]["reference_response"][:2]}
+        human = pref["validation"].select(range(4))
+        # the human-labelled rows (here four comparisons of one post): each pair of summaries to its chosen one
+        chosen = {frozenset((c.strip(), r.strip())): c.strip() for c, r in zip(human["chosen"], human["rejected"])}
+        pairs = []
+
+        def judge(request):
+            post, a, b = (
+                text.strip()
+                for text in re.search(
+                    r"<post>\n(.*?)\n</post>.*?<summary>\n(.*?)\n</summary>.*?<summary>\n(.*?)\n</summary>",
+                    request.prompt,
+                    re.S,
+                ).groups()
+            )
+            pairs.append((post, a, b))
+            pair = frozenset((a, b))
+            better = a == chosen[pair] if pair in chosen else a in references
+            return completion_reply(f"Comparison: one reads better.\nPreferred: {'A' if better else 'B'}")
+
+        api.handler = judge
+        monkeypatch.setenv("RLHF_JUDGE_CACHE", str(tmp_path / "cache.jsonl"))
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        names = ("data", "base", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval")
+        metrics = STAGES["evaluation"].run(cfg, [root / name for name in names], tmp_path / "out", NullTracker())
+        assert api.handler_errors == [] and {r.headers["authorization"] for r in api.requests} == {"Bearer no-key"}
+    # 8 policy comparisons (4 policies x 2 prompts) and 4 human-labelled ones, each in both orders
+    assert len(pairs) == 24 and Counter(pairs) == Counter((p, b, a) for p, a, b in pairs)  # each pair swapped too
+    judged = [json.loads(line) for line in (tmp_path / "out" / "judgements.jsonl").read_text().splitlines()]
+    assert len(judged) == 12 and all(j["judge"] == "judge-test-model" for j in judged)
+    assert all(j["swapped"]["response_is_a"] is not j["response_is_a"] for j in judged)
+    for policy in ("base", "sft", "ppo", "dpo"):
+        assert metrics[f"eval/{policy}/win_rate"] == 0.0 and metrics[f"eval/{policy}/win_rate_n_valid"] == 2
+    assert metrics["eval/judge/human_n"] == 4 and metrics["eval/judge/human_agreement"] == 1.0
+    assert metrics["eval/judge/order_consistency"] == 1.0
+    for name in ("report.md", "report.html"):
+        report = (tmp_path / "out" / name).read_text()
+        assert "judged by judge-test-model with the prompt of Huang et al. (2024), Appendix I" in report
+        assert "each comparison judged in both A/B orders" in report
+        assert (
+            "The judge is better than chance on human labels: it agreed with the human label on 100.0% [51.0%, 100.0%]"
+            in report
+        )
+        assert "4 human-labelled comparisons of the validation preference split" in report
+        assert "picked the same summary in both orders 100.0% of the time" in report
 
 
 def test_the_report_says_in_words_when_the_judge_is_at_chance_on_human_labels():

@@ -750,13 +750,16 @@ def test_offline_judge_from_pretrained(tiny_model, llama_tokenizer, tmp_path):
     assert loaded.answer(prompt) == direct.answer(prompt)
 
 
-def test_the_offline_path_never_imports_the_anthropic_sdk():
-    """Only the Anthropic judge needs the SDK: the judging package and the evaluation stage load without it."""
+def test_the_offline_path_never_imports_an_api_sdk():
+    """Only the API judges need their SDKs: the judging package and the evaluation stage load
+    without ``anthropic`` and ``openai``, and each judge imports its own alone."""
     code = (
         "import sys, rlhf_core.evaluation.judging, rlhf_core.evaluation.stage; "
         "from rlhf_core.evaluation.judging import OfflineJudge, judge_comparisons; "
-        "assert 'anthropic' not in sys.modules, 'imported'; "
-        "from rlhf_core.evaluation.judging import AnthropicJudge; assert 'anthropic' in sys.modules"
+        "assert 'anthropic' not in sys.modules and 'openai' not in sys.modules, 'imported'; "
+        "from rlhf_core.evaluation.judging import AnthropicJudge; assert 'anthropic' in sys.modules; "
+        "assert 'openai' not in sys.modules; "
+        "from rlhf_core.evaluation.judging import OpenAIJudge; assert 'openai' in sys.modules"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -17,6 +17,7 @@ from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import ConfigError
 from rlhf_core.run.pipeline import STAGES, stages_until
 from rlhf_core.run.preflight import PreflightError, check_before_stages
+from tests.chat_completions_api import ChatCompletionsAPI
 from tests.hub_layout import hub_cache_repo
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -299,6 +300,81 @@ def test_the_judge_key_is_needed_only_when_the_evaluation_runs(monkeypatch):
         check_before_stages(cfg)
 
 
+# ------------------------------------------------------------------------ the OpenAI judge's key and server
+
+
+OPENAI_KEY = "sk-proj-preflight-0123456789-secret"
+
+
+def openai_judge(url: str, model: str = "judge-test-model"):
+    return load_config("smoke", ["eval.judge=openai", f"eval.judge_model={model}", f"eval.judge_base_url={url}"])
+
+
+def test_the_openai_api_needs_its_key_before_any_request(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    cfg = load_config("smoke", ["eval.judge=openai", "eval.judge_model=gpt-test"])
+    assert cfg.eval.judge_base_url == "https://api.openai.com/v1" and cfg.eval.judge_key_secret == "openai-api-key"
+    check_before_stages(cfg, stages_until("dpo_eval"))  # no evaluation, no judge
+    with pytest.raises(PreflightError) as err:
+        check_before_stages(cfg, ["evaluation"])
+    assert str(err.value) == (
+        "eval.judge is openai on https://api.openai.com/v1 but OPENAI_API_KEY is not set: export OPENAI_API_KEY, "
+        "or point eval.judge_base_url at a server that needs no key, or set eval.judge=offline"
+    )
+
+
+def test_a_local_openai_compatible_server_serving_the_model_passes_without_a_key(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with ChatCompletionsAPI(models=["other", "judge-test-model", "llama3.2:latest"]) as api:
+        check_before_stages(openai_judge(api.base_url), ["evaluation"])
+        check_before_stages(openai_judge(api.base_url, "llama3.2"), ["evaluation"])  # Ollama's name for :latest
+        assert [(r.method, r.path) for r in api.requests] == [("GET", "/v1/models")] * 2
+        assert api.requests[0].headers["authorization"] == "Bearer no-key"
+        check_before_stages(openai_judge(api.base_url), stages_until("dpo_eval"))
+        assert len(api.requests) == 2  # no evaluation: the server is not asked
+
+
+def test_a_model_the_server_does_not_list_is_named(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with ChatCompletionsAPI(models=["qwen2.5-7b", "llama-3.1-8b"]) as api:
+        url = api.base_url
+        with pytest.raises(PreflightError) as err:
+            check_before_stages(openai_judge(url, "gpt-judge"), ["evaluation"])
+    assert str(err.value) == (
+        f"eval.judge_model: 'gpt-judge' is not among the models the judge's server {url} serves "
+        "(qwen2.5-7b, llama-3.1-8b): set eval.judge_model to one of them, or load it on the server"
+    )
+
+
+def test_a_judge_server_that_cannot_be_reached_is_named():
+    from tests.servers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    with pytest.raises(PreflightError) as err:
+        check_before_stages(openai_judge(url), ["evaluation"])
+    message = str(err.value)
+    assert message.startswith(f"eval.judge_base_url: the judge's server {url} cannot be reached (connection failed")
+    assert "Connection refused" in message and "start the server" in message and "\n" not in message
+
+
+def test_a_server_refusing_the_key_or_without_a_model_list_is_named(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
+    with ChatCompletionsAPI(api_key="sk-proj-the-servers-own-key") as api:
+        with pytest.raises(PreflightError) as err:
+            check_before_stages(openai_judge(api.base_url), ["evaluation"])
+        assert str(err.value).startswith(
+            f"OPENAI_API_KEY: the judge's server {api.base_url} (eval.judge_base_url) refused the key in OPENAI_API_KEY"
+        )
+        assert OPENAI_KEY not in str(err.value)
+        with pytest.raises(
+            PreflightError, match=r"^eval\.judge_base_url: .* gave no model list at .*/models \(HTTP 404"
+        ):
+            check_before_stages(openai_judge(api.url), ["evaluation"])  # the host, not the API root
+        api.api_key = OPENAI_KEY
+        check_before_stages(openai_judge(api.base_url), ["evaluation"])
+        assert api.requests[-1].headers["authorization"] == f"Bearer {OPENAI_KEY}"
+
+
 # ------------------------------------------------------------------------ before any stage
 
 
@@ -333,4 +409,30 @@ def test_rlhf_check_runs_the_checks_and_nothing_else(tmp_path, monkeypatch, caps
     assert err.startswith("rlhf check: error: ppo.reward") and "no_such_module" in err and "\n" not in err
     assert main(["check", "--preset", "smoke", "eval.judge=anthropic", "eval.judge_model=claude-test"]) == 0
     assert "the Prefect Secret block 'anthropic-api-key' (eval.api_key_secret) is looked up" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rlhf_check_asks_the_openai_judges_server(tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+    from tests.servers import free_port
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    judge = ["eval.judge=openai", "eval.judge_model=judge-test-model"]
+    with ChatCompletionsAPI() as api:
+        assert main(["check", "--preset", "smoke", *judge, f"eval.judge_base_url={api.base_url}"]) == 0
+        assert [r.path for r in api.requests] == ["/v1/models"]
+    assert "can start" in capsys.readouterr().out
+    down = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["check", "--preset", "smoke", *judge, f"eval.judge_base_url={down}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"rlhf check: error: eval.judge_base_url: the judge's server {down} cannot be reached")
+    assert "\n" not in err
+    # the OpenAI API without OPENAI_API_KEY: its Secret block is left to the run (no Prefect server named)
+    assert main(["check", "--preset", "smoke", "eval.judge=openai", "eval.judge_model=gpt-test"]) == 0
+    assert (
+        "rlhf check: OPENAI_API_KEY is unset; the Prefect Secret block 'openai-api-key' (eval.api_key_secret) is "
+        "looked up" in capsys.readouterr().err
+    )
     assert list(tmp_path.iterdir()) == []

@@ -21,7 +21,7 @@ from tests.rlhf_core.config.test_config import KEYS
         (["ppo.kl_coef.x=1"], "ppo.kl_coef: Input should be a valid number, not a section (ppo.kl_coef.x given)"),
         (
             ["eval.judge.api_key=hello"],
-            "eval.judge: Input should be 'offline' or 'anthropic', not a section (eval.judge.api_key given)",
+            "eval.judge: Input should be 'offline', 'anthropic' or 'openai', not a section (eval.judge.api_key given)",
         ),
         (["sft.bf16=maybe"], "sft.bf16: Input should be a valid boolean, unable to interpret input, or 'auto'"),
         (["ppo.kl_coef=[1,2"], "override ppo.kl_coef: value '[1,2' is not valid YAML: "),
