@@ -514,17 +514,35 @@ LOGGED_FILES = ("metrics.json", "stats.json", "samples.jsonl", "calibration.png"
 
 def _log_stage_files(stage: str, cfg: PipelineConfig, out: Path, tracker: Any, client: Any, run_id: str) -> None:
     """Log a finished stage's :data:`LOGGED_FILES` to its MLflow run; for the data stage also its
-    token lengths, drawn here (the stage itself runs no plotting code), and the prepared splits
-    as the run's dataset inputs (name, digest, source, schema)."""
+    figures (:func:`log_data_figures`) and the prepared splits as the run's dataset inputs
+    (name, digest, source, schema)."""
     for name in LOGGED_FILES:
         if (out / name).is_file():
             tracker.log_artifact(out / name)
     if stage == "data":
-        from rlhf_core.data.prepared import token_lengths
-        from rlhf_core.views.plots import plot_token_lengths
-
         from .mlflow_tracking import dataset_inputs
 
-        with tempfile.TemporaryDirectory() as tmp:
-            tracker.log_artifact(plot_token_lengths(token_lengths(out), Path(tmp) / "token_lengths.png"))
+        log_data_figures(out, tracker)
         client.log_inputs(run_id, datasets=dataset_inputs(out, cfg))
+
+
+#: The MLflow table of the policy pairs each preference split compares (Table 2).
+POLICY_PAIRS_TABLE = "policy_pairs"
+
+
+def log_data_figures(out: Path, tracker: Any) -> None:
+    """Log the data stage's figures, drawn or read here from its output ``out`` (the stage itself
+    runs no plotting code): the policy pairs each preference split compares (Huang et al. 2024,
+    Table 2; :func:`rlhf_core.data.prepared.policy_pair_figures`) as the metrics
+    ``data/preference/NAME/policy_pairs`` and ``..._comparisons_per_pair_{min,median,max}`` and the
+    table :data:`POLICY_PAIRS_TABLE` (one row per split and pair), then the token lengths
+    (Figures 9-10) as ``token_lengths.png``."""
+    from rlhf_core.data.prepared import policy_pair_figures, token_lengths
+    from rlhf_core.views.plots import plot_token_lengths
+
+    metrics, rows = policy_pair_figures(json.loads((out / "stats.json").read_text()))
+    if metrics:
+        tracker.log_metrics(metrics)
+        tracker.log_table(POLICY_PAIRS_TABLE, rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        tracker.log_artifact(plot_token_lengths(token_lengths(out), Path(tmp) / "token_lengths.png"))

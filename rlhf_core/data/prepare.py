@@ -5,7 +5,8 @@ Two sets are built, each as a ``datasets.DatasetDict`` saved with ``save_to_disk
 - ``sft``: the TL;DR SFT set (``id, subreddit, title, post, summary``) as queries and
   reference responses;
 - ``preference``: human comparisons (``chosen``/``rejected`` with their policies,
-  ``batch``, ``confidence`` and ``split``) for the reward model.
+  ``batch``, ``confidence`` and ``split``) for the reward model; ``stats.json`` counts the
+  pairs of policies each split compares (Table 2, :func:`policy_pairs`).
 
 Rows come from the Hugging Face hub (:mod:`rlhf_core.data.hub`) or from a local directory of
 JSONL files in the same flat format (``RLHF_TLDR_DIR``); both go through the same validation
@@ -443,8 +444,48 @@ def pad_split(
     return ds.remove_columns([c for c in _UNPADDED_COLUMNS if c in ds.column_names])
 
 
+def policy_pairs(chosen: Iterable[str | None], rejected: Iterable[str | None]) -> dict[str, Any] | None:
+    """The pairs of policies a preference split compares, and how often (Huang et al. 2024,
+    Table 2 and Appendix L, Tables 21-27; Detail 6: the validation split compares far more pairs
+    than the train split).
+
+    A pair is unordered: the two policy names sorted and joined by ``", "``, as the paper writes
+    them (``"ref, sup4_t0.7"``); a policy compared with itself is a pair too. Each comparison row
+    counts once, whichever side was chosen.
+
+    Args:
+        chosen, rejected: the ``chosen_policy`` and ``rejected_policy`` of each row, aligned
+            (strings; ``None`` or empty where a row names none, e.g. TRL-format rows).
+
+    Returns:
+        ``None`` when no row names both policies, else ``{"unique": int, "comparisons": int,
+        "without_policies": int, "per_pair": {"min": int, "median": float, "max": int},
+        "pairs": [{"policies": str, "count": int}, ...]}``: the number of distinct pairs, the
+        rows counted, the rows left out for lacking a policy, the comparisons per pair, and
+        every pair, most compared first (ties by name).
+    """
+    counts: Counter = Counter()
+    missing = 0
+    for a, b in zip(chosen, rejected):
+        if not a or not b:
+            missing += 1
+            continue
+        counts[", ".join(sorted((a, b)))] += 1
+    if not counts:
+        return None
+    per_pair = list(counts.values())
+    return {
+        "unique": len(counts),
+        "comparisons": sum(per_pair),
+        "without_policies": missing,
+        "per_pair": {"min": min(per_pair), "median": statistics.median(per_pair), "max": max(per_pair)},
+        "pairs": [{"policies": p, "count": n} for p, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))],
+    }
+
+
 def split_statistics(ds: datasets.Dataset, kind: str, task: str) -> dict[str, Any]:
-    """Rows, token-length summaries, truncation counts (and comparison batches) of one split."""
+    """Rows, token-length summaries, truncation counts (and for comparisons their batches and,
+    where the rows name their policies, the policy pairs compared: :func:`policy_pairs`) of one split."""
     lengths = {"query": _length_summary(ds["query_token_len"])}
     for col in RESPONSE_COLUMNS[kind]:
         lengths[col] = _length_summary(ds[f"{col}_token_len"])
@@ -460,6 +501,10 @@ def split_statistics(ds: datasets.Dataset, kind: str, task: str) -> dict[str, An
     }
     if kind == "preference":
         split_stats["batches"] = dict(Counter(ds["batch"]))
+        if {"chosen_policy", "rejected_policy"} <= set(ds.column_names):
+            pairs = policy_pairs(ds["chosen_policy"], ds["rejected_policy"])  # Table 2, Detail 6
+            if pairs is not None:
+                split_stats["policy_pairs"] = pairs
     return split_stats
 
 
@@ -514,7 +559,8 @@ def prepare_data(
     Writes, atomically: ``sft/{split}``, ``preference/{split}`` and, with ``data.prompt_splits``,
     ``prompt/{split}`` (``save_to_disk``),
     ``tokenizer/`` (with its PAD), ``stats.json`` (token lengths, derived padded lengths,
-    truncation counts, rows dropped by reason). Its token lengths are drawn by whoever shows
+    truncation counts, rows dropped by reason, and each preference split's policy pairs: Table 2,
+    :func:`policy_pairs`). Its token lengths are drawn by whoever shows
     them (:func:`rlhf_core.data.prepared.token_lengths`, :func:`rlhf_core.views.plots.plot_token_lengths`):
     no plotting code runs in the data stage, whose output every stage after it reads.
 

@@ -1,6 +1,7 @@
 """The data stage's output read back: the prepared splits and their statistics, its tokenizer,
-the prompts PPO samples from, and the check that a split has prompts. What every stage after the
-data stage reads of it, apart from how the data was prepared (:mod:`rlhf_core.data.prepare`).
+the prompts PPO samples from, the check that a split has prompts, and the policy pairs each
+preference split compares (Table 2). What every stage after the data stage reads of it, apart
+from how the data was prepared (:mod:`rlhf_core.data.prepare`).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import datasets
 from transformers import PreTrainedTokenizerBase
@@ -33,6 +35,36 @@ def token_lengths(data_dir: str | os.PathLike) -> dict[str, dict[str, list[int]]
         columns = ("query", *RESPONSE_COLUMNS[kind])
         lengths[key] = {col: list(sets[kind][name][f"{col}_token_len"]) for col in columns}  # type: ignore[index]
     return lengths
+
+
+def policy_pair_figures(stats: dict) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The policy pairs each preference split compares (Huang et al. 2024, Table 2, Appendix L),
+    from the data stage's ``stats.json`` (:func:`rlhf_core.data.prepare.policy_pairs`), as logged
+    beside the stage (``tasks``) and shown in the report.
+
+    Args:
+        stats: the data stage's ``stats.json`` (:func:`load_prepared`).
+
+    Returns:
+        ``(metrics, rows)``: per preference split ``preference/NAME`` whose rows name their
+        policies, the metrics ``data/preference/NAME/policy_pairs`` (distinct pairs) and
+        ``data/preference/NAME/comparisons_per_pair_min``, ``_median`` and ``_max``
+        (comparison rows per pair); and one row per split and pair, most compared first,
+        ``{"split": "preference/NAME", "policies": "a, b", "comparisons": n}``. Both empty
+        when no split names its policies (TRL-format rows) or for a ``stats.json`` written
+        before policy pairs were counted.
+    """
+    metrics: dict[str, float] = {}
+    rows: list[dict[str, Any]] = []
+    for key, split in stats["splits"].items():
+        pairs = split.get("policy_pairs")
+        if pairs is None:
+            continue
+        metrics[f"data/{key}/policy_pairs"] = float(pairs["unique"])
+        for name, value in pairs["per_pair"].items():
+            metrics[f"data/{key}/comparisons_per_pair_{name}"] = float(value)
+        rows += [{"split": key, "policies": p["policies"], "comparisons": p["count"]} for p in pairs["pairs"]]
+    return metrics, rows
 
 
 def require_prompts(stats: dict, split: str, key: str) -> None:

@@ -4,7 +4,9 @@
 ``ppo.eval_every`` updates and at the end, then with :func:`learning_check_metrics` (scores
 with the EOS trick, Huang et al. 2024, Detail 23); :func:`value_vs_reward` and
 :func:`write_value_vs_reward` read the trained value model as a per-token reward model after
-training (Detail 22). Each reads the trainer's models through :class:`PPOModels`.
+training (Detail 22), with the per-token rewards and values PPO reads of the same summaries
+(Figure 11, :func:`ppo_rewards_and_values`). Each reads the trainer's models through
+:class:`PPOModels`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,18 @@ from ..metrics.statistics import paired_difference, wilson_interval
 from ..metrics.text import repetition_rate
 from ..train.distributed import DataParallel, World, all_gather_object, split_range
 from ..train.external_reward import ExternalRewardModel
-from ..train.generation import summarize
+from ..train.generation import last_token_indices, summarize, trim_left_padding
 from ..train.lora import AdaptersDisabled
-from ..train.reward import TOKEN_TABLE_RESPONSES, ResponseScores, response_reward_logits, token_table
+from ..train.reward import (
+    TOKEN_TABLE_RESPONSES,
+    ResponseScores,
+    response_reward_logits,
+    response_scores,
+    token_table,
+)
 from ..train.training import autocast, micro_batches
-from .rollout import summary_logprobs
+from .algorithm import per_token_rewards
+from .rollout import response_values, summary_logprobs, token_logprobs
 
 
 class PPOModels(Protocol):
@@ -205,41 +214,127 @@ def value_vs_reward(
     output at every token of the first ``n`` of ``responses`` (this rank's ``(queries,
     summaries)`` of the last :func:`evaluate_policy`; None before any evaluation),
     beside the reward model's logits there (Detail 13), one forward pass of each
-    (:func:`rlhf_core.train.reward.response_reward_logits`). Collective: every rank calls it.
+    (:func:`rlhf_core.train.reward.response_reward_logits`); and the rewards and values of the same
+    summaries as PPO reads them (Figure 11: :func:`ppo_rewards_and_values`). Collective: every
+    rank calls it.
 
     ``values`` are read at the same positions as ``reward_logits``, the state after each
-    token: PPO's value of response token ``t`` (:func:`rlhf_core.ppo.trainer.response_values`, the state before
+    token: PPO's value of response token ``t`` (:func:`rlhf_core.ppo.rollout.response_values`, the state before
     it) is ``values[t - 1]``. The value model starts as the reward model (Detail 22), so the
     two are equal before training.
 
     Returns:
         :func:`rlhf_core.train.reward.token_table` rows with ``row`` (the evaluation prompt's
-        index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``;
-        None on ranks other than 0, with a rule reward (no reward model) or an existing reward
-        model of its own tokenizer (``ppo.reward: model:SOURCE``), without a value model
-        (``ppo.advantage_estimator`` rloo or grpo), or before any evaluation.
+        index, as in ``samples.jsonl``), ``reward_logits``, ``values`` and ``value_at_eos``, and
+        :func:`ppo_rewards_and_values`'s fields; None on ranks other than 0, with a rule reward
+        (no reward model) or an existing reward model of its own tokenizer (``ppo.reward:
+        model:SOURCE``), without a value model (``ppo.advantage_estimator`` rloo or grpo), or
+        before any evaluation.
     """
     if models.value_parallel is None:
         return None  # a critic-free estimator
     if models.reward_parallel is None or isinstance(models.reward_parallel.model, ExternalRewardModel):
         return None  # no reward model, or one that reads other tokens than the policy's
     pad, eos, bf16 = models.pad_id, models.eos_id, models.cfg.bf16
+    queries, summaries = (responses[0][:n].cpu(), responses[1][:n].cpu()) if responses is not None else (None, None)
+    # Figure 11's KL penalties: the policy's and the reference's log-probabilities (collective)
+    logprobs = _main_token_logprobs(models, models.policy_parallel, queries, summaries)
+    ref_logprobs = _main_token_logprobs(models, models.ref_parallel, queries, summaries)
     # gathered whole (collective) so that rank 0 alone may run its forward passes
     with models.value_parallel.gathered(), models.reward_parallel.gathered():
-        if not models.world.is_main or responses is None:
+        if not models.world.is_main or queries is None or summaries is None:
             return None
-        queries, summaries = responses[0][:n], responses[1][:n]
         logits, scores, indices = models.reward_parallel.inference(
             response_reward_logits, queries, summaries, pad, bf16
         )
         values, _, _ = models.value_parallel.inference(response_reward_logits, queries, summaries, pad, bf16)
+        q = trim_left_padding(queries, pad)  # PPO's values: the state before each token, as the rollouts read them
+        with autocast(models.device, bf16):
+            qr = torch.cat([q, summaries], 1).to(models.device)
+            ppo_values = models.value_parallel.inference(response_values, qr, pad, q.size(1)).float().cpu()
     rows = token_table(
         models.tokenizer, summaries, scores, indices, eos, pad, {"reward_logits": logits, "values": values}
     )
+    figure_11 = ppo_rewards_and_values(models.cfg, summaries, logprobs, ref_logprobs, scores, ppo_values, eos, pad)
     return [
-        {"row": i, **row, "value_at_eos": row["values"][row["eos_index"]] if row["eos_index"] >= 0 else None}
-        for i, row in enumerate(rows)
+        {
+            "row": i,
+            **row,
+            "value_at_eos": row["values"][row["eos_index"]] if row["eos_index"] >= 0 else None,
+            **ppo_row,
+        }
+        for i, (row, ppo_row) in enumerate(zip(rows, figure_11))
     ]
+
+
+def _main_token_logprobs(
+    models: PPOModels,
+    parallel: DataParallel | AdaptersDisabled,
+    queries: torch.Tensor | None,
+    summaries: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Rank 0's per-token log-probabilities of ``summaries`` under the model of ``parallel`` at the
+    training temperature (:func:`rlhf_core.ppo.rollout.token_logprobs`), ``(n, response_length)``
+    float32 on the CPU; None on other ranks or without summaries. Collective (the model is
+    gathered whole first): every rank calls it."""
+    with parallel.gathered():
+        if not models.world.is_main or queries is None or summaries is None:
+            return None
+        with autocast(models.device, models.cfg.bf16):
+            args = (queries, summaries, models.pad_id, models.cfg.temperature)
+            return parallel.inference(token_logprobs, *args).cpu()
+
+
+def ppo_rewards_and_values(
+    cfg: PPOConfig,
+    summaries: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    raw_scores: torch.Tensor,
+    ppo_values: torch.Tensor,
+    eos_token_id: int,
+    pad_token_id: int,
+) -> list[dict]:
+    """The rewards and values of a few summaries as PPO's step 2 reads them (Huang et al. 2024,
+    Detail 22, Figure 11): per token the KL penalty ``-kl_coef * (log pi - log pi_ref)`` and
+    the score (with the EOS trick, Detail 23) added at the position ``ppo.score_position`` names
+    (:func:`rlhf_core.ppo.algorithm.per_token_rewards`, the function the rollouts use), beside the
+    value of each token (the state before it). The rewards are those before the optional
+    whitening (Detail 24), which rescales a whole batch's and has no meaning for a few summaries.
+
+    Args:
+        summaries: ``(n, response_length)`` long, PAD after the first EOS.
+        logprobs, ref_logprobs: Shape: ``(n, response_length)``, float32 nats of the summaries'
+            tokens under the policy and the reference at the training temperature.
+        raw_scores: ``(n,)`` float32, the reward model's score of each summary.
+        ppo_values: ``(n, response_length)`` float32 (:func:`rlhf_core.ppo.rollout.response_values`).
+
+    Returns:
+        One dict per summary, over the positions that carry rewards and values (through the
+        EOS, or one further under ``score_position: after_eos``): ``kl_penalty``, ``rewards`` and
+        ``ppo_values`` (lists of floats), ``score_index`` (where the score is added) and
+        ``ppo_score`` (the score added: the raw score, or ``non_eos_penalty`` for a summary
+        without EOS).
+    """
+    scored = response_scores(raw_scores, summaries, eos_token_id, pad_token_id, cfg.non_eos_penalty)
+    last = torch.clamp(last_token_indices(summaries, pad_token_id), min=0)
+    rewards, kl_penalty, mask = per_token_rewards(
+        logprobs, ref_logprobs, scored.scores, last, cfg.kl_coef, cfg.score_position
+    )
+    extra = 1 if cfg.score_position == "after_eos" else 0
+    out = []
+    for i in range(len(summaries)):
+        m = int(mask[i].sum())
+        out.append(
+            {
+                "kl_penalty": [float(v) for v in kl_penalty[i, :m].tolist()],
+                "rewards": [float(v) for v in rewards[i, :m].tolist()],
+                "ppo_values": [float(v) for v in ppo_values[i, :m].tolist()],
+                "score_index": min(int(last[i]) + extra, summaries.size(1) - 1),
+                "ppo_score": float(scored.scores[i]),
+            }
+        )
+    return out
 
 
 def learning_check_metrics(rows: list[tuple], kl_coef: float) -> dict[str, float]:
@@ -282,8 +377,14 @@ def learning_check_metrics(rows: list[tuple], kl_coef: float) -> dict[str, float
     }
 
 
-def write_value_vs_reward(rows: list[dict], out_dir: str | os.PathLike) -> Path:
-    """Write :func:`value_vs_reward`'s rows as ``value_vs_reward.json`` (``{"responses": rows}``)
-    to ``out_dir``; returns its path. The report draws them
+def write_value_vs_reward(rows: list[dict], out_dir: str | os.PathLike, cfg: PPOConfig | None = None) -> Path:
+    """Write :func:`value_vs_reward`'s rows as ``value_vs_reward.json`` (``{"responses": rows}``,
+    with ``cfg`` also the settings its rewards were computed with: ``kl_coef``, ``score_position``,
+    ``non_eos_penalty`` and ``whiten_rewards``, whose whitening the rows' rewards are before) to
+    ``out_dir``; returns its path. The report draws them
     (:func:`rlhf_core.report.run_report.per_token_sections`): no plotting code runs in the PPO stage."""
-    return write_json_atomic(Path(out_dir) / "value_vs_reward.json", {"responses": rows})
+    settings = {}
+    if cfg is not None:
+        keys = ("kl_coef", "score_position", "non_eos_penalty", "whiten_rewards")
+        settings = {"settings": {key: getattr(cfg, key) for key in keys}}
+    return write_json_atomic(Path(out_dir) / "value_vs_reward.json", {"responses": rows} | settings)

@@ -25,7 +25,7 @@ from ..config.settings import PPOConfig
 from ..train.distributed import World, all_gather_cat, all_reduce_sum, shard, world
 from ..train.forward import causal_forward
 from ..train.generation import last_token_indices, trim_left_padding, truncate_after_eos
-from ..train.reward import ResponseScores
+from ..train.reward import ResponseScores, ScalarModel
 from .algorithm import (
     INVALID_LOGPROB,
     compute_advantages,
@@ -62,13 +62,57 @@ def response_logits(
     return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
 
 
+def response_values(
+    value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
+    """The value of the state before each response token: PPO's value of that token (Detail 22).
+
+    Args:
+        query_responses: ``(batch, context_length + response_length)``, query left-padded.
+
+    Returns:
+        Shape: ``(batch, response_length)``, the value model's output at the positions
+        ``context_length - 1 .. -2`` (the query's last token, then each response token but the
+        last), in the model's dtype.
+    """
+    values = causal_forward(
+        lambda ids, mask, pos: value_model(input_ids=ids, attention_mask=mask, position_ids=pos),
+        query_responses,
+        pad_token_id,
+    )
+    return values[:, context_length - 1 : -1]
+
+
+@torch.no_grad()
+def token_logprobs(
+    model: PreTrainedModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int, temperature: float
+) -> torch.Tensor:
+    """``log pi(y_t | x, y_<t)`` of each response token under the sampling distribution at
+    ``temperature``, as a rollout's ``logprobs`` are (:func:`rlhf_core.ppo.algorithm.logprobs_from_logits`,
+    Detail 23).
+
+    Args:
+        queries: ``(n, query_length)`` long, left-padded; responses: ``(n, response_length)``
+            long, truncated after their EOS and right-padded (:func:`rlhf_core.train.generation.summarize`).
+
+    Returns:
+        Shape: ``(n, response_length)``, float32, in nats, on the device of ``model``; the
+        positions after a response's last real token hold the log-probability of PAD under the
+        PAD-excluding distribution (mask them out).
+    """
+    device = next(model.parameters()).device
+    queries = trim_left_padding(queries, pad_token_id).to(device)
+    responses = responses.to(device)
+    logits = response_logits(model, torch.cat([queries, responses], 1), pad_token_id, queries.size(1))
+    return logprobs_from_logits(logits, responses, temperature, pad_token_id).float()
+
+
 @torch.no_grad()
 def summary_logprobs(
     model: PreTrainedModel, queries: torch.Tensor, responses: torch.Tensor, pad_token_id: int, temperature: float
 ) -> torch.Tensor:
-    """``log pi(y|x)`` of each summary under the sampling distribution at ``temperature``, as a
-    rollout's ``logprobs`` are (:func:`rlhf_core.ppo.algorithm.logprobs_from_logits`, Detail 23), summed
-    over the response through its EOS (or all of it, without one).
+    """``log pi(y|x)`` of each summary under the sampling distribution at ``temperature``
+    (:func:`token_logprobs`), summed over the response through its EOS (or all of it, without one).
 
     The difference of two models' values is the "k1" KL estimate of the rollouts
     (:func:`rollout_statistics`) for one summary: ``log pi(y|x) - log pi_sft(y|x)``.
@@ -80,12 +124,8 @@ def summary_logprobs(
     Returns:
         ``(n,)`` float32, in nats, on the CPU.
     """
-    device = next(model.parameters()).device
-    queries = trim_left_padding(queries, pad_token_id).to(device)
-    responses = responses.to(device)
-    logits = response_logits(model, torch.cat([queries, responses], 1), pad_token_id, queries.size(1))
-    logprobs = logprobs_from_logits(logits, responses, temperature, pad_token_id).float()
-    mask = response_mask(last_token_indices(responses, pad_token_id), responses.size(1))
+    logprobs = token_logprobs(model, queries, responses, pad_token_id, temperature)
+    mask = response_mask(last_token_indices(responses, pad_token_id), responses.size(1)).to(logprobs.device)
     return (logprobs * mask).sum(1).cpu()
 
 
@@ -232,9 +272,15 @@ def rollout_statistics(
 ) -> dict[str, float]:
     """Statistics of the global batch (every rank's share gathered; the identity on one rank):
     score, KL to the reference (nats per response and per token), rewards, advantages,
-    returns (with a value model), response length and EOS rate, under TRL's names."""
+    returns (with a value model), response length and EOS rate, under TRL's names.
+
+    ``rewards/mean`` and ``rewards/std`` are the mean and the (unbiased) standard deviation of
+    step 2's per-token rewards, the ones step 3 reads, over the positions of ``value_mask``: with
+    ``ppo.whiten_rewards`` the standard deviation is 1 and the mean that of the rewards before
+    whitening (Detail 24, ``shift_mean=False``)."""
     gather = all_gather_cat
     token_mask, value_mask = gather(traj.token_mask), gather(rewards.value_mask)
+    per_token = gather(rewards.rewards)
     logprobs, ref_logprobs, scores = gather(traj.logprobs), gather(traj.ref_logprobs), gather(traj.scores)
     advantages, has_eos = gather(advantages), gather(traj.has_eos)
     kl = ((logprobs - ref_logprobs) * token_mask).sum(1)  # the "k1" estimator, http://joschu.net/blog/kl-approx.html
@@ -255,6 +301,8 @@ def rollout_statistics(
         "objective/entropy": (-logprobs * token_mask).sum(1).mean().item(),
         "objective/non_score_reward": non_score.mean().item(),
         "objective/rlhf_reward": (scores + non_score).mean().item(),
+        "rewards/mean": masked_mean(per_token, value_mask).item(),
+        "rewards/std": masked_var(per_token, value_mask).sqrt().item(),
         "advantages/mean": masked_mean(advantages, token_mask).item(),
         "advantages/var": masked_var(advantages, token_mask).item(),
         "advantages/min": advantages[token_mask].min().item(),

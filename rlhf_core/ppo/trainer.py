@@ -58,7 +58,6 @@ from ..config.settings import PPOConfig
 from ..data.prepared import load_data_tokenizer, load_prepared, ppo_query_tokens
 from ..models.saved import load_causal_lm
 from ..train.distributed import all_gather_object, all_reduce_sum, gather_to_main, world
-from ..train.forward import causal_forward
 from ..train.generation import generate, trim_left_padding, truncate_after_eos
 from ..train.reward import TOKEN_TABLE_RESPONSES, ResponseScores, ScalarModel, response_scores, score_responses
 from ..train.rule_rewards import describe_reward, load_reward_function, rule_scores
@@ -93,24 +92,13 @@ from .rollout import (
     make_trajectory,
     reduce_stats,
     response_logits,
+    response_values,
     rollout_rows,
     rollout_statistics,
     throughput_statistics,
 )
 
 log = logging.getLogger(__name__)
-
-
-def response_values(
-    value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
-) -> torch.Tensor:
-    """Value of the state before each response token. ``(batch, response_length)`` float32."""
-    values = causal_forward(
-        lambda ids, mask, pos: value_model(input_ids=ids, attention_mask=mask, position_ids=pos),
-        query_responses,
-        pad_token_id,
-    )
-    return values[:, context_length - 1 : -1]
 
 
 class PPOTrainer:
@@ -478,7 +466,8 @@ def run_ppo(
     ``out_dir/value_adapter``: :mod:`rlhf_core.train.lora`),
     ``out_dir/samples.jsonl`` (the last evaluation), ``out_dir/metrics.json`` and, with a reward
     model and a value model, ``out_dir/value_vs_reward.json``: the trained value model's and the
-    reward model's outputs at every token of the first few evaluation summaries (Detail 22;
+    reward model's outputs at every token of the first few evaluation summaries (Detail 22), with
+    PPO's per-token rewards and values of the same summaries (Figure 11;
     :meth:`PPOTrainer.value_vs_reward`, :func:`rlhf_core.ppo.eval.write_value_vs_reward`).
 
     ``reward_model_dir`` is the reward model (``ppo.reward: model``) and the value model's
@@ -627,7 +616,7 @@ def _finish_ppo(
         save_trained(value_model, trainer.value_adapted, out_dir, name="value_model", adapter="value_adapter")
     write_jsonl_atomic(out_dir / "samples.jsonl", samples)
     if value_rows:
-        tracker.log_artifact(write_value_vs_reward(value_rows, out_dir))
+        tracker.log_artifact(write_value_vs_reward(value_rows, out_dir, trainer.cfg))
     last = dict(last, **{"ppo/updates": float(trainer.num_updates), "ppo/seconds": time.perf_counter() - begin})
     write_json_atomic(out_dir / "metrics.json", last)
     return last

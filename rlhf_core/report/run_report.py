@@ -5,7 +5,8 @@ evaluation stage's output as ``report.html`` and ``report.md`` (laid out by
 It runs after :func:`rlhf_core.evaluation.stage.run_evaluation` (the pipeline's evaluation stage calls
 both) and reads the other stages' outputs: their training curves (``metrics.jsonl``), the
 learning checks' inputs (:mod:`rlhf_core.report.learning_checks`), the reward model's calibration
-(Huang et al. 2024, arXiv:2403.17031, Figure 5) and the per-token plots of Details 13 and 22.
+(Huang et al. 2024, arXiv:2403.17031, Figure 5), the per-token plots of Details 13 and 22 and the
+policy pairs the preference data compares (Table 2, from the data stage's ``stats.json``).
 """
 
 from __future__ import annotations
@@ -51,19 +52,46 @@ REPORT_FILES = (
 #: PPO metrics the report plots per update: score, KL, EOS rate and response length.
 PPO_CURVE_KEYS = ["objective/scores", "objective/kl", "response/eos_rate", "response/length_mean"]
 
-#: Report headings of the per-token plots (Details 13 and 22).
+#: Report headings of the per-token plots (Details 13 and 22, Figure 11).
 REWARD_LOGITS_HEADING = "Reward logits per token (Detail 13)"
-VALUE_VS_REWARD_HEADING = "Value model as a per-token reward model (Detail 22)"
+VALUE_VS_REWARD_HEADING = "Value model as a per-token reward model; PPO's rewards and values (Detail 22, Figure 11)"
 
 #: The file stem of PPO's value-against-reward plot and its JSON
 #: (:func:`rlhf_core.ppo.trainer.write_value_vs_reward`).
 VALUE_VS_REWARD = "value_vs_reward"
 
 
+#: Huang et al. 2024, Table 2 and Appendix L (Tables 21-27): per split of the full preference
+#: dataset (``openai/summarize_from_feedback``), the distinct policy pairs compared, the comparisons,
+#: the comparisons per pair (min, median, max) and the most compared pair with its count.
+PAPER_POLICY_PAIRS: dict[str, dict[str, Any]] = {
+    "train": {"unique": 47, "comparisons": 92858, "per_pair": (53, 470, 18065), "top": ("ref, sup2", 18065)},
+    "validation": {
+        "unique": 241,
+        "comparisons": 83802,
+        "per_pair": (2, 183, 3252),
+        "top": ("ref, sup4_t0.7", 3252),
+    },
+    "validation_cnndm": {
+        "unique": 7,
+        "comparisons": 2284,
+        "per_pair": (140, 148, 1410),
+        "top": ("supcnndm3_6b_t.3, supcnndm3_6b_t.3", 1410),
+    },
+}
+
+#: Report headings of the data stage's tables (Table 2, Appendix L).
+POLICY_PAIRS_HEADING = "Preference data: policy pairs compared per split (Table 2)"
+TOP_PAIRS_HEADING = "Preference data: the most compared policy pairs (Appendix L)"
+#: The most compared pairs of each split that the report lists.
+TOP_PAIRS = 5
+
+
 @dataclass(frozen=True)
 class StageOutputs:
     """The output directories of the stages the report reads beside the evaluation's."""
 
+    data: Path
     sft: Path
     reward: Path
     reward_eval: Path
@@ -115,6 +143,10 @@ def write_run_report(cfg: PipelineConfig, evaluation: Evaluation, stages: StageO
             rm_metrics, _read_json(stages.dpo_eval / METRICS_FILE), cfg.data.format
         )
     }
+    data_stats = _read_json(stages.data / "stats.json")
+    pair_rows, top_rows = policy_pair_rows(data_stats)
+    if pair_rows:
+        tables |= {POLICY_PAIRS_HEADING: pair_rows, TOP_PAIRS_HEADING: top_rows}
     checks, check_metrics = run_learning_checks(cfg, evaluation, stages, rm_metrics)
     n = len(evaluation.prompts)
     write_report(
@@ -132,7 +164,7 @@ def write_run_report(cfg: PipelineConfig, evaluation: Evaluation, stages: StageO
         }
         if shift_html
         else None,
-        notes=report_notes(cfg, evaluation) + gating_notes(checks),
+        notes=report_notes(cfg, evaluation) + gating_notes(checks) + policy_pair_notes(data_stats),
     )
     return check_metrics
 
@@ -452,6 +484,77 @@ def reward_model_rows(
     return rows
 
 
+def _per_pair(values: tuple | list) -> str:
+    return " / ".join(f"{v:g}" for v in values)
+
+
+def policy_pair_rows(stats: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The report's tables of the policy pairs each preference split compares (Huang et al. 2024,
+    Table 2 and Appendix L), from the data stage's ``stats.json``
+    (:func:`rlhf_core.data.prepare.policy_pairs`).
+
+    Returns:
+        ``(table_2, top_pairs)``: one row per preference split that names its policies, with its
+        comparisons, distinct policy pairs and comparisons per pair (min / median / max), beside
+        the paper's figures for the split of the same name (:data:`PAPER_POLICY_PAIRS`; "-"
+        for a split the paper has not); and the :data:`TOP_PAIRS` most compared pairs of each
+        split with their counts and share of the split's comparisons. Both empty when no split
+        names its policies (TRL-format rows, or a ``stats.json`` without policy pairs).
+    """
+    table, top = [], []
+    for key, split in stats.get("splits", {}).items():
+        pairs = split.get("policy_pairs")
+        if pairs is None:
+            continue
+        name = key.split("/", 1)[1]
+        paper = PAPER_POLICY_PAIRS.get(name)
+        per_pair = pairs["per_pair"]
+        table.append(
+            {
+                "split": name,
+                "comparisons": pairs["comparisons"],
+                "unique policy pairs": pairs["unique"],
+                "comparisons per pair (min / median / max)": _per_pair(
+                    (per_pair["min"], per_pair["median"], per_pair["max"])
+                ),
+                "paper: comparisons": paper["comparisons"] if paper else "-",
+                "paper: unique policy pairs": paper["unique"] if paper else "-",
+                "paper: comparisons per pair": _per_pair(paper["per_pair"]) if paper else "-",
+                "paper: most compared pair": f"{paper['top'][0]} ({paper['top'][1]})" if paper else "-",
+            }
+        )
+        top += [
+            {
+                "split": name,
+                "policy pair": p["policies"],
+                "comparisons": p["count"],
+                "share of the split": f"{p['count'] / pairs['comparisons']:.1%}",
+            }
+            for p in pairs["pairs"][:TOP_PAIRS]
+        ]
+    return table, top
+
+
+def policy_pair_notes(stats: dict[str, Any]) -> list[str]:
+    """The report's note on its policy-pair tables (:func:`policy_pair_rows`): where the paper's
+    figures come from and, for rows read from local files, that the splits are the offline
+    re-split rather than the paper's (none without such a table)."""
+    if not policy_pair_rows(stats)[0]:
+        return []
+    note = (
+        "Policy pairs (Table 2): a pair is the two policies whose summaries a comparison row sets side by side, "
+        "unordered; the paper's columns are Huang et al. (2024), Table 2 and Appendix L, over the full splits of "
+        "openai/summarize_from_feedback, for the split of the same name."
+    )
+    if stats.get("source") == "local":
+        note += (
+            " These rows were read from local files (data.source: local): their splits are those the preset "
+            "configures (data.preference_splits), e.g. the offline re-split of the paper's validation batches, not "
+            "the paper's splits, so their counts are what those rows hold, not a reproduction of the paper's."
+        )
+    return [note]
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -485,9 +588,13 @@ def value_reward_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
     """The report's table under the value-against-reward plot (Detail 22), one row per summary of
     ``value_vs_reward.json`` (:meth:`rlhf_core.ppo.trainer.PPOTrainer.value_vs_reward`): the
     score (the reward logit at the EOS), the value there, and the means of the values and of the
-    reward logits over the other tokens."""
-    return [
-        {
+    reward logits over the other tokens; where the JSON holds PPO's rewards (Figure 11,
+    :func:`rlhf_core.ppo.eval.ppo_rewards_and_values`), also the score PPO adds (with the EOS trick,
+    Detail 23), the sum of the per-token KL penalties (``-kl_coef`` times the summary's KL) and
+    PPO's value of the first token."""
+    rows = []
+    for r in table.get("responses", []):
+        row = {
             "evaluation prompt": r["row"],
             "tokens": len(r["tokens"]),
             "ends with EOS": r["ends_with_eos"],
@@ -496,8 +603,14 @@ def value_reward_rows(table: dict[str, Any]) -> list[dict[str, Any]]:
             "mean value, other tokens": mean_ignoring_missing(_before_eos(r, "values")),
             "mean reward logit, other tokens": mean_ignoring_missing(_before_eos(r, "reward_logits")),
         }
-        for r in table.get("responses", [])
-    ]
+        if "rewards" in r:
+            row |= {
+                "score PPO adds": r["ppo_score"],
+                "KL penalties, sum": math.fsum(r["kl_penalty"]),
+                "value of the first token": r["ppo_values"][0] if r["ppo_values"] else None,
+            }
+        rows.append(row)
+    return rows
 
 
 def per_token_sections(

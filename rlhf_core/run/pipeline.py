@@ -184,7 +184,7 @@ def _evaluation(cfg, inputs, out, tracker):
     policies = {"sft": sft / "model", "ppo": ppo / "model", "dpo": dpo / "model"}
     evaluation = run_evaluation(cfg, data, base, policies, reward_norm / "model", out, tracker, cache)
     # the report, after the evaluation: the learning checks and every stage's own figures
-    stages = StageOutputs(sft, reward, reward_eval, ppo, dpo, dpo_eval)
+    stages = StageOutputs(data, sft, reward, reward_eval, ppo, dpo, dpo_eval)
     return finish_evaluation(cfg, evaluation, stages, out, tracker)
 
 

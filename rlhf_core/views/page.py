@@ -91,7 +91,12 @@ DEFAULT_CAPTIONS: dict[str, str] = {
         "logits there (bars; orange: the score at the EOS). The value model starts as the reward model, "
         "so before PPO the line lies on the bars. PPO trains the value read at each token to predict the "
         "return from the next token on (the score plus the KL penalties still to come), so a trained one "
-        "moves towards the score all along the summary, not only at the EOS."
+        "moves towards the score all along the summary, not only at the EOS. Right, in the same row (Figure 11): "
+        "the same summary's rewards as PPO's step 2 computes them (bars, before the optional whitening of Detail "
+        "24): the KL penalty −kl_coef·(log π − log π_SFT) at every token and, in orange, the score (with the "
+        "EOS trick, Detail 23) added at the EOS; and PPO's value of each token, the state before it (line). The "
+        "axis is symmetric-log, linear up to the largest KL penalty, so that penalties of a few thousandths show "
+        "beside a score of a few units."
     ),
 }
 """Captions used for a plot whose file stem is a key here and whose caller gives none."""

@@ -229,50 +229,94 @@ def plot_calibration(tables: dict[str, list[dict[str, float]]], path: str | os.P
     return path
 
 
+def _token_labels(tokens: Sequence[str], n: int) -> list[str]:
+    """Tick labels of ``n`` positions: each token escaped (newlines shown as \\n, "$" not read as
+    mathtext), and "(after EOS)" for a position past the last token."""
+    labels = [repr(t)[1:-1].replace("$", r"\$") for t in tokens[:n]]
+    return labels + ["(after EOS)"] * (n - len(labels))
+
+
+def _logits_panel(ax: Any, row: dict[str, Any], label: str, lines: Sequence[tuple[str, str]]) -> None:
+    """Bars of ``row``'s ``reward_logits`` per token, the bar of the token the score is read at
+    (``eos_index``) in another colour and labelled with its value, and a line for each
+    ``(key, legend)`` of ``lines``."""
+    xs = list(range(len(row["tokens"])))
+    eos = row["eos_index"]
+    colours = [
+        "#DD8452" if x == eos else ("#4C72B0" if v >= 0 else "#8C8C8C") for x, v in zip(xs, row["reward_logits"])
+    ]
+    ax.bar(xs, row["reward_logits"], color=colours, width=0.8, label="reward logit")
+    for key, legend in lines:
+        ax.plot(xs, row[key], "o-", color="#55A868", markersize=2.5, linewidth=1.2, label=legend)
+    ax.axhline(0, color="black", linewidth=0.6)
+    if 0 <= eos < len(xs):
+        end = "EOS" if row["ends_with_eos"] else "last token, no EOS"
+        _mark(ax, eos, row["reward_logits"][eos], f"{end}: {row['reward_logits'][eos]:.2f}")
+    _token_axis(ax, row["tokens"], len(xs))
+    ax.set_title(f"{label} (score {row['score']:.3f})", fontsize=9)
+    if lines:
+        ax.legend(fontsize=7, loc="best")
+
+
+def _rewards_panel(ax: Any, row: dict[str, Any], label: str) -> None:
+    """Huang et al. 2024, Figure 11: bars of ``row``'s per-token ``rewards`` (the KL penalty, and
+    at ``score_index`` the score added, orange and labelled), PPO's ``ppo_values`` as a line, on
+    a symmetric-log axis linear up to the largest KL penalty, so that penalties of a few
+    thousandths show beside a score of a few units."""
+    rewards, s = row["rewards"], row["score_index"]
+    xs = list(range(len(rewards)))
+    colours = ["#DD8452" if x == s else ("#4C72B0" if v >= 0 else "#8C8C8C") for x, v in zip(xs, rewards)]
+    ax.bar(xs, rewards, color=colours, width=0.8, label="reward: KL penalty (+ score at orange)")
+    ax.plot(xs, row["ppo_values"], "o-", color="#55A868", markersize=2.5, linewidth=1.2, label="value (before token)")
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_yscale("symlog", linthresh=max([1e-4] + [abs(v) for v in row["kl_penalty"]]))
+    if 0 <= s < len(xs):
+        _mark(ax, s, rewards[s], f"score {row['ppo_score']:.2f}")
+    _token_axis(ax, row["tokens"], len(xs))
+    ax.set_title(f"{label}: rewards and values as PPO reads them", fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+
+
+def _mark(ax: Any, x: int, y: float, text: str) -> None:
+    ax.annotate(
+        text,
+        (x, y),
+        textcoords="offset points",
+        xytext=(-4, 6),
+        ha="right",
+        fontsize=7,
+        color="#DD8452",
+        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
+    )
+
+
+def _token_axis(ax: Any, tokens: Sequence[str], n: int) -> None:
+    ax.set_xticks(list(range(n)))
+    ax.set_xticklabels(_token_labels(tokens, n), rotation=90, fontsize=5.5)
+    ax.set_xlim(-0.7, max(n, 1) - 0.3)
+    ax.tick_params(axis="y", labelsize=7)
+
+
 def _plot_per_token(
     rows: Sequence[dict[str, Any]],
     path: str | os.PathLike,
     labels: Sequence[str],
     lines: Sequence[tuple[str, str]],
     title: str,
+    rewards: bool = False,
 ) -> Path:
-    """One panel per response: bars of its ``reward_logits`` per token, the bar of the token the
-    score is read at (``eos_index``) in another colour and labelled with its value, and a line
-    for each ``(key, legend)`` of ``lines``; tokens on the x axis."""
-    longest = max([len(r["tokens"]) for r in rows] or [1])
+    """One row of panels per response, tokens on the x axis: :func:`_logits_panel` (its reward
+    logits with the ``lines``), and with ``rewards`` beside it :func:`_rewards_panel` (Figure 11)."""
+    longest = max([len(r.get("rewards", r["tokens"])) for r in rows] or [1])
+    ncols = 2 if rewards else 1
+    width = min(12.0 if rewards else 18.0, 3.0 + 0.16 * longest)
     fig, axes = pyplot().subplots(
-        max(1, len(rows)), 1, figsize=(min(18.0, 3.0 + 0.16 * longest), 2.5 * max(1, len(rows))), squeeze=False
+        max(1, len(rows)), ncols, figsize=(width * ncols, 2.5 * max(1, len(rows))), squeeze=False
     )
-    for ax, row, label in zip(axes[:, 0], rows, labels):
-        xs = list(range(len(row["tokens"])))
-        eos = row["eos_index"]
-        colours = [
-            "#DD8452" if x == eos else ("#4C72B0" if v >= 0 else "#8C8C8C") for x, v in zip(xs, row["reward_logits"])
-        ]
-        ax.bar(xs, row["reward_logits"], color=colours, width=0.8, label="reward logit")
-        for key, legend in lines:
-            ax.plot(xs, row[key], "o-", color="#55A868", markersize=2.5, linewidth=1.2, label=legend)
-        ax.axhline(0, color="black", linewidth=0.6)
-        if 0 <= eos < len(xs):
-            end = "EOS" if row["ends_with_eos"] else "last token, no EOS"
-            ax.annotate(
-                f"{end}: {row['reward_logits'][eos]:.2f}",
-                (eos, row["reward_logits"][eos]),
-                textcoords="offset points",
-                xytext=(-4, 6),
-                ha="right",
-                fontsize=7,
-                color="#DD8452",
-                bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.8},
-            )
-        ax.set_xticks(xs)
-        # escaped: newlines shown as \n, and "$" not read as mathtext
-        ax.set_xticklabels([repr(t)[1:-1].replace("$", r"\$") for t in row["tokens"]], rotation=90, fontsize=5.5)
-        ax.set_xlim(-0.7, max(len(xs), 1) - 0.3)
-        ax.set_title(f"{label} (score {row['score']:.3f})", fontsize=9)
-        ax.tick_params(axis="y", labelsize=7)
-        if lines:
-            ax.legend(fontsize=7, loc="best")
+    for i, (row, label) in enumerate(zip(rows, labels)):
+        _logits_panel(axes[i, 0], row, label, lines)
+        if rewards:
+            _rewards_panel(axes[i, 1], row, label)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return savefig_atomic(fig, path)
@@ -299,20 +343,22 @@ def plot_reward_logits(rows: Sequence[dict[str, Any]], path: str | os.PathLike, 
 def plot_value_vs_reward(rows: Sequence[dict[str, Any]], path: str | os.PathLike, labels: Sequence[str]) -> Path:
     """The trained value model read as a per-token reward model (Huang et al. 2024, Detail 22):
     its value at every token of a few responses (line) over the reward model's logits (bars),
-    written atomically as a PNG.
+    and, where the rows carry PPO's rewards (:func:`rlhf_core.ppo.eval.ppo_rewards_and_values`), beside
+    it in the same row the rewards and values of the same response as PPO reads them (Figure 11:
+    the per-token KL penalty, the score added at the EOS, the value of each token), written
+    atomically as a PNG.
 
     Args:
-        rows: :func:`rlhf_core.train.reward.token_table` rows with ``reward_logits`` and ``values``.
+        rows: :func:`rlhf_core.train.reward.token_table` rows with ``reward_logits`` and ``values``
+            (and ``rewards``, ``kl_penalty``, ``ppo_values``, ``score_index``, ``ppo_score``).
         path: the PNG to write.
-        labels: one panel title per row.
+        labels: one row title per response.
 
     Returns:
         ``path``.
     """
-    return _plot_per_token(
-        rows,
-        path,
-        labels,
-        [("values", "value")],
-        "Value model (line) against reward-model logits (bars) per token; orange: the score at the EOS",
-    )
+    rewards = bool(rows) and all("rewards" in r for r in rows)
+    title = "Value model (line) against reward-model logits (bars) per token; orange: the score at the EOS"
+    if rewards:
+        title += "; right: PPO's per-token rewards (bars, symmetric-log axis) and values (line), Figure 11"
+    return _plot_per_token(rows, path, labels, [("values", "value")], title, rewards=rewards)

@@ -133,6 +133,35 @@ def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, tmp_path
     assert {t.key: t.value for t in logged["tldr/preference/validation"].tags}["mlflow.data.context"] == "evaluation"
 
 
+def test_the_data_stages_policy_pairs_and_token_lengths_reach_its_run(smoke_stages, tmp_path):
+    """Table 2 in MLflow: each preference split's distinct policy pairs and comparisons per pair
+    as metrics, every pair as the table ``policy_pairs``, beside the token lengths' plot."""
+    from tasks.stages import POLICY_PAIRS_TABLE, log_data_figures
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("data"))
+    log_data_figures(smoke_stages / "data", MLflowTracker(run.info.run_id, client=client, flush_seconds=3600))
+    stats = json.loads((smoke_stages / "data" / "stats.json").read_text())
+    metrics = client.get_run(run.info.run_id).data.metrics
+    for name in ("train", "validation", "validation_cnndm"):
+        pairs = stats["splits"][f"preference/{name}"]["policy_pairs"]
+        assert metrics[f"data/preference/{name}/policy_pairs"] == pairs["unique"] > 0
+        assert metrics[f"data/preference/{name}/comparisons_per_pair_max"] == pairs["per_pair"]["max"]
+    assert metrics["data/preference/train/policy_pairs"] == 1  # the offline re-split: batch13, one pair
+    names = {a.path for a in client.list_artifacts(run.info.run_id)} | {
+        a.path for a in client.list_artifacts(run.info.run_id, "tables")
+    }
+    assert {"token_lengths.png", f"tables/{POLICY_PAIRS_TABLE}.json"} <= names
+    table = json.loads(
+        Path(client.download_artifacts(run.info.run_id, f"tables/{POLICY_PAIRS_TABLE}.json")).read_text()
+    )
+    assert table["columns"] == ["split", "policies", "comparisons"]
+    assert table["data"][0] == ["preference/train", "sup4_12b_t0.7, sup4_ppo_rm4_t.7", 32]
+    assert len(table["data"]) == sum(
+        s["policy_pairs"]["unique"] for s in stats["splits"].values() if "policy_pairs" in s
+    )
+
+
 def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
     """The resumed attempt of a stage (same key) ends the run its killed predecessor left RUNNING."""
     from rlhf_core.config.presets import load_config

@@ -8,8 +8,16 @@ import pytest
 
 from rlhf_core.config.data_settings import QueryFormat
 from rlhf_core.config.presets import load_config
-from rlhf_core.data.prepare import format_query, left_pad, prepare_data, right_pad, tokenize_response, truncate_query
-from rlhf_core.data.prepared import load_prepared, token_lengths
+from rlhf_core.data.prepare import (
+    format_query,
+    left_pad,
+    policy_pairs,
+    prepare_data,
+    right_pad,
+    tokenize_response,
+    truncate_query,
+)
+from rlhf_core.data.prepared import load_prepared, policy_pair_figures, token_lengths
 from rlhf_core.data.rows import BadRow
 from tests.conftest import read_jsonl
 
@@ -377,6 +385,57 @@ def test_comparison_metadata_is_kept(prepared, tldr_dir):
     assert set(pref["validation"]["batch"]) <= {"batch18", "edit_b2_eval_test"}
     assert set(pref["validation"]["split"]) <= {"valid1", "valid2"}
     assert stats["splits"]["preference/train"]["batches"] == {"batch13": 48}
+
+
+def test_policy_pairs_are_unordered_and_counted_once_per_comparison():
+    """Table 2 / Appendix L: a pair is its two policies sorted, whichever was chosen; a policy
+    against itself is a pair; a row without both policies is left out and counted."""
+    chosen = ["sup4_t0.7", "ref", "ref", None, "", "sup4_t0.7", "b"]
+    rejected = ["ref", "sup4_t0.7", "ref", "ref", "ref", "ref", "a"]
+    assert policy_pairs(chosen, rejected) == {
+        "unique": 3,
+        "comparisons": 5,
+        "without_policies": 2,
+        "per_pair": {"min": 1, "median": 1, "max": 3},
+        "pairs": [  # most compared first, ties by name
+            {"policies": "ref, sup4_t0.7", "count": 3},
+            {"policies": "a, b", "count": 1},
+            {"policies": "ref, ref", "count": 1},
+        ],
+    }
+    assert policy_pairs(["x", "y"], ["y", "z"])["per_pair"] == {"min": 1, "median": 1.0, "max": 1}
+    assert policy_pairs([None, ""], ["a", None]) is None  # no policies named (TRL-format rows)
+
+
+def test_each_preference_split_counts_the_policy_pairs_its_source_rows_compare(prepared):
+    """Table 2 on the real rows: each split's pairs recounted from the source files' rows
+    (the offline re-split: train is batch13, one pair; validation batch18's sampling variants)."""
+    _, _, pref, stats, _ = prepared
+    files: dict[str, list[dict]] = {}
+    for name in ("train", "validation", "validation_cnndm"):
+        recount: dict[str, int] = {}
+        for where in pref[name]["source_row"]:
+            path, line = where.rsplit(":", 1)
+            raw = files.setdefault(path, read_jsonl(path))[int(line) - 1]
+            pair = f"{min(raw['chosen_policy'], raw['rejected_policy'])}, {max(raw['chosen_policy'], raw['rejected_policy'])}"
+            recount[pair] = recount.get(pair, 0) + 1
+        counted = stats["splits"][f"preference/{name}"]["policy_pairs"]
+        assert {p["policies"]: p["count"] for p in counted["pairs"]} == recount
+        assert counted["unique"] == len(recount) and counted["comparisons"] == len(pref[name])
+        assert counted["per_pair"]["max"] == max(recount.values())
+    assert stats["splits"]["preference/train"]["policy_pairs"]["pairs"] == [
+        {"policies": "sup4_12b_t0.7, sup4_ppo_rm4_t.7", "count": 48}
+    ]
+    assert stats["splits"]["preference/validation"]["policy_pairs"]["unique"] > 1
+    assert "policy_pairs" not in stats["splits"]["sft/train"]
+    metrics, rows = policy_pair_figures(stats)
+    assert metrics["data/preference/train/policy_pairs"] == 1.0
+    assert metrics["data/preference/train/comparisons_per_pair_median"] == 48.0
+    validation = stats["splits"]["preference/validation"]["policy_pairs"]
+    assert metrics["data/preference/validation/policy_pairs"] == validation["unique"]
+    assert rows[0] == {"split": "preference/train", "policies": "sup4_12b_t0.7, sup4_ppo_rm4_t.7", "comparisons": 48}
+    assert len(rows) == sum(s["policy_pairs"]["unique"] for s in stats["splits"].values() if "policy_pairs" in s)
+    assert policy_pair_figures({"splits": {"preference/train": {"rows": 3}}}) == ({}, [])  # written before pairs
 
 
 def test_cnndm_split_uses_the_article_format(prepared):

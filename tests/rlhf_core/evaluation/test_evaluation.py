@@ -5,6 +5,7 @@ judge served by a local Chat Completions server (tests/chat_completions_api.py).
 import json
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,14 +20,19 @@ from rlhf_core.metrics.statistics import agreement, paired_difference
 from rlhf_core.models.saved import load_causal_lm, save_pretrained_atomic
 from rlhf_core.report.learning_checks import learning_checks, reward_model_checks
 from rlhf_core.report.run_report import (
+    PAPER_POLICY_PAIRS,
     REPORT_FILES,
     REWARD_LOGITS_HEADING,
+    TOP_PAIRS,
     VALUE_VS_REWARD_HEADING,
     estimator_note,
     judge_at_chance,
     judge_note,
     per_token_sections,
+    policy_pair_notes,
+    policy_pair_rows,
     reward_model_rows,
+    value_reward_rows,
 )
 from rlhf_core.run.pipeline import STAGES
 from rlhf_core.train.generation import summarize, trim_left_padding, truncate_after_eos
@@ -177,6 +183,10 @@ def test_stage_with_the_anthropic_judge_on_a_local_messages_api(stages, tmp_path
         # the reward model beside DPO's implicit one, on the same pairs (Detail 19)
         md = (tmp_path / "out" / "report.md").read_text()
         assert "| TL;DR validation comparisons | 400 | 61.0% | 57.2% [52.4%, 62.0%] |" in md
+        # Table 2 from the data stage's stats.json, beside the paper's: the offline train split is one pair
+        assert "| train | 32 | 1 | 32 / 32 / 32 | 92858 | 47 | 53 / 470 / 18065 | ref, sup2 (18065) |" in md
+        assert "| train | sup4_12b_t0.7, sup4_ppo_rm4_t.7 | 32 | 100.0% |" in md
+        assert "These rows were read from local files" in md
         assert "DPO, post 1" in (tmp_path / "out" / "token_shift.html").read_text()
         # a second run is answered from the judgement cache: no request at all
         evaluate(tmp_path / "out2")
@@ -569,6 +579,127 @@ def test_the_per_token_plots_of_the_stages_go_into_the_report_with_their_tables(
     assert md.index("](reward_logits.png)") < md.index(rm_table) < md.index("](value_vs_reward.png)")
     assert md.index("](value_vs_reward.png)") < md.index(value_table)
     assert "Detail 13, Figure 3" in html and "Detail 22" in html and html.count("<img") == 2
+
+
+def _pairs(*counts: int) -> dict:
+    pairs = [{"policies": f"p{i}, q{i}", "count": n} for i, n in enumerate(counts)]
+    ordered = sorted(counts)
+    return {
+        "unique": len(counts),
+        "comparisons": sum(counts),
+        "without_policies": 0,
+        "per_pair": {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]},
+        "pairs": pairs,
+    }
+
+
+def test_the_report_shows_table_2_beside_the_papers_figures_for_the_splits_of_the_same_name():
+    stats = {
+        "source": "hub",
+        "splits": {
+            "sft/train": {"rows": 10},
+            "preference/train": {"rows": 9, "policy_pairs": _pairs(6, 3)},
+            "preference/validation_in_dist": {"rows": 21, "policy_pairs": _pairs(6, 5, 4, 3, 2, 1)},
+            "preference/validation": {"rows": 7, "policy_pairs": _pairs(7)},
+        },
+    }
+    table, top = policy_pair_rows(stats)
+    assert table[0] == {
+        "split": "train",
+        "comparisons": 9,
+        "unique policy pairs": 2,
+        "comparisons per pair (min / median / max)": "3 / 6 / 6",
+        "paper: comparisons": 92858,
+        "paper: unique policy pairs": 47,
+        "paper: comparisons per pair": "53 / 470 / 18065",
+        "paper: most compared pair": "ref, sup2 (18065)",
+    }
+    assert [r["split"] for r in table] == ["train", "validation_in_dist", "validation"]
+    assert table[1]["paper: unique policy pairs"] == "-"  # no split of that name in the paper
+    assert table[2]["paper: unique policy pairs"] == 241
+    assert [(r["split"], r["comparisons"]) for r in top if r["split"] == "validation_in_dist"] == [
+        ("validation_in_dist", n) for n in (6, 5, 4, 3, 2)
+    ]  # the TOP_PAIRS most compared
+    assert TOP_PAIRS == 5 and top[0] == {
+        "split": "train",
+        "policy pair": "p0, q0",
+        "comparisons": 6,
+        "share of the split": "66.7%",
+    }
+    [note] = policy_pair_notes(stats)
+    assert "Table 2 and Appendix L" in note and "local files" not in note
+    assert "offline re-split" in policy_pair_notes(stats | {"source": "local"})[0]
+    no_pairs = {"source": "local", "splits": {"preference/train": {"rows": 9}}}  # TRL-format rows
+    assert policy_pair_rows(no_pairs) == ([], []) and policy_pair_notes(no_pairs) == []
+
+
+REFERENCE = Path(__file__).resolve().parents[3].parent / "shared" / "reference"
+
+
+def test_the_papers_policy_pair_figures_are_those_of_its_appendix_l():
+    """PAPER_POLICY_PAIRS recomputed from the paper's Tables 21-27 (train: 21; validation: 22-26;
+    validation_cnndm: 27), where the paper's text is beside the repository."""
+    papers = sorted(REFERENCE.glob("huang2024_n_implementation_details*.txt"))
+    if not papers:
+        pytest.skip(f"the paper's text is not in {REFERENCE}")
+    tables: dict[int, list[tuple[str, int]]] = {}
+    rows: list[tuple[str, int]] | None = None
+    for line in papers[0].read_text().splitlines():  # each table's rows come before its caption
+        if line.strip() == "policies\tcount":
+            rows = []
+        elif (caption := re.match(r"Table (2[1-7]):", line)) and rows is not None:
+            tables[int(caption.group(1))], rows = rows, None
+        elif rows is not None and "\t" in line:
+            pair, count = line.rsplit("\t", 1)
+            rows.append((pair, int(count)))
+    splits = {"train": [21], "validation": [22, 23, 24, 25, 26], "validation_cnndm": [27]}
+    for split, numbers in splits.items():
+        pairs = [row for n in numbers for row in tables[n]]
+        counts = sorted(n for _, n in pairs)
+        top = max(pairs, key=lambda row: row[1])
+        expected = {
+            "unique": len({p for p, _ in pairs}),
+            "comparisons": sum(counts),
+            "per_pair": (counts[0], counts[len(counts) // 2], counts[-1]),
+            "top": top,
+        }
+        assert PAPER_POLICY_PAIRS[split] == expected, split
+    assert [PAPER_POLICY_PAIRS[s]["unique"] for s in splits] == [47, 241, 7]  # Table 2
+
+
+def test_the_value_table_adds_ppos_rewards_and_values_where_the_json_has_them(tmp_path):
+    """Figure 11's figures under the value plot: the score PPO adds, the KL penalties' sum and
+    PPO's value of the first token; the plot gains a second panel per summary, in the same row."""
+    row = {
+        "row": 0,
+        "token_ids": [5, 6, 2],
+        "tokens": [" a", " b", "<eos>"],
+        "reward_logits": [-1.0, 0.5, 0.25],
+        "values": [0.1, 0.2, 0.3],
+        "value_at_eos": 0.3,
+        "eos_index": 2,
+        "ends_with_eos": True,
+        "score": 0.25,
+    }
+    figure_11 = {
+        "kl_penalty": [-0.01, 0.02, -0.005],
+        "rewards": [-0.01, 0.02, 0.245],
+        "ppo_values": [0.05, 0.1, 0.2],
+        "score_index": 2,
+        "ppo_score": 0.25,
+    }
+    [plain] = value_reward_rows({"responses": [row]})
+    [full] = value_reward_rows({"responses": [row | figure_11]})
+    assert full == plain | {
+        "score PPO adds": 0.25,
+        "KL penalties, sum": pytest.approx(0.005),
+        "value of the first token": 0.05,
+    }
+    from PIL import Image
+
+    one = Image.open(plot_value_vs_reward([row], tmp_path / "one.png", ["prompt 0"])).size
+    two = Image.open(plot_value_vs_reward([row | figure_11], tmp_path / "two.png", ["prompt 0"])).size
+    assert two[1] == one[1] and two[0] > 1.5 * one[0]  # the Figure 11 panel beside the first, same height
 
 
 def test_the_report_names_ppos_advantage_estimator():

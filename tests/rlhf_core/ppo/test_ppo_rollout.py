@@ -53,7 +53,8 @@ def test_rollout_statistics_of_a_batch_worked_by_hand():
     traj = two_responses()
     mask = traj.token_mask
     non_score_reward = -0.1 * (traj.logprobs - traj.ref_logprobs) * mask  # -0.05 per response token
-    rewards = Rewards(rewards=non_score_reward, non_score_reward=non_score_reward, value_mask=mask)
+    score_at_eos = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.0]])  # the scores at the last tokens
+    rewards = Rewards(rewards=non_score_reward + score_at_eos, non_score_reward=non_score_reward, value_mask=mask)
     advantages = torch.tensor([[1.0, -2.0, 9.0, 9.0], [0.0, 1.0, 3.0, -3.0]]) * mask
     returns = torch.tensor([[1.0, 3.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
     stats = rollout_statistics(traj, rewards, advantages, returns)
@@ -64,6 +65,8 @@ def test_rollout_statistics_of_a_batch_worked_by_hand():
         "objective/entropy": 3.0,  # -logprobs summed over each response's tokens: 2 and 4
         "objective/non_score_reward": -0.15,  # -0.05 x 2 tokens and -0.05 x 4
         "objective/rlhf_reward": -0.15,  # (1 - 0.1) and (-1 - 0.2)
+        "rewards/mean": -0.05,  # -0.05, 0.95 and -0.05, -0.05, -0.05, -1.05
+        "rewards/std": 0.4**0.5,  # unbiased: (1 + 1) / 5
         "returns/mean": 2.0,  # 1, 3, 2, 2, 2, 2
         "returns/var": 0.4,  # unbiased: 2 / 5
         "advantages/mean": 0.0,  # 1, -2, 0, 1, 3, -3: the 9s after the EOS left out

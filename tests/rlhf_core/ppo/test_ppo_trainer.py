@@ -14,14 +14,16 @@ from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
 from rlhf_core.metrics.statistics import wilson_interval
 from rlhf_core.metrics.text import repetition_loop
 from rlhf_core.ppo.algorithm import INVALID_LOGPROB, logprobs_from_logits, whiten
+from rlhf_core.ppo.eval import ppo_rewards_and_values
 from rlhf_core.ppo.rollout import (
     kl_penalised_rewards,
     make_trajectory,
     masked_mean_var,
+    response_values,
     summary_logprobs,
     whitened_advantages,
 )
-from rlhf_core.ppo.trainer import PPOTrainer, response_logits, response_values, run_ppo
+from rlhf_core.ppo.trainer import PPOTrainer, response_logits, run_ppo
 from rlhf_core.train.generation import trim_left_padding, truncate_after_eos
 from rlhf_core.train.reward import TOKEN_TABLE_RESPONSES, ScalarModel, response_scores, score_responses
 from rlhf_core.train.training import TrainingError
@@ -42,6 +44,8 @@ REPORTED = [
     "val/ratio",
     "val/ratio_var",
     "returns/mean",
+    "rewards/mean",
+    "rewards/std",
     "advantages/max",
     "response/length_mean",
     "response/no_eos_fraction",
@@ -266,13 +270,13 @@ def test_value_vs_reward_reads_both_models_at_every_token_of_the_evaluation(smok
     assert all(r["values"] == r["reward_logits"] for r in rows)  # the value model starts as the reward model
     for r, sample in zip(rows, samples):  # the evaluation's scores
         assert r["score"] == pytest.approx(sample["raw_score_policy"], abs=1e-5)
-    with torch.no_grad():  # a value model that has moved away from the reward model
+    with torch.no_grad():  # a value model that has moved away from the reward model, a policy from SFT
         g = torch.Generator().manual_seed(0)
-        for p in trainer.value_model.parameters():
+        for p in [*trainer.value_model.parameters(), *trainer.policy.parameters()]:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     # summaries that end at an EOS at 2, 6 and 1, and one without EOS (the random policy writes none)
     queries, responses = (t[:4].clone() for t in trainer.eval_responses)
-    R = responses.size(1)
+    R, temp = responses.size(1), ppo_cfg.temperature
     for i, end in enumerate([3, 7, 2]):
         responses[i, end - 1], responses[i, end:] = trainer.eos_id, pad
     trainer.eval_responses = (queries, responses)
@@ -298,6 +302,46 @@ def test_value_vs_reward_reads_both_models_at_every_token_of_the_evaluation(smok
         assert r["score"] == pytest.approx(scored.raw_scores[i].item(), abs=1e-5)
         # PPO's value of response token t is the value read at token t - 1
         torch.testing.assert_close(ppo_values[i, 1:end], torch.tensor(r["values"][:-1]), rtol=1e-4, atol=1e-5)
+        # Figure 11: the rewards PPO's step 2 gives these tokens, and its values, the row alone
+        with torch.no_grad():
+            lp = [
+                logprobs_from_logits(
+                    m(input_ids=sequence).logits[:, len(query) - 1 : -1], responses[i : i + 1, :end], temp, pad
+                )[0]
+                for m in (trainer.policy, trainer.ref_policy)
+            ]
+        kl_penalty = -ppo_cfg.kl_coef * (lp[0] - lp[1])
+        assert kl_penalty.abs().min() > 0  # the policy has moved: a penalty on every token
+        torch.testing.assert_close(torch.tensor(r["kl_penalty"]), kl_penalty, rtol=1e-3, atol=1e-6)
+        assert r["score_index"] == r["eos_index"] and r["ppo_score"] == pytest.approx(scored.scores[i].item(), abs=1e-5)
+        score_at = torch.zeros(end).index_fill(0, torch.tensor([end - 1]), r["ppo_score"])
+        torch.testing.assert_close(torch.tensor(r["rewards"]), torch.tensor(r["kl_penalty"]) + score_at)
+        torch.testing.assert_close(torch.tensor(r["ppo_values"]), ppo_values[i, :end], rtol=1e-4, atol=1e-5)
+    assert rows[3]["ppo_score"] == ppo_cfg.non_eos_penalty != rows[3]["score"]  # no EOS: the EOS trick
+
+
+@pytest.mark.parametrize("position", ["eos", "after_eos"])
+def test_figure_11_rows_put_the_score_where_the_rollouts_put_it(position):
+    """The rewards of the value plot's second panel: ``per_token_rewards`` as in the rollouts, the
+    score (with the EOS trick) at the EOS or one after it (at the last position when there is no
+    room), over the positions that carry rewards and values."""
+    pad, eos = 0, 2
+    summaries = torch.tensor([[5, eos, pad, pad], [5, 6, 7, 8]])  # an EOS at 1; none
+    cfg = PPOConfig(kl_coef=0.1, non_eos_penalty=-1.0, score_position=position)
+    values = torch.arange(8.0).reshape(2, 4)
+    rows = ppo_rewards_and_values(
+        cfg, summaries, torch.full((2, 4), -1.0), torch.full((2, 4), -1.5), torch.tensor([2.0, 3.0]), values, eos, pad
+    )
+    k = -0.05  # -kl_coef * (log pi - log pi_ref) on every token
+    expected = {  # the EOS at 1: the score there, or one after it
+        "eos": ([k, k], [k, k + 2.0], [0.0, 1.0], 1),
+        "after_eos": ([k, k, 0.0], [k, k, 2.0], [0.0, 1.0, 2.0], 2),
+    }[position]
+    for key, value in zip(("kl_penalty", "rewards", "ppo_values", "score_index"), expected):
+        assert rows[0][key] == pytest.approx(value), key
+    assert rows[0]["ppo_score"] == 2.0
+    assert rows[1]["rewards"] == pytest.approx([k, k, k, k - 1.0])  # no EOS: the penalty, at the last token
+    assert rows[1]["score_index"] == 3 and rows[1]["ppo_score"] == -1.0 and rows[1]["ppo_values"] == [4, 5, 6, 7]
 
 
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):
@@ -343,6 +387,39 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
         assert len(r["tokens"]) == len(r["values"]) == len(r["reward_logits"]) == r["eos_index"] + 1
         assert r["score"] == r["reward_logits"][r["eos_index"]]
         assert r["score"] == pytest.approx(sample["raw_score_policy"], abs=1e-4)
+        # Figure 11: PPO's rewards and values of the same summary, the score where step 2 adds it
+        assert len(r["rewards"]) == len(r["kl_penalty"]) == len(r["ppo_values"]) == r["eos_index"] + 1
+        assert r["ppo_score"] == pytest.approx(sample["score_policy"], abs=1e-4)  # with the EOS trick
+        k = r["score_index"]
+        assert k == r["eos_index"] and r["rewards"][k] == pytest.approx(r["kl_penalty"][k] + r["ppo_score"])
+        assert r["rewards"][:k] == r["kl_penalty"][:k] and any(v != 0 for v in r["kl_penalty"])
+        assert r["ppo_values"][1:] == pytest.approx(r["values"][:-1], abs=1e-4)  # the state before each token
+    settings = json.loads((tmp_path / "ppo" / "value_vs_reward.json").read_text())["settings"]
+    assert settings == {"kl_coef": 0.05, "score_position": "eos", "non_eos_penalty": -1.0, "whiten_rewards": False}
+
+
+def test_reward_whitening_reaches_the_stages_rewards_and_returns(smoke, tmp_path):
+    """Detail 24 at the stage level: one update of the PPO stage without and with
+    ``ppo.whiten_rewards`` samples the same rollout; with it, the per-token rewards the update
+    uses have standard deviation 1 and the mean of those without (``shift_mean=False``), and
+    the returns that the value loss regresses on change with them."""
+    cfg, root = smoke
+    first = {}
+    for whitened in (False, True):
+        ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 8, "eval_max_samples": 2, "whiten_rewards": whitened})
+        log = tmp_path / f"whiten-{whitened}.jsonl"
+        run_ppo(ppo_cfg, root / "data", root / "sft", root / "rm", tmp_path / f"ppo-{whitened}", JsonlTracker(log))
+        [first[whitened]] = [m for step, m in read_metrics(log) if step == 1]
+    off, on = first[False], first[True]
+    for key in ("objective/scores", "objective/kl", "objective/rlhf_reward", "response/length_mean"):
+        assert on[key] == off[key], key  # the same samples
+    # without whitening the rewards are the KL penalties plus the scores: their mean per token is the
+    # RLHF reward per response over the tokens per response (the score at the EOS, in value_mask)
+    assert off["rewards/mean"] == pytest.approx(off["objective/rlhf_reward"] / off["response/length_mean"], rel=1e-5)
+    assert abs(off["rewards/std"] - 1) > 0.1
+    assert on["rewards/std"] == pytest.approx(1.0, abs=1e-4)
+    assert on["rewards/mean"] == pytest.approx(off["rewards/mean"], rel=1e-5, abs=1e-7)
+    assert on["returns/mean"] != pytest.approx(off["returns/mean"], rel=1e-2)  # step 3 reads the whitened rewards
 
 
 def test_the_check_against_sft_summarises_with_the_sft_policy_on_the_same_prompts_and_seeds(smoke):

@@ -297,6 +297,10 @@ def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(ppo_ddp):
     assert (out / "model" / "config.json").is_file() and (out / "value_model" / "config.json").is_file()
     lines = (out / "samples.jsonl").read_text().splitlines()
     assert len(lines) == 5  # the 5 evaluation prompts, split 3 + 2 over the ranks and gathered
+    # Detail 22 / Figure 11 on rank 0's summaries: the policy and the reference read there too
+    figure = json.loads((out / "value_vs_reward.json").read_text())["responses"]
+    assert len(figure) == 3 and all(len(r["rewards"]) == r["eos_index"] + 1 for r in figure)
+    assert any(v != 0 for r in figure for v in r["kl_penalty"])  # trained: the policy has moved from SFT
     assert (out / "checkpoints" / "step-000001" / "state.pt").is_file()
     state = torch.load(out / "checkpoints" / "step-000001" / "state.pt", weights_only=False)
     rngs = state["extra"]["rank_rng"]
@@ -381,6 +385,12 @@ def test_sharded_ppo_on_two_ranks_trains_as_ddp(strategy, offload, expect, expec
     # the KL from SFT of each summary: log-probabilities of gathered shards, equal up to rounding
     kls = [[row.pop("kl_vs_sft") for row in rows] for rows in samples]
     assert kls[1] == pytest.approx(kls[0], rel=1e-4, abs=1e-4)
+    # the value plot's rows (Detail 22, Figure 11): the four models gathered whole, the same figures
+    figures = [json.loads((run / "value_vs_reward.json").read_text())["responses"] for run in (ddp_out, out)]
+    assert len(figures[1]) == len(figures[0]) == 3
+    for want, have in zip(*figures):
+        for key in ("values", "reward_logits", "kl_penalty", "rewards", "ppo_values"):
+            assert have[key] == pytest.approx(want[key], rel=1e-4, abs=1e-4), key
     assert samples[1] == samples[0] and len(samples[0]) == 5
     states = [
         torch.load(run / "checkpoints" / "step-000001" / "state.pt", weights_only=False) for run in (ddp_out, out)
