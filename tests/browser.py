@@ -41,6 +41,15 @@ def find_chromium() -> str | None:
     return next((path for path in map(shutil.which, CHROMIUM_NAMES) if path), None)
 
 
+def one_skip_line(report: pytest.TestReport) -> None:
+    """Give a test skipped for want of a browser this module's place, so that pytest's summary
+    (``-ra``) says :data:`BROWSER_MISSING` once, not once for each test: pytest reports a skip
+    raised in a fixture at the test's own line (called from tests/conftest.py's
+    ``pytest_runtest_makereport``)."""
+    if report.skipped and isinstance(report.longrepr, tuple) and report.longrepr[2].endswith(BROWSER_MISSING):
+        report.longrepr = (__file__, 1, report.longrepr[2])
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     """A headless Chromium (a Playwright ``Browser``), one per test module: Playwright's synchronous

@@ -27,9 +27,10 @@ PROVENANCE = {
 
 
 @pytest.fixture(scope="module")
-def report(stages, tmp_path_factory):  # noqa: F811  (the fixture imported above)
+def report(browser, stages, tmp_path_factory):  # noqa: F811  (the fixture imported above)
     """The evaluation stage's report on smoke models, stamped with a run's provenance as the
-    pipeline stamps it: the ``report.html`` a user opens."""
+    pipeline stamps it: the ``report.html`` a user opens. Made only where there is a browser
+    to read it."""
     cfg, root = stages
     cfg = load_config(
         "smoke",
