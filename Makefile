@@ -86,6 +86,12 @@ browser:
 		echo "make browser: no chromium here; install Debian's chromium package as root (apt-get install chromium), or set RLHF_CHROMIUM to a Chromium binary"; \
 	fi
 
+# The link `make demo` ends with: the preset's experiment in the MLflow UI's "Model training"
+# view (tasks/mlflow_tracking.py: TRAINING_VIEW), not the GenAI overview the UI opens by default.
+export DEMO_LINK := import sys; from rlhf_core.config.presets import load_config; \
+	from tasks.mlflow_tracking import experiment_link; \
+	print(experiment_link(sys.argv[1], load_config(sys.argv[2]).tracking.experiment_name))
+
 # The main job: what the run reads checked first (data rows, models, reward function, splits, the
 # judge's key: an error in seconds, before any server starts), the server stack, then the
 # rlhf/full-pipeline deployment on the offline default.
@@ -94,7 +100,7 @@ demo: $(STAMP)
 	$(MAKE) --no-print-directory stack-up
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run rlhf/full-pipeline \
 		--param preset=$(PRESET) --watch --watch-timeout 7200
-	@echo "MLflow UI: http://127.0.0.1:$(MLFLOW_PORT)   (stop the servers with: make stack-down)"
+	@echo "MLflow UI: $$($(BIN)/python -c "$$DEMO_LINK" http://127.0.0.1:$(MLFLOW_PORT) $(PRESET))   (stop the servers with: make stack-down)"
 
 # The same stages without servers, into $(RUN_DIR).
 demo-local: $(STAMP)
