@@ -43,7 +43,7 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install packages lock demo demo-local test test-fast test-min lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl gpu-bundle
+.PHONY: install packages lock browser demo demo-local test test-fast test-min lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl gpu-bundle
 
 install: $(STAMP)
 
@@ -73,6 +73,25 @@ lock:
 		| sed -E 's/\+[A-Za-z0-9.]+$$//' | LC_ALL=C sort -f; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
 
+# The browser of the browser tests (tests/browser.py): Debian's chromium, installed with apt-get
+# where this runs as root; Playwright (the dev extra) drives it and downloads no browser of its own.
+# Elsewhere one line says what to do, and the browser tests are skipped.
+browser:
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null; then \
+		echo "browser: $$(command -v chromium || command -v chromium-browser)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get install -y --no-install-recommends chromium \
+			|| { apt-get update && apt-get install -y --no-install-recommends chromium; }; \
+	else \
+		echo "make browser: no chromium here; install Debian's chromium package as root (apt-get install chromium), or set RLHF_CHROMIUM to a Chromium binary"; \
+	fi
+
+# The link `make demo` ends with: the preset's experiment in the MLflow UI's "Model training"
+# view (tasks/mlflow_tracking.py: TRAINING_VIEW), not the GenAI overview the UI opens by default.
+export DEMO_LINK := import sys; from rlhf_core.config.presets import load_config; \
+	from tasks.mlflow_tracking import experiment_link; \
+	print(experiment_link(sys.argv[1], load_config(sys.argv[2]).tracking.experiment_name))
+
 # The main job: what the run reads checked first (data rows, models, reward function, splits, the
 # judge's key: an error in seconds, before any server starts), the server stack, then the
 # rlhf/full-pipeline deployment on the offline default.
@@ -81,7 +100,7 @@ demo: $(STAMP)
 	$(MAKE) --no-print-directory stack-up
 	PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api $(BIN)/prefect deployment run rlhf/full-pipeline \
 		--param preset=$(PRESET) --watch --watch-timeout 7200
-	@echo "MLflow UI: http://127.0.0.1:$(MLFLOW_PORT)   (stop the servers with: make stack-down)"
+	@echo "MLflow UI: $$($(BIN)/python -c "$$DEMO_LINK" http://127.0.0.1:$(MLFLOW_PORT) $(PRESET))   (stop the servers with: make stack-down)"
 
 # The same stages without servers, into $(RUN_DIR).
 demo-local: $(STAMP)

@@ -59,7 +59,10 @@ def cmd_run(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(summary(result, uri))
+        from mlflow import MlflowClient
+
+        experiment = MlflowClient(uri).get_run(result["mlflow_run_id"]).info.experiment_id
+        print(summary(result, uri, experiment))
     return 0
 
 
@@ -147,9 +150,13 @@ def cmd_plan(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(result: dict, tracking_uri: str) -> str:
+def summary(result: dict, tracking_uri: str, experiment_id: str) -> str:
     """What a finished ``rlhf run`` prints: each stage's artifact, the registered versions, where
-    the report is, and how to open the runs in the MLflow UI."""
+    the report is, and how to open the runs in the MLflow UI: a link to experiment
+    ``experiment_id``'s training runs (:func:`tasks.mlflow_tracking.ui_link`), on the tracking
+    server or on ``mlflow ui`` over the local store (its default address)."""
+    from tasks.mlflow_tracking import ui_link
+
     stages = result["stages"]
     width = max(len(name) for name in stages)
     lines = [f"rlhf run: finished; MLflow run {result['mlflow_run_id']}"]
@@ -158,10 +165,16 @@ def summary(result: dict, tracking_uri: str) -> str:
         lines.append("registered: " + ", ".join(f"{m} version {v}" for m, v in result["registered"].items()))
     if result.get("report"):
         lines.append(f"report: {result['report']} (also under report/ in the MLflow run)")
-    ui = f"mlflow ui --backend-store-uri {tracking_uri}" if tracking_uri.startswith("sqlite:") else tracking_uri
+    if tracking_uri.startswith("sqlite:"):
+        ui = f"mlflow ui --backend-store-uri {tracking_uri}, then {ui_link(MLFLOW_UI, experiment_id)}"
+    else:
+        ui = ui_link(tracking_uri, experiment_id)
     lines.append(f"MLflow UI: {ui}")
     return "\n".join(lines)
 
+
+#: Where ``mlflow ui`` serves by default.
+MLFLOW_UI = "http://127.0.0.1:5000"
 
 #: ``rlhf sweep``'s line in ``rlhf --help``.
 SWEEP_HELP = "run a sweep spec's cells (presets x seeds x grid) and summarise them"

@@ -29,6 +29,7 @@ from tasks.mlflow_tracking import (
     register_model_version,
     source_tags,
     tracking_client,
+    ui_link,
 )
 from tasks.stages import StageRecord, preflight, result_storage, stage_task, work_root
 from tasks.storage import ArtifactStore
@@ -161,11 +162,11 @@ def config_digest(cfg: PipelineConfig) -> str:
 
 
 def mlflow_run_link(client: MlflowClient, run_id: str) -> str:
-    """The run's page in the MLflow UI for a tracking server, else the run id and its store."""
+    """The run's page in the MLflow UI for a tracking server, in its "Model training" view
+    (:func:`tasks.mlflow_tracking.ui_link`), else the run id and its store."""
     uri = client.tracking_uri
     if uri.startswith(("http://", "https://")):
-        exp = client.get_run(run_id).info.experiment_id
-        return f"{uri.rstrip('/')}/#/experiments/{exp}/runs/{run_id}"
+        return ui_link(uri, client.get_run(run_id).info.experiment_id, run_id)
     return f"{run_id} in {uri}"
 
 

@@ -174,6 +174,28 @@ def tracking_client(uri: str | None = None) -> MlflowClient:
 #: The experiment tag that picks the MLflow UI's view: model training runs, not GenAI traces.
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
+#: The query parameter of the MLflow UI's "Model training" view: the runs, their metric charts
+#: and the models. MLflow 3.x's UI opens an experiment in the view the browser last chose (its
+#: local storage), the GenAI overview on a first visit, whatever :data:`EXPERIMENT_KIND` says;
+#: a link that carries this parameter lands on the training runs, and the UI keeps it as the
+#: user moves between the experiment's pages.
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
+def ui_link(ui_url: str, experiment_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI's page, at ``ui_url`` (e.g. ``http://127.0.0.1:5000``), of experiment
+    ``experiment_id``'s runs, or of run ``run_id``, in its "Model training" view
+    (:data:`TRAINING_VIEW`)."""
+    page = f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs"
+    return f"{page}/{run_id}?{TRAINING_VIEW}" if run_id else f"{page}?{TRAINING_VIEW}"
+
+
+def experiment_link(tracking_uri: str, name: str) -> str:
+    """:func:`ui_link` of experiment ``name`` on the tracking server ``tracking_uri``; the UI's
+    own address when the server has no such experiment yet (``make demo`` prints it)."""
+    found = MlflowClient(tracking_uri).get_experiment_by_name(name)
+    return ui_link(tracking_uri, found.experiment_id) if found else tracking_uri
+
 
 def experiment_id(client: MlflowClient, name: str) -> str:
     """The id of experiment ``name``, created if missing, tagged :data:`EXPERIMENT_KIND` (an

