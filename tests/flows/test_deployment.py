@@ -371,13 +371,23 @@ def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
     page.get_by_role("tab", name="Artifacts").click()
     page.get_by_text("report", exact=True).wait_for(timeout=30_000)
 
-    # the registered models, each with the alias of its newest version
+    # the registered models, each with the alias of its newest version, in sight once the note
+    # MLflow shows over the page on a first visit (on its new registry UI) is closed
     page = visit(f"{mlflow_url}/#/models?{TRAINING_VIEW}", LAPTOP).page
     page.get_by_role("link", name=MODELS[0]).wait_for(timeout=30_000)
+    note = page.get_by_role("dialog").filter(has_text="Model Registry UI")
+    note.or_(page.get_by_role("row").nth(len(MODELS))).first.wait_for(timeout=30_000)
+    if note.is_visible():
+        note.get_by_role("button", name="Close").click()
+        note.wait_for(state="hidden", timeout=30_000)
     for name in MODELS:
         row = page.get_by_role("row").filter(has=page.get_by_role("link", name=name, exact=True))
         assert row.count() == 1, name
         assert re.search(r"@\s*latest-pipeline\s*: Version \d+", row.inner_text()), f"{name}: no alias shown"
+        alias = row.get_by_text("latest-pipeline").first
+        box = alias.bounding_box()
+        assert alias.is_visible() and box["x"] + box["width"] <= LAPTOP["width"], f"{name}: the alias out of sight"
+    assert page.get_by_role("dialog").count() == 0
     seen(page, "mlflow-models")
 
     # Prefect: the deployment, and the resumed flow run's stages with their states
