@@ -43,7 +43,7 @@ STACK_DIR ?= .stack
 PREFECT_PORT ?= 4200
 MLFLOW_PORT ?= 5000
 
-.PHONY: install packages lock browser demo demo-local test test-fast test-min lint format stack-up stack-down stack-status clean bench-venv-trl bench-trl gpu-bundle
+.PHONY: install packages lock browser demo demo-local test test-fast test-min lint format stack-up stack-down stack-status screenshots clean bench-venv-trl bench-trl gpu-bundle
 
 install: $(STAMP)
 
@@ -114,6 +114,20 @@ stack-down:
 
 stack-status:
 	STACK_DIR=$(STACK_DIR) infra/stack.sh status
+
+# The pages a user reads, as PNGs for the docs (docs/images/): the browser checks of a smoke
+# deployment run on a stack of its own (tests/flows/test_deployment.py, a few minutes on a CPU)
+# save the report, the MLflow experiment, run and models pages and the Prefect flow run, at
+# 1280x800. Without a browser the checks are skipped, no image is made and nothing is replaced.
+SHOTS_DIR ?= $(STACK_DIR)/screenshots
+
+screenshots: $(STAMP)
+	rm -rf $(SHOTS_DIR) && mkdir -p $(SHOTS_DIR)
+	RLHF_SCREENSHOTS=$(abspath $(SHOTS_DIR)) $(BIN)/python -m pytest tests/flows/test_deployment.py -x -rs \
+		-k 'deployment_runs or uis'
+	@test "$$(ls $(SHOTS_DIR)/*.png 2>/dev/null | wc -l)" = 5 \
+		|| { echo "make screenshots: no screenshot taken (no browser? see make browser)"; exit 1; }
+	mkdir -p docs/images && cp $(SHOTS_DIR)/*.png docs/images/
 
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

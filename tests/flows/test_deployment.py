@@ -19,7 +19,9 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tasks.mlflow_tracking import TRAINING_VIEW, experiment_link, ui_link
 from tasks.storage import ArtifactStore
+from tests.browser import LAPTOP
 from tests.servers import free_port, fresh_prefect_home
 
 # The tests share one server stack: one test process runs them.
@@ -48,6 +50,11 @@ OVERRIDES = [
 STAGES = ["data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval", "evaluation"]
 #: What a run killed during PPO had not finished.
 UNFINISHED = ("ppo", "dpo", "dpo_eval", "evaluation")
+#: The registered models a pipeline run leaves, each with the alias of its newest version.
+MODELS = ("rlhf-tldr-policy", "rlhf-tldr-reward-model", "rlhf-tldr-dpo-policy")
+#: What the deployment run leaves for the checks in the browser: its stack's environment,
+#: MLflow experiment and run, resumed flow run and report (set once the run has passed its checks).
+FINISHED: dict = {}
 
 
 @pytest.fixture(scope="session")
@@ -222,6 +229,13 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     assert f"/#/experiments/{experiment.experiment_id}/runs/{done.info.run_id}" in markdown
     assert "| ppo | win rate" not in markdown and re.search(r"\| ppo \| \d+\.\d% \[", markdown)
     assert f"Report: {env['RLHF_WORK_DIR']}/reports/{done.info.run_id}/report.html" in markdown
+    FINISHED.update(
+        env=env,
+        experiment_id=experiment.experiment_id,
+        run=done,
+        flow_run_id=flow_run_id(resumed.stdout),
+        report=Path(env["RLHF_WORK_DIR"]) / "reports" / done.info.run_id / "report.html",
+    )
 
 
 def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
@@ -301,3 +315,91 @@ def test_a_sweep_runs_its_cells_at_once_on_the_workers_one_model_stage_at_a_time
         assert row["mlflow_run_id"] == cell_run.info.run_id and row["error"] is None
         assert row["PPO KL"] == pytest.approx(cell_run.data.metrics["ppo/objective/kl"], rel=1e-12)
         assert row["SFT ROUGE-L"] == pytest.approx(cell_run.data.metrics["sft/eval/rougeL"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
+    """The deployment run above as a person finds it in a browser (tests/browser.py), read by
+    visible text and roles, no pixels: in the MLflow UI's training view, the pipeline run with
+    its metrics, parameters, report and ten stage runs, and the registered models each with its
+    alias; in the Prefect UI, the deployment and the resumed flow run's stages with their states.
+    With ``RLHF_SCREENSHOTS`` set to a folder, the pages are also saved there as PNGs
+    (``make screenshots``)."""
+    if not FINISHED:
+        pytest.skip("needs the deployment run of test_deployment_runs_caches_resumes_and_tracks, in the same process")
+    env, run = FINISHED["env"], FINISHED["run"]
+    mlflow_url, prefect_url = env["MLFLOW_TRACKING_URI"], env["PREFECT_API_URL"].removesuffix("/api")
+    shots = os.environ.get("RLHF_SCREENSHOTS")
+
+    def seen(page, name: str) -> None:
+        if shots:
+            page.screenshot(path=str(Path(shots) / f"{name}.png"))
+
+    report = visit(FINISHED["report"].as_uri(), LAPTOP).page  # read in full in tests/rlhf_core/views
+    assert report.get_by_role("heading", name=re.compile("^Does it learn")).is_visible()
+    seen(report, "report")
+
+    # MLflow: the experiment's training runs, both pipeline runs' stages under them
+    page = visit(experiment_link(mlflow_url, env["EXPERIMENT"]), LAPTOP).page
+    page.get_by_role("link", name=run.info.run_name).wait_for(timeout=30_000)
+    assert page.get_by_role("heading", name="Runs").is_visible()
+    parents = page.get_by_role("row").filter(has=page.get_by_role("link", name=re.compile("^smoke-")))
+    assert parents.count() == 2  # the run killed during PPO, and the resumed one
+    for row in parents.all():
+        row.get_by_role("button").first.click()  # the [+] that shows its nested runs
+    page.get_by_role("link", name="evaluation", exact=True).wait_for(timeout=30_000)
+    main = page.get_by_role("main")
+    shown = {stage for stage in STAGES if main.get_by_role("link", name=stage, exact=True).first.is_visible()}
+    assert shown == set(STAGES)
+    seen(page, "mlflow-experiment")
+
+    # the pipeline run's page: metrics, parameters, its own stage runs, the report among its artifacts
+    page = visit(ui_link(mlflow_url, FINISHED["experiment_id"], run.info.run_id), LAPTOP).page
+    page.get_by_role("heading", name=run.info.run_name).wait_for(timeout=30_000)
+    assert page.get_by_text(re.compile(r"^Metrics \(\d+\)$")).is_visible()
+    assert page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).is_visible()
+    assert page.get_by_role("cell", name="ppo/objective/kl", exact=True).is_visible()
+    assert page.get_by_role("cell", name="eval.max_samples", exact=True).is_visible()
+    for stage in UNFINISHED:  # the stages this run ran; the others came from cache, run by the first
+        assert page.get_by_role("link", name=stage, exact=True).is_visible()
+    seen(page, "mlflow-run")
+    page.get_by_role("tab", name="Model metrics").click()  # the training curves, as charts
+    section = page.get_by_text("ppo/objective", exact=True).first  # a group of charts, one per metric
+    section.wait_for(state="attached", timeout=30_000)
+    section.scroll_into_view_if_needed()
+    assert section.is_visible()
+    page.get_by_role("tab", name="Artifacts").click()
+    page.get_by_text("report", exact=True).wait_for(timeout=30_000)
+
+    # the registered models, each with the alias of its newest version, in sight once the note
+    # MLflow shows over the page on a first visit (on its new registry UI) is closed
+    page = visit(f"{mlflow_url}/#/models?{TRAINING_VIEW}", LAPTOP).page
+    page.get_by_role("link", name=MODELS[0]).wait_for(timeout=30_000)
+    note = page.get_by_role("dialog").filter(has_text="Model Registry UI")
+    note.or_(page.get_by_role("row").nth(len(MODELS))).first.wait_for(timeout=30_000)
+    if note.is_visible():
+        note.get_by_role("button", name="Close").click()
+        note.wait_for(state="hidden", timeout=30_000)
+    for name in MODELS:
+        row = page.get_by_role("row").filter(has=page.get_by_role("link", name=name, exact=True))
+        assert row.count() == 1, name
+        assert re.search(r"@\s*latest-pipeline\s*: Version \d+", row.inner_text()), f"{name}: no alias shown"
+        alias = row.get_by_text("latest-pipeline").first
+        box = alias.bounding_box()
+        assert alias.is_visible() and box["x"] + box["width"] <= LAPTOP["width"], f"{name}: the alias out of sight"
+    assert page.get_by_role("dialog").count() == 0
+    seen(page, "mlflow-models")
+
+    # Prefect: the deployment, and the resumed flow run's stages with their states
+    page = visit(f"{prefect_url}/deployments", LAPTOP).page
+    page.get_by_role("link", name="full-pipeline", exact=True).wait_for(timeout=30_000)
+    page = visit(f"{prefect_url}/runs/flow-run/{FINISHED['flow_run_id']}", LAPTOP).page
+    page.get_by_text("Task Runs", exact=True).first.click()
+    page.get_by_text(re.compile(r"^10 Task runs$")).first.wait_for(timeout=30_000)
+    for stage in STAGES:  # each stage's task run, by name, once the list has loaded
+        page.get_by_role("link", name=stage, exact=True).wait_for(timeout=30_000)
+    listed = page.get_by_text(re.compile(r"^10 Task runs$")).first.locator("xpath=ancestor::*[.//input][1]")
+    text = listed.inner_text()
+    states = dict(re.findall(r"^(\w+)\n(?:gpu\n)?(Completed|Cached|Failed|Crashed|Running)$", text, re.MULTILINE))
+    assert states == {s: "Completed" if s in UNFINISHED else "Cached" for s in STAGES}, text
+    seen(page, "prefect-flow-run")
