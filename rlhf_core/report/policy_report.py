@@ -19,11 +19,10 @@ from typing import Any
 from ..common.io import METRICS_FILE, write_json_atomic
 from ..common.tracking import NullTracker, Tracker
 from ..config.settings import PipelineConfig, policy_key
-from ..evaluation.judging import win_counts
 from ..evaluation.stage import Evaluation
 from ..views.page import write_report
 from ..views.plots import WIN_RATE_BY_LENGTH, plot_length_control
-from .run_report import JUDGE_PROMPT_NAME, judge_note, score_note, win_rate_by_length
+from .run_report import judge_notes, score_note, win_rate_by_length
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +104,8 @@ def policy_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
     """The report's notes: the judge and how far it can be trusted (:func:`judge_note`), what an
     offline judge is, how many comparisons were made, what the reward model is, and what length
     and repetition measure."""
-    ecfg, verdicts = cfg.eval, evaluation.verdicts
-    judge_name = next(iter(verdicts.by_id.values())).judge if verdicts.by_id else (ecfg.judge_model or ecfg.judge)
-    prompt = f"the prompt of {Path(ecfg.judge_prompt).name} (eval.judge_prompt)" if ecfg.judge_prompt else None
-    notes = [
-        judge_note(judge_name, ecfg, len(evaluation.prompts), evaluation.judge_human or {}, prompt or JUDGE_PROMPT_NAME)
-    ]
-    if ecfg.judge == "offline":
-        notes.append(
-            f"The judge is a small offline language model ({judge_name}) choosing A or B by the probabilities of "
-            "those letters: its win rates are not comparable with GPT-3.5 or Claude win rates."
-        )
-    total = win_counts(verdicts.judgements)
-    if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
-        notes.append(
-            f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
-            f"({total['invalid']} unreadable answers, {total['errors']} request errors)."
-        )
+    ecfg = cfg.eval
+    notes = judge_notes(cfg, evaluation)
     if ecfg.reward_model:
         notes.append(
             f"Reward model: {ecfg.reward_model} (eval.reward_model). RM-judge agreement: share of judged pairs "

@@ -297,27 +297,8 @@ def report_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
     """The report's notes: how the win rates were judged and how far the judge can be trusted
     (:func:`judge_note`), what an offline judge is, how many comparisons were made, and how
     title copy, diversity, repetition loops, RM-judge agreement and the RM score are measured."""
-    ecfg, n, verdicts = cfg.eval, len(evaluation.prompts), evaluation.verdicts
-    by_id = verdicts.by_id
-    judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
-    if ecfg.judge_prompt:
-        prompt = f"the prompt of {Path(ecfg.judge_prompt).name} (eval.judge_prompt)"
-    elif cfg.data.format == "trl":
-        prompt = "a neutral pairwise prompt (TRL-format data)"
-    else:
-        prompt = JUDGE_PROMPT_NAME
-    notes = [judge_note(judge_name, ecfg, n, evaluation.judge_human or {}, prompt)]
-    if ecfg.judge == "offline":
-        notes.append(
-            f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
-            "probabilities of those letters: its win rates are not comparable with GPT-3.5 or Claude win rates."
-        )
-    total = win_counts(verdicts.judgements)
-    if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
-        notes.append(
-            f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
-            f"({total['invalid']} unreadable answers, {total['errors']} request errors)."
-        )
+    ecfg, n = cfg.eval, len(evaluation.prompts)
+    notes = judge_notes(cfg, evaluation)
     k = min(ecfg.diversity_prompts, n)
     notes.append(
         f"Title copy: share of summaries whose longest common word subsequence with the post title covers "
@@ -329,6 +310,35 @@ def report_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
     )
     notes.append(score_note(cfg.ppo.non_eos_penalty, evaluation.prompts.max_new))
     notes.append(estimator_note(cfg.ppo))
+    return notes
+
+
+def judge_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
+    """The notes on the judge, shared by the run's report and ``rlhf evaluate``'s: how the win
+    rates were judged, with which prompt, and how far the judge can be trusted
+    (:func:`judge_note`); what an offline judge is; how many comparisons were made when some
+    were not (a spending cap, unreadable answers, request errors)."""
+    ecfg, verdicts = cfg.eval, evaluation.verdicts
+    by_id = verdicts.by_id
+    judge_name = by_id and next(iter(by_id.values())).judge or (ecfg.judge_model or ecfg.judge)
+    if ecfg.judge_prompt:
+        prompt = f"the prompt of {Path(ecfg.judge_prompt).name} (eval.judge_prompt)"
+    elif cfg.data.format == "trl":
+        prompt = "a neutral pairwise prompt (TRL-format data)"
+    else:
+        prompt = JUDGE_PROMPT_NAME
+    notes = [judge_note(judge_name, ecfg, len(evaluation.prompts), evaluation.judge_human or {}, prompt)]
+    if ecfg.judge == "offline":
+        notes.append(
+            f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
+            "probabilities of those letters: its win rates are not comparable with GPT-3.5 or Claude win rates."
+        )
+    total = win_counts(verdicts.judgements)
+    if total["invalid"] or total["errors"] or len(verdicts.judgements) < verdicts.comparisons:
+        notes.append(
+            f"Judgements: {len(verdicts.judgements)} of {verdicts.comparisons} comparisons made "
+            f"({total['invalid']} unreadable answers, {total['errors']} request errors)."
+        )
     return notes
 
 
