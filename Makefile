@@ -117,15 +117,16 @@ stack-status:
 
 # The pages a user reads, as PNGs for the docs (docs/images/): the browser checks of a smoke
 # deployment run on a stack of its own (tests/flows/test_deployment.py, a few minutes on a CPU)
-# save the report, the MLflow experiment, run and models pages and the Prefect flow run, at
-# 1280x800. Without a browser the checks are skipped, no image is made and nothing is replaced.
+# save the report, the MLflow experiment, run and models pages, the compare view of a sweep's two
+# cells and the Prefect flow run, at 1280x800. Without a browser the checks are skipped, no image
+# is made and nothing is replaced.
 SHOTS_DIR ?= $(STACK_DIR)/screenshots
 
 screenshots: $(STAMP)
 	rm -rf $(SHOTS_DIR) && mkdir -p $(SHOTS_DIR)
 	RLHF_SCREENSHOTS=$(abspath $(SHOTS_DIR)) $(BIN)/python -m pytest tests/flows/test_deployment.py -x -rs \
-		-k 'deployment_runs or uis'
-	@test "$$(ls $(SHOTS_DIR)/*.png 2>/dev/null | wc -l)" = 5 \
+		-k 'deployment_runs or uis or a_sweep_runs or compare_view'
+	@test "$$(ls $(SHOTS_DIR)/*.png 2>/dev/null | wc -l)" = 6 \
 		|| { echo "make screenshots: no screenshot taken (no browser? see make browser)"; exit 1; }
 	mkdir -p docs/images && cp $(SHOTS_DIR)/*.png docs/images/
 

@@ -155,7 +155,7 @@ def summary(result: dict, tracking_uri: str, experiment_id: str) -> str:
     the report is, and how to open the runs in the MLflow UI: a link to experiment
     ``experiment_id``'s training runs (:func:`tasks.mlflow_tracking.ui_link`), on the tracking
     server or on ``mlflow ui`` over the local store (its default address)."""
-    from tasks.mlflow_tracking import ui_link
+    from tasks.mlflow_tracking import ui_address, ui_link
 
     stages = result["stages"]
     width = max(len(name) for name in stages)
@@ -165,16 +165,11 @@ def summary(result: dict, tracking_uri: str, experiment_id: str) -> str:
         lines.append("registered: " + ", ".join(f"{m} version {v}" for m, v in result["registered"].items()))
     if result.get("report"):
         lines.append(f"report: {result['report']} (also under report/ in the MLflow run)")
-    if tracking_uri.startswith("sqlite:"):
-        ui = f"mlflow ui --backend-store-uri {tracking_uri}, then {ui_link(MLFLOW_UI, experiment_id)}"
-    else:
-        ui = ui_link(tracking_uri, experiment_id)
-    lines.append(f"MLflow UI: {ui}")
+    address, first = ui_address(tracking_uri)
+    link = ui_link(address, experiment_id)
+    lines.append(f"MLflow UI: {first}, then {link}" if first else f"MLflow UI: {link}")
     return "\n".join(lines)
 
-
-#: Where ``mlflow ui`` serves by default.
-MLFLOW_UI = "http://127.0.0.1:5000"
 
 #: ``rlhf sweep``'s line in ``rlhf --help``.
 SWEEP_HELP = "run a sweep spec's cells (presets x seeds x grid) and summarise them"
@@ -251,7 +246,10 @@ def sweep_main(argv: list[str]) -> int:
     except (ConfigError, DataError, ModelSourceError, ArtifactError, ValidationError) as exc:
         print(f"rlhf sweep: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=2) if args.json else Path(result["summary"]).read_text())
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(Path(result["summary"]).read_text() + f"\nMLflow UI, the cells side by side: {result['compare']}")
     return 0
 
 

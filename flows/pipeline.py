@@ -29,6 +29,7 @@ from tasks.mlflow_tracking import (
     register_model_version,
     source_tags,
     tracking_client,
+    ui_address,
     ui_link,
 )
 from tasks.stages import StageRecord, preflight, result_storage, stage_task, work_root
@@ -164,10 +165,10 @@ def config_digest(cfg: PipelineConfig) -> str:
 def mlflow_run_link(client: MlflowClient, run_id: str) -> str:
     """The run's page in the MLflow UI for a tracking server, in its "Model training" view
     (:func:`tasks.mlflow_tracking.ui_link`), else the run id and its store."""
-    uri = client.tracking_uri
-    if uri.startswith(("http://", "https://")):
-        return ui_link(uri, client.get_run(run_id).info.experiment_id, run_id)
-    return f"{run_id} in {uri}"
+    address, first = ui_address(client.tracking_uri)
+    if not first:
+        return ui_link(address, client.get_run(run_id).info.experiment_id, run_id)
+    return f"{run_id} in {client.tracking_uri}"
 
 
 def run_provenance(cfg: PipelineConfig, client: MlflowClient, parent_id: str) -> dict[str, str]:

@@ -54,7 +54,7 @@ from rlhf_core.run.sweep import (
     summary_rows,
 )
 from tasks.attempts import attempt, end_dead_attempts
-from tasks.mlflow_tracking import experiment_id, source_tags, tracking_client
+from tasks.mlflow_tracking import compare_link, experiment_id, source_tags, tracking_client, ui_address
 from tasks.stages import preflight, work_root
 
 from .pipeline import rlhf
@@ -86,7 +86,8 @@ def sweep(spec: str = "cpu-seeds", overrides: list[str] | None = None, max_concu
     summarise them.
 
     Returns:
-        ``{"mlflow_run_id", "summary" (the markdown file), "cells" (one row per cell), "flags"}``.
+        ``{"mlflow_run_id", "summary" (the markdown file), "cells" (one row per cell), "flags",
+        "compare" (the cells side by side in the MLflow UI: :func:`cells_compare_link`)}``.
 
     Raises:
         ConfigError: the spec, or any cell's configuration, does not load (before any cell runs).
@@ -264,9 +265,11 @@ def _run_cells(s: SweepSpec, cells: list[Cell], client: MlflowClient, parent_id:
                     if not math.isnan(stats["std"]):
                         metrics[f"{name}/std"] = float(stats["std"])
         client.log_batch(parent_id, metrics=[_metric(k, v) for k, v in metrics.items()])
+        compare = cells_compare_link(client, [r.mlflow_run_id for r in results if r.mlflow_run_id])
+        logger.info("sweep %s: the cells side by side in the MLflow UI: %s", s.name, compare)
         create_markdown_artifact(
             key="sweep-" + re.sub(r"[^a-z0-9]+", "-", s.name.lower()).strip("-"),
-            markdown=summary.read_text(),
+            markdown=summary.read_text() + f"\n[The cells side by side in the MLflow UI]({compare})\n",
             description=f"sweep {s.name}: {len(cells)} cells, mean and spread over seeds",
         )
         failed = [r for r in results if r.error is not None]
@@ -279,7 +282,17 @@ def _run_cells(s: SweepSpec, cells: list[Cell], client: MlflowClient, parent_id:
             f"sweep {s.name}: {len(failed)} of {len(cells)} cells failed ({'; '.join(r.cell.name for r in failed)}); "
             f"the others finished and the summary is in {summary}. Run the sweep again to resume the failed cells"
         )
-    return {"mlflow_run_id": parent_id, "summary": str(summary), "cells": rows, "flags": flags}
+    return {"mlflow_run_id": parent_id, "summary": str(summary), "cells": rows, "flags": flags, "compare": compare}
+
+
+def cells_compare_link(client: MlflowClient, run_ids: list[str]) -> str:
+    """The MLflow UI's compare view of the cells' runs ``run_ids``
+    (:func:`tasks.mlflow_tracking.compare_link`); for a local store, preceded by the
+    ``mlflow ui`` command that serves it."""
+    address, first = ui_address(client.tracking_uri)
+    experiment = client.get_run(run_ids[0]).info.experiment_id if run_ids else "0"
+    link = compare_link(address, experiment, run_ids)
+    return f"{first}, then {link}" if first else link
 
 
 def write_summary(spec: SweepSpec, results: list[CellResult], flags: dict, out: Path) -> Path:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
@@ -188,6 +189,29 @@ def ui_link(ui_url: str, experiment_id: str, run_id: str | None = None) -> str:
     (:data:`TRAINING_VIEW`)."""
     page = f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs"
     return f"{page}/{run_id}?{TRAINING_VIEW}" if run_id else f"{page}?{TRAINING_VIEW}"
+
+
+#: Where ``mlflow ui`` serves by default.
+MLFLOW_UI = "http://127.0.0.1:5000"
+
+
+def compare_link(ui_url: str, experiment_id: str, run_ids: list[str]) -> str:
+    """The MLflow UI's compare view, at ``ui_url``, of runs ``run_ids`` of experiment
+    ``experiment_id``, side by side: their parameters (with a switch that shows only those that
+    differ), metrics and a parallel-coordinates plot of both. A sweep prints it for its cells."""
+    runs, experiments = (quote(json.dumps(ids, separators=(",", ":"))) for ids in (run_ids, [experiment_id]))
+    return f"{ui_url.rstrip('/')}/#/compare-runs?runs={runs}&experiments={experiments}&{TRAINING_VIEW}"
+
+
+def ui_address(tracking_uri: str) -> tuple[str, str]:
+    """Where to open the MLflow UI of the store ``tracking_uri``: ``(address, what to run
+    first)``. A tracking server is its own UI, with nothing to run (its address without any user
+    and password the URI holds: a link is shown and stored); a local store (SQLite, a folder) is
+    served by ``mlflow ui --backend-store-uri ...`` at its default address, :data:`MLFLOW_UI`."""
+    parts = urlsplit(tracking_uri)
+    if parts.scheme in ("http", "https"):
+        return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2])), ""
+    return MLFLOW_UI, f"mlflow ui --backend-store-uri {tracking_uri}"
 
 
 def experiment_link(tracking_uri: str, name: str) -> str:

@@ -8,6 +8,8 @@ The browser is ``$RLHF_CHROMIUM`` when set, else the first of :data:`CHROMIUM_NA
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -98,12 +100,25 @@ def visit(browser) -> Iterator[Callable[..., Visit]]:
 
 
 def broken_images(page) -> list[str]:
-    """The ``alt`` (or the start of the ``src``) of each ``<img>`` on ``page`` that did not load:
-    not complete, or of no natural width."""
-    return page.evaluate(
-        "() => [...document.images].filter(i => !i.complete || i.naturalWidth === 0)"
-        ".map(i => i.alt || i.src.slice(0, 60))"
+    """The ``alt`` (or the start of the ``src``) of each ``<img>`` on ``page`` that did not load
+    (not complete, or of no natural width) or, inline as a ``data:`` URI, whose data Pillow cannot
+    decode to its end: Chromium reports a truncated PNG loaded, at its full width, and draws the
+    rows it has."""
+    images = page.evaluate(
+        "() => [...document.images].map(i => [i.alt || i.src.slice(0, 60), i.complete && i.naturalWidth > 0, i.src])"
     )
+    return [name for name, loaded, src in images if not loaded or (src.startswith("data:") and not _decodes(src))]
+
+
+def _decodes(data_uri: str) -> bool:
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(base64.b64decode(data_uri.partition(",")[2]))) as image:
+            image.load()
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return True
 
 
 def horizontal_overflow(page) -> int:
@@ -128,3 +143,22 @@ def unresolved_links(page, base: Path) -> list[str]:
             if not page.evaluate("id => document.getElementById(id) !== null", unquote(parts.fragment)):
                 bad.append(href)
     return bad
+
+
+def close_mlflow_assistant(page, wait_ms: int = 10_000) -> bool:
+    """Close the MLflow UI's Assistant panel, as a person does once: MLflow 3.x opens it by itself
+    on a browser's first visit to a server on loopback, a third of a laptop's screen wide, and
+    keeps it closed once closed (the browser's local storage), so later pages in the same browser
+    context come without it. Waits up to ``wait_ms`` for it to open; an MLflow without the panel
+    loses that wait once. Returns whether it was open."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    new_chat = page.get_by_role("button", name="New Chat")  # the panel's own buttons
+    try:
+        new_chat.wait_for(timeout=wait_ms)
+    except PlaywrightTimeout:
+        return False
+    panel = page.locator("div").filter(has=new_chat).filter(has=page.get_by_role("button", name="Close")).last
+    panel.get_by_role("button", name="Close").click()
+    new_chat.wait_for(state="hidden", timeout=wait_ms)
+    return True

@@ -15,6 +15,7 @@ import html
 import math
 import mimetypes
 import os
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -115,6 +116,7 @@ details summary{cursor:pointer;white-space:pre-wrap}
 img{max-width:100%;height:auto}figure{margin:1em 0}figure img{border:1px solid #eee}
 figcaption{font-size:0.9em;color:#333;max-width:60em}
 .notes li{margin-bottom:0.3em}
+.contents{margin-top:1.2em}.contents ul{margin:0.3em 0;padding-left:1.2em;columns:2 22em}.contents li{margin-bottom:0.2em}
 """
 
 
@@ -361,6 +363,30 @@ def _write_text_atomic(path: Path, text: str) -> Path:
 RUN_MARKER = "<!-- rlhf:run -->"
 
 
+def _anchor(text: str, taken: set[str]) -> str:
+    """An HTML id for heading ``text``: its letters and digits in lower case joined by hyphens,
+    with ``-2``, ``-3`` ... added where ``taken`` holds it already."""
+    base = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
+    anchor, n = base, 1
+    while anchor in taken:
+        n += 1
+        anchor = f"{base}-{n}"
+    return anchor
+
+
+def _contents(sections: Sequence[tuple[str, str]], figures: Sequence[tuple[str, str]]) -> str:
+    """The report's contents: a link to each ``(anchor, heading)`` section, the ``figures`` (the
+    same pairs) listed under the "Plots" section."""
+    esc = html.escape
+    items = []
+    for anchor, heading in sections:
+        item = f'<a href="#{anchor}">{esc(heading)}</a>'
+        if heading == "Plots" and figures:
+            item += ": " + ", ".join(f'<a href="#{a}">{esc(h)}</a>' for a, h in figures)
+        items.append(f"<li>{item}</li>")
+    return f'<nav class="contents" aria-label="Contents"><b>Contents</b><ul>{"".join(items)}</ul></nav>'
+
+
 def write_report(
     out_dir: str | os.PathLike,
     *,
@@ -380,10 +406,11 @@ def write_report(
     """Write ``report.html`` and ``report.md`` to ``out_dir``, each atomically.
 
     Sections, in order: title and ``intro``; the ``summary`` table ("Does it learn?");
-    :data:`RUN_MARKER`; the headline table; notes; each further table; each plot with its caption (and its
-    ``figure_tables`` table); the samples; each
-    raw HTML block. All text is HTML-escaped
-    except the ``html_blocks`` values.
+    :data:`RUN_MARKER`; in the HTML, the contents (a link to each section below and to each
+    plot); the headline table; notes; each further table; each plot with its caption (and its
+    ``figure_tables`` table); the samples; each raw HTML block. Each section's heading has an
+    ``id`` made of its words (``Headline`` -> ``headline``), each plot's ``plot-`` and its
+    heading's. All text is HTML-escaped except the ``html_blocks`` values.
 
     Args:
         out_dir: the directory to write to (created if missing).
@@ -434,6 +461,16 @@ def write_report(
             raise FileNotFoundError(f"plot {heading!r}: {file} does not exist")
         figures.append((heading, file, captions.get(heading, DEFAULT_CAPTIONS.get(file.stem, "")), _data_uri(file)))
     esc = html.escape
+    figure_ids: dict[str, str] = {}
+    for heading, *_ in figures:
+        figure_ids[heading] = "plot-" + _anchor(heading, set(figure_ids.values()))
+
+    toc: list[tuple[str, str]] = []  # (anchor, heading) of each section, for the contents
+
+    def h2(text: str) -> str:
+        anchor = _anchor(text, {a for a, _ in toc})
+        toc.append((anchor, text))
+        return f'<h2 id="{anchor}">{esc(text)}</h2>'
 
     h = [
         "<!DOCTYPE html>",
@@ -447,26 +484,27 @@ def write_report(
         h.append(f'<p class="text">{esc(intro)}</p>')
         m += [intro, ""]
     if summary:
-        h += ["<h2>Does it learn? Checks on rows no training saw</h2>", _html_table(summary)]
+        h += [h2("Does it learn? Checks on rows no training saw"), _html_table(summary)]
         m += ["## Does it learn? Checks on rows no training saw", "", _md_table(summary), ""]
     # the run's name after the verdict, so that "Does it learn?" fits a laptop's first screen
     h.append(RUN_MARKER)
     m += [RUN_MARKER, ""]
-    h += ["<h2>Headline</h2>", _html_table(headline)]
+    contents_at, listed_from = len(h), len(toc)  # the contents of what follows, after "This run"
+    h += [h2("Headline"), _html_table(headline)]
     m += ["## Headline", "", _md_table(headline), ""]
     if notes:
-        h += ["<h2>Notes</h2>", '<ul class="notes">' + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>"]
+        h += [h2("Notes"), '<ul class="notes">' + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>"]
         m += ["## Notes", ""] + [f"- {_md_cell(n)}" for n in notes] + [""]
     for heading, rows in tables.items():
-        h += [f"<h2>{esc(heading)}</h2>", _html_table(rows)]
+        h += [h2(heading), _html_table(rows)]
         m += [f"## {heading}", "", _md_table(rows), ""]
     if figures:
-        h.append("<h2>Plots</h2>")
+        h.append(h2("Plots"))
         m += ["## Plots", ""]
     for heading, file, caption, uri in figures:
         cap = f" {esc(caption)}" if caption else ""
         h.append(
-            f'<figure><img src="{uri}" alt="{esc(heading)}">'
+            f'<figure id="{figure_ids[heading]}"><img src="{uri}" alt="{esc(heading)}">'
             f"<figcaption><b>{esc(heading)}.</b>{cap}</figcaption></figure>"
         )
         m += [f"### {heading}", "", f"![{heading}]({file.name})", ""] + ([caption, ""] if caption else [])
@@ -474,11 +512,12 @@ def write_report(
             h.append(_html_table(figure_tables[heading]))
             m += [_md_table(figure_tables[heading]), ""]
     if samples:
-        h += ["<h2>Samples</h2>", _html_samples(samples, post_chars)]
+        h += [h2("Samples"), _html_samples(samples, post_chars)]
         m += ["## Samples", "", _md_samples(samples, post_chars), ""]
     for heading, fragment in html_blocks.items():
-        h += [f"<h2>{esc(heading)}</h2>", fragment]
+        h += [h2(heading), fragment]
         m += [f"## {heading}", "", "Shown in report.html.", ""]
+    h.insert(contents_at, _contents(toc[listed_from:], [(figure_ids[f[0]], f[0]) for f in figures]))
     h.append("</body></html>")
 
     out_dir.mkdir(parents=True, exist_ok=True)

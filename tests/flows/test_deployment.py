@@ -19,9 +19,9 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.mlflow_tracking import TRAINING_VIEW, experiment_link, ui_link
+from tasks.mlflow_tracking import TRAINING_VIEW, compare_link, experiment_link, ui_link
 from tasks.storage import ArtifactStore
-from tests.browser import LAPTOP
+from tests.browser import LAPTOP, close_mlflow_assistant
 from tests.servers import free_port, fresh_prefect_home
 
 # The tests share one server stack: one test process runs them.
@@ -55,6 +55,9 @@ MODELS = ("rlhf-tldr-policy", "rlhf-tldr-reward-model", "rlhf-tldr-dpo-policy")
 #: What the deployment run leaves for the checks in the browser: its stack's environment,
 #: MLflow experiment and run, resumed flow run and report (set once the run has passed its checks).
 FINISHED: dict = {}
+#: What the sweep's deployment run leaves for the compare view: the link its summary gives, its
+#: cells' run names and the parameters in which they differ, with their values.
+SWEPT: dict = {}
 
 
 @pytest.fixture(scope="session")
@@ -315,6 +318,26 @@ def test_a_sweep_runs_its_cells_at_once_on_the_workers_one_model_stage_at_a_time
         assert row["mlflow_run_id"] == cell_run.info.run_id and row["error"] is None
         assert row["PPO KL"] == pytest.approx(cell_run.data.metrics["ppo/objective/kl"], rel=1e-12)
         assert row["SFT ROUGE-L"] == pytest.approx(cell_run.data.metrics["sft/eval/rougeL"], rel=1e-12)
+    # the summary in the Prefect UI links the cells side by side in the MLflow UI's compare view
+    import httpx
+
+    found = httpx.post(
+        f"{server_stack['PREFECT_API_URL']}/artifacts/filter",
+        json={"artifacts": {"key": {"any_": ["sweep-smoke-seeds-at-once"]}}},
+    ).json()
+    link = re.search(r"\[The cells side by side in the MLflow UI\]\((.+)\)", found[0]["data"]).group(1)
+    cells.sort(key=lambda r: r.data.tags["rlhf.sweep_cell"])
+    ids = [r.info.run_id for r in cells]
+    assert link == compare_link(server_stack["MLFLOW_TRACKING_URI"], exp.experiment_id, ids)
+    params = [c.data.params for c in cells]
+    differ = {k: tuple(p.get(k) for p in params) for k in set(params[0]) | set(params[1])}
+    SWEPT.update(
+        link=link,
+        names=[c.info.run_name for c in cells],
+        differ={k: v for k, v in differ.items() if v[0] != v[1]},
+        same=sorted(k for k, v in differ.items() if v[0] == v[1]),
+    )
+    assert SWEPT["differ"]["seed"] == ("1", "2")
 
 
 @pytest.mark.slow
@@ -333,15 +356,17 @@ def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
 
     def seen(page, name: str) -> None:
         if shots:
-            page.screenshot(path=str(Path(shots) / f"{name}.png"))
+            page.screenshot(path=str(Path(shots) / f"{name}.png"), animations="disabled")
 
     report = visit(FINISHED["report"].as_uri(), LAPTOP).page  # read in full in tests/rlhf_core/views
     assert report.get_by_role("heading", name=re.compile("^Does it learn")).is_visible()
     seen(report, "report")
 
-    # MLflow: the experiment's training runs, both pipeline runs' stages under them
+    # MLflow: the experiment's training runs, both pipeline runs' stages under them; the pages
+    # after it open in the same browser, which has closed the Assistant panel (as a user does once)
     page = visit(experiment_link(mlflow_url, env["EXPERIMENT"]), LAPTOP).page
     page.get_by_role("link", name=run.info.run_name).wait_for(timeout=30_000)
+    close_mlflow_assistant(page)
     assert page.get_by_role("heading", name="Runs").is_visible()
     parents = page.get_by_role("row").filter(has=page.get_by_role("link", name=re.compile("^smoke-")))
     assert parents.count() == 2  # the run killed during PPO, and the resumed one
@@ -354,7 +379,7 @@ def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
     seen(page, "mlflow-experiment")
 
     # the pipeline run's page: metrics, parameters, its own stage runs, the report among its artifacts
-    page = visit(ui_link(mlflow_url, FINISHED["experiment_id"], run.info.run_id), LAPTOP).page
+    page.goto(ui_link(mlflow_url, FINISHED["experiment_id"], run.info.run_id))
     page.get_by_role("heading", name=run.info.run_name).wait_for(timeout=30_000)
     assert page.get_by_text(re.compile(r"^Metrics \(\d+\)$")).is_visible()
     assert page.get_by_text(re.compile(r"^Parameters \(\d+\)$")).is_visible()
@@ -373,7 +398,7 @@ def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
 
     # the registered models, each with the alias of its newest version, in sight once the note
     # MLflow shows over the page on a first visit (on its new registry UI) is closed
-    page = visit(f"{mlflow_url}/#/models?{TRAINING_VIEW}", LAPTOP).page
+    page.goto(f"{mlflow_url}/#/models?{TRAINING_VIEW}")
     page.get_by_role("link", name=MODELS[0]).wait_for(timeout=30_000)
     note = page.get_by_role("dialog").filter(has_text="Model Registry UI")
     note.or_(page.get_by_role("row").nth(len(MODELS))).first.wait_for(timeout=30_000)
@@ -403,3 +428,26 @@ def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
     states = dict(re.findall(r"^(\w+)\n(?:gpu\n)?(Completed|Cached|Failed|Crashed|Running)$", text, re.MULTILINE))
     assert states == {s: "Completed" if s in UNFINISHED else "Cached" for s in STAGES}, text
     seen(page, "prefect-flow-run")
+
+
+@pytest.mark.slow
+def test_the_sweeps_cells_read_side_by_side_in_mlflows_compare_view(visit):
+    """The link the sweep's summary gives (its Prefect artifact, ``rlhf sweep``'s last line)
+    opens the MLflow UI's compare view of its two cells: both runs by name, and with "Show diff
+    only" the parameters in which they differ, with each cell's value, and none of the others."""
+    if not SWEPT:
+        pytest.skip("needs the sweep's deployment run of test_a_sweep_runs_its_cells_at_once..., in the same process")
+    page = visit(SWEPT["link"], LAPTOP).page
+    page.get_by_role("heading", name="Comparing 2 Runs from 1 Experiment").wait_for(timeout=30_000)
+    close_mlflow_assistant(page)
+    names = page.get_by_role("row").filter(has_text="Run Name:").inner_text()
+    assert all(name in names for name in SWEPT["names"]), names
+    page.get_by_role("switch", name="Parameters - Show diff only").click()
+    for key, values in SWEPT["differ"].items():
+        row = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name=key, exact=True))
+        assert row.is_visible() and row.inner_text().split("\t")[1:] == list(values), key
+    for key in SWEPT["same"]:
+        assert page.get_by_role("rowheader", name=key, exact=True).count() == 0, f"{key}: the same in both, yet shown"
+    if os.environ.get("RLHF_SCREENSHOTS"):
+        page.get_by_text("Parameters", exact=True).first.scroll_into_view_if_needed()
+        page.screenshot(path=str(Path(os.environ["RLHF_SCREENSHOTS"]) / "mlflow-compare.png"), animations="disabled")

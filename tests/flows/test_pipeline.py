@@ -192,7 +192,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     # copy: the evaluation artifact stays identical for identical work).
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     report = Path(first["report"]).read_text()
-    this_run = report[report.index("<h2>This run</h2>") : report.index("<h2>Headline</h2>")]
+    this_run = report[report.index("<h2>This run</h2>") : report.index('<h2 id="headline">Headline</h2>')]
     for value in ("smoke", parent.data.tags["rlhf.config_digest"], head, parent.info.run_id):
         assert f"<td>{value}" in this_run, value
     assert parent.data.tags["mlflow.source.git.commit"] == head == sft_run.data.tags["mlflow.source.git.commit"]

@@ -16,6 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from rlhf_core.run.pipeline import STAGES
 from rlhf_core.run.sweep import COLUMNS
+from tasks.mlflow_tracking import MLFLOW_UI, compare_link
 
 from .test_pipeline import finished_task_runs, flow_env
 
@@ -86,6 +87,8 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
     rows = result["cells"]
     assert [r["cell"] for r in rows] == ["smoke/seed=1", "smoke/seed=2"]
     assert result["flags"] == {} and all(r["error"] is None for r in rows)
+    cells_side_by_side = compare_link(MLFLOW_UI, sweep_run.info.experiment_id, [r["mlflow_run_id"] for r in rows])
+    assert result["compare"] == f"mlflow ui --backend-store-uri {client.tracking_uri}, then {cells_side_by_side}"
     measured = {"SFT ROUGE-L": "sft/eval/rougeL", "RM accuracy": "reward_eval/eval/accuracy"}
     measured |= {"DPO accuracy": "dpo_eval/eval/accuracy", "PPO win rate": "evaluation/eval/ppo/win_rate"}
     measured |= {"DPO win rate": "evaluation/eval/dpo/win_rate", "PPO KL": "ppo/objective/kl"}

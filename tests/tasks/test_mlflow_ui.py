@@ -6,8 +6,17 @@ MLflow 3.x's UI opens by default. Read as a person reads the page: visible text,
 import re
 
 from mlflow import MlflowClient
+from mlflow.entities import Param
 
-from tasks.mlflow_tracking import TRAINING_VIEW, experiment_id, experiment_link, ui_link
+from tasks.mlflow_tracking import (
+    MLFLOW_UI,
+    TRAINING_VIEW,
+    compare_link,
+    experiment_id,
+    experiment_link,
+    ui_address,
+    ui_link,
+)
 from tests.browser import LAPTOP
 
 
@@ -50,3 +59,38 @@ def test_the_printed_links_land_on_the_training_runs(mlflow_server, visit):
     assert page.get_by_role("link", name="sft").is_visible()  # its nested stage run
 
     assert experiment_link(mlflow_server, "no-such-experiment") == mlflow_server
+
+
+def test_the_compare_link_shows_two_runs_and_the_parameters_they_differ_in(mlflow_server, visit):
+    """:func:`compare_link`, which a sweep prints for its cells, opens the MLflow UI's compare
+    view: both runs by name, and with "Show diff only" the parameter that differs alone."""
+    client = MlflowClient(tracking_uri=mlflow_server)
+    exp = experiment_id(client, "rlhf-tldr-compare")
+    runs = []
+    for seed in (1, 2):
+        run = client.create_run(exp, run_name=f"smoke/seed={seed}")
+        client.log_batch(run.info.run_id, params=[Param("seed", str(seed)), Param("ppo.kl_coef", "0.05")])
+        client.set_terminated(run.info.run_id)
+        runs.append(run.info.run_id)
+
+    page = visit(compare_link(mlflow_server, exp, runs), LAPTOP).page
+    page.get_by_role("heading", name="Comparing 2 Runs from 1 Experiment").wait_for(timeout=30_000)
+    names = page.get_by_role("row").filter(has_text="Run Name:").inner_text()
+    assert "smoke/seed=1" in names and "smoke/seed=2" in names
+    page.get_by_role("switch", name="Parameters - Show diff only").click()
+    seed = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name="seed", exact=True))
+    assert seed.is_visible() and seed.inner_text().split("\t")[1:] == ["1", "2"]
+    assert page.get_by_role("rowheader", name="ppo.kl_coef", exact=True).count() == 0  # the same in both
+
+
+def test_the_ui_of_a_store_is_its_server_without_credentials_or_mlflow_ui_over_a_local_store():
+    assert ui_address("http://127.0.0.1:5000") == ("http://127.0.0.1:5000", "")
+    assert ui_address("https://alice:s3cret@mlflow.example.org/ml") == ("https://mlflow.example.org/ml", "")
+    assert ui_address("sqlite:///runs/smoke/mlflow.db") == (
+        MLFLOW_UI,
+        "mlflow ui --backend-store-uri sqlite:///runs/smoke/mlflow.db",
+    )
+    link = compare_link("http://127.0.0.1:5000/", "3", ["a1", "b2"])
+    assert link == (
+        f"http://127.0.0.1:5000/#/compare-runs?runs=%5B%22a1%22%2C%22b2%22%5D&experiments=%5B%223%22%5D&{TRAINING_VIEW}"
+    )

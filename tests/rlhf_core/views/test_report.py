@@ -158,10 +158,32 @@ def test_report_html_is_self_contained(written):
     assert text.startswith("<!DOCTYPE html>")
     assert not re.search(r"https?://", text)
     assert "<script" not in text.lower() and "javascript:" not in text.lower()
-    assert not re.search(r'(src|href)="(?!data:)', text)
+    assert not re.search(r'(src|href)="(?!data:|#)', text)  # images inline, links within the page
     uris = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
     assert len(uris) == 2
     assert base64.b64decode(uris[0]) == (out / "length_control.png").read_bytes()
+
+
+def test_report_html_lists_its_sections_and_plots_in_its_contents(written):
+    """After the run's name, a contents list links every section below it and each plot, by
+    ids the headings carry."""
+    _, html_path, _ = written
+    text = html_path.read_text()
+    nav = re.search(r'<nav class="contents" aria-label="Contents">(.*?)</nav>', text).group(1)
+    links = re.findall(r'<a href="#([^"]+)">([^<]+)</a>', nav)
+    assert links == [
+        ("headline", "Headline"),
+        ("notes", "Notes"),
+        ("reward-model", "Reward model"),
+        ("plots", "Plots"),
+        ("plot-length-control", "Length control"),
+        ("plot-training", "Training"),
+        ("samples", "Samples"),
+        ("token-shift", "Token shift"),
+    ]
+    for anchor, _ in links:
+        assert text.count(f'id="{anchor}"') == 1, anchor
+    assert text.index(RUN_MARKER) < text.index("<nav") < text.index('<h2 id="headline">')
 
 
 def test_report_html_content_is_escaped_and_readable(written):
@@ -180,8 +202,7 @@ def test_report_html_content_is_escaped_and_readable(written):
     assert "Figure 8" in text  # the default caption of length_control.png
     assert '<span class="tok-shifted" title="rank 5"> &lt;world&gt;</span>' in text  # trusted fragment, raw
     order = [
-        text.index(h)
-        for h in ("<h2>Headline", "<h2>Notes", "<h2>Reward model", "<h2>Plots", "<h2>Samples", "<h2>Token shift")
+        text.index(h) for h in (">Headline<", ">Notes<", ">Reward model<", ">Plots<", ">Samples<", ">Token shift<")
     ]
     assert order == sorted(order)
 
@@ -209,7 +230,7 @@ def test_a_stamped_copy_names_its_run_and_the_stage_report_stays_as_written(writ
     text, md = stamped.read_text(), (tmp_path / "run" / "report.md").read_text()
     assert RUN_MARKER not in text and RUN_MARKER not in md
     title = text.index("<h1>")
-    assert title < text.index("<h2>This run</h2>") < text.index("<h2>Headline</h2>")
+    assert title < text.index("<h2>This run</h2>") < text.index("<nav") < text.index('<h2 id="headline">')
     assert "<td>&lt;run&amp;1&gt;</td>" in text and "<td>0123abcd</td>" in text  # escaped values
     assert md.index("## This run") < md.index("## Headline") and "| commit | deadbeef |" in md
     assert (tmp_path / "run" / "length_control.png").read_bytes() == before["length_control.png"]
@@ -217,6 +238,6 @@ def test_a_stamped_copy_names_its_run_and_the_stage_report_stays_as_written(writ
     # a report written before the marker existed gets the table right after its title
     (out / "report.html").write_text(before["report.html"].decode().replace(RUN_MARKER, ""))
     older = stamp_report(out, tmp_path / "older", run, files).read_text()
-    assert older.index("</h1>") < older.index("<h2>This run</h2>") < older.index("<h2>Headline</h2>")
+    assert older.index("</h1>") < older.index("<h2>This run</h2>") < older.index('<h2 id="headline">')
     with pytest.raises(FileNotFoundError, match="has no report.html"):
         stamp_report(tmp_path / "nothing", tmp_path / "x", run, files)

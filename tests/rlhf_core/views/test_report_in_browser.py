@@ -55,6 +55,8 @@ def test_the_report_reads_well_on_a_laptop_and_a_phone(report, visit, viewport):
     assert page.locator("img").count() == len(list(report.parent.glob("*.png"))) >= 2  # every plot, shown
     assert broken_images(page) == []
     assert seen.console_errors == []
+    contents = page.get_by_role("navigation", name="Contents").get_by_role("link")
+    assert contents.count() >= 5 and contents.first.is_visible()  # the sections and the plots
     assert unresolved_links(page, report.parent) == []
     assert horizontal_overflow(page) == 0, "the page scrolls sideways: a table or image is wider than the screen"
     for table in page.get_by_role("table").all():  # each table's own box fits the screen; it scrolls inside it
@@ -77,16 +79,25 @@ def test_the_first_table_shows_without_scrolling_on_a_laptop(report, visit):
 
 def test_the_checks_see_a_broken_image_and_a_table_wider_than_a_phone(report, visit, tmp_path):
     """The checks above fail where a person would see something wrong: a plot whose data is
-    corrupt shows as a broken image, and a table out of its scrolling box pushes the page wider
-    than a phone's screen."""
+    corrupt shows as a broken image, one cut short as a part of one, a table out of its scrolling box pushes the page wider
+    than a phone's screen, and a contents entry whose section lost its id leads nowhere."""
     text = report.read_text()
     first = re.search(r'<img src="data:image/png;base64,([^"]+)" alt="([^"]+)"', text)
     broken = tmp_path / "broken" / "report.html"
     broken.parent.mkdir()
     broken.write_text(text.replace(first.group(1), "bm90IGEgUE5H", 1))  # "not a PNG"
     assert broken_images(visit(broken.as_uri(), LAPTOP).page) == [first.group(2)]
+    cut = tmp_path / "cut" / "report.html"  # a PNG cut short, which Chromium reports loaded
+    cut.parent.mkdir()
+    cut.write_text(text.replace(first.group(1), first.group(1)[:400], 1))
+    assert broken_images(visit(cut.as_uri(), LAPTOP).page) == [first.group(2)]
 
     wide = tmp_path / "wide" / "report.html"
     wide.parent.mkdir()
     wide.write_text(text.replace("</head>", "<style>.table{overflow-x:visible}</style></head>", 1))
     assert horizontal_overflow(visit(wide.as_uri(), PHONE).page) > 0
+
+    lost = tmp_path / "lost" / "report.html"
+    lost.parent.mkdir()
+    lost.write_text(text.replace('<h2 id="headline">', "<h2>", 1))
+    assert unresolved_links(visit(lost.as_uri(), LAPTOP).page, lost.parent) == ["#headline"]
