@@ -12,6 +12,9 @@ Three judges share one interface (``name``, ``thread_safe``, ``answer(prompt) ->
 - :class:`AnthropicJudge`: a Claude model through the Anthropic Messages API.
 - :class:`OpenAIJudge`: a model on any OpenAI-compatible server (the OpenAI API, vLLM,
   llama.cpp, Ollama) through the Chat Completions API.
+
+  Both build on ``api_judge.ApiJudge``: the settings, the key kept out of every message, the
+  token count and the errors their SDKs' failures become.
 - :class:`OfflineJudge`: a local Hugging Face causal LM that compares the next-token
   probabilities of the letters A and B after ``Preferred:``; for runs without network.
 

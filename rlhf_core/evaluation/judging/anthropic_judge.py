@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import anthropic
 
-from .errors import FATAL_STATUSES, JudgeConfigError, JudgeRequestError
+from .api_judge import ApiJudge
+from .errors import JudgeConfigError, JudgeRequestError
 
 
-class AnthropicJudge:
+class AnthropicJudge(ApiJudge):
     """A Claude model as judge, through the Anthropic Messages API (``anthropic.Anthropic``).
 
     The prompt is sent as the single user turn; the reply's text blocks, joined, are the
@@ -26,9 +26,8 @@ class AnthropicJudge:
     guaranteed to repeat; :class:`JudgementCache` makes a finished evaluation reproducible.
     The SDK sends the key as ``Authorization: Bearer <key>``.
 
-    The API key is never shown: ``repr``/``str`` leave it out, it is replaced by
-    ``[redacted]`` in every error message this class raises (even one the server echoes),
-    and the SDK's own exception is not chained to them.
+    The API key is never shown (:class:`~.api_judge.ApiJudge`), and the SDK's own exception is
+    not chained to the errors raised.
 
     Args:
         model: the model id, e.g. ``claude-haiku-4-5``; also the judge's ``name``.
@@ -42,8 +41,6 @@ class AnthropicJudge:
     Raises:
         JudgeConfigError: no key given and ``ANTHROPIC_API_KEY`` unset or empty.
     """
-
-    thread_safe = True
 
     def __init__(
         self,
@@ -61,33 +58,10 @@ class AnthropicJudge:
             raise JudgeConfigError(
                 "AnthropicJudge needs an API key: set the ANTHROPIC_API_KEY environment variable (or pass api_key=...)"
             )
-        self.model = model
-        self.name = model
-        self.max_retries = int(max_retries)
-        self.timeout = float(timeout)
-        self.max_tokens = int(max_tokens)
+        super().__init__(model, key, max_retries, timeout, max_tokens)
         self._client = anthropic.Anthropic(
             api_key=key, base_url=base_url, max_retries=self.max_retries, timeout=self.timeout
         )
-        self._secret = key
-        self._usage_lock = threading.Lock()
-        self.usage = {"requests": 0, "input_tokens": 0, "output_tokens": 0}
-
-    @property
-    def base_url(self) -> str:
-        """The address requests go to."""
-        return str(self._client.base_url)
-
-    def __repr__(self) -> str:
-        return (
-            f"AnthropicJudge(model={self.model!r}, base_url={self.base_url!r}, max_retries={self.max_retries}, "
-            f"timeout={self.timeout}, max_tokens={self.max_tokens})"
-        )
-
-    __str__ = __repr__
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "[redacted]") if self._secret else text
 
     def answer(self, prompt: str) -> str:
         """Send ``prompt`` and return the text of the reply (possibly empty).
@@ -104,33 +78,17 @@ class AnthropicJudge:
             error = err.body.get("error") if isinstance(err.body, dict) else None
             etype = error.get("type") if isinstance(error, dict) else None
             emsg = error.get("message") if isinstance(error, dict) else err.message
-            request_id = getattr(err, "request_id", None)
-            text = f"{self.model}: HTTP {err.status_code} {etype or type(err).__name__}: {emsg}"
-            if request_id:
-                text += f" (request-id {request_id})"
-            if err.status_code not in FATAL_STATUSES:
-                text += f"; gave up after {self.max_retries} retries"
-            raise JudgeRequestError(self._scrub(text), err.status_code, err.status_code in FATAL_STATUSES) from None
+            etype = str(etype or type(err).__name__)
+            raise self._status_error(err.status_code, etype, emsg, getattr(err, "request_id", None)) from None
         except anthropic.APITimeoutError:
-            raise JudgeRequestError(
-                f"{self.model}: timed out after {self.timeout} s; gave up after {self.max_retries} retries"
-            ) from None
+            raise self._timeout_error() from None
         except anthropic.APIConnectionError as err:
-            raise JudgeRequestError(
-                self._scrub(
-                    f"{self.model}: connection to {self.base_url} failed ({err.message}); "
-                    f"gave up after {self.max_retries} retries"
-                )
-            ) from None
+            raise self._connection_error(err.message) from None
         except (anthropic.APIResponseValidationError, ValueError) as err:
-            text = f"{self.model}: unreadable reply: {type(err).__name__}: {err}"
-            raise JudgeRequestError(self._scrub(text)) from None
+            raise self._unreadable(err) from None
         text = self._message_text(message)
         usage = getattr(message, "usage", None)
-        with self._usage_lock:
-            self.usage["requests"] += 1
-            self.usage["input_tokens"] += int(getattr(usage, "input_tokens", 0) or 0)
-            self.usage["output_tokens"] += int(getattr(usage, "output_tokens", 0) or 0)
+        self._count(getattr(usage, "input_tokens", 0), getattr(usage, "output_tokens", 0))
         return text
 
     def _message_text(self, message: Any) -> str:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import openai
 
 from ...config.settings import OPENAI_API_URL, is_openai_api
-from .errors import FATAL_STATUSES, JudgeConfigError, JudgeRequestError
+from .api_judge import ApiJudge
+from .errors import JudgeConfigError, JudgeRequestError
 
 #: The key sent to a server that needs none (any OpenAI-compatible server but the OpenAI API)
 #: when ``OPENAI_API_KEY`` is unset: the client cannot be built without one.
@@ -45,7 +45,7 @@ def _connection_text(err: openai.APIConnectionError) -> str:
     return f"{err.message} {type(cause).__name__}: {cause}" if cause is not None else err.message
 
 
-class OpenAIJudge:
+class OpenAIJudge(ApiJudge):
     """A model on an OpenAI-compatible server as judge, through the Chat Completions API
     (``openai.OpenAI``): the OpenAI API itself, or vLLM, llama.cpp's server, Ollama and the like.
 
@@ -65,10 +65,9 @@ class OpenAIJudge:
 
     The key: ``api_key``, else ``OPENAI_API_KEY``; the OpenAI API (host ``api.openai.com``)
     needs one, another server is sent ``OPENAI_API_KEY`` when set and :data:`NO_KEY`
-    otherwise. The SDK sends it as ``Authorization: Bearer <key>``. It is never shown:
-    ``repr``/``str`` leave it out, it is replaced by ``[redacted]`` in every error message
-    this class raises (even one the server echoes), and the SDK's own exception is not
-    chained to them.
+    otherwise. The SDK sends it as ``Authorization: Bearer <key>``. It is never shown
+    (:class:`~.api_judge.ApiJudge`), and the SDK's own exception is not chained to the errors
+    raised.
 
     Args:
         model: the model id the server serves, e.g. ``gpt-4o-mini`` or
@@ -86,8 +85,6 @@ class OpenAIJudge:
             and ``base_url`` the OpenAI API.
     """
 
-    thread_safe = True
-
     def __init__(
         self,
         model: str,
@@ -100,34 +97,11 @@ class OpenAIJudge:
         if not model:
             raise JudgeConfigError("OpenAIJudge needs a model id (eval.judge_model)")
         key = _key(api_key, base_url, "OpenAIJudge")
-        self.model = model
-        self.name = model
-        self.max_retries = int(max_retries)
-        self.timeout = float(timeout)
-        self.max_tokens = int(max_tokens)
+        super().__init__(model, key, max_retries, timeout, max_tokens)
         self.openai_api = is_openai_api(base_url)
         self._client = openai.OpenAI(
             api_key=key or NO_KEY, base_url=base_url, max_retries=self.max_retries, timeout=self.timeout
         )
-        self._secret = key
-        self._usage_lock = threading.Lock()
-        self.usage = {"requests": 0, "input_tokens": 0, "output_tokens": 0}
-
-    @property
-    def base_url(self) -> str:
-        """The address requests go to."""
-        return str(self._client.base_url)
-
-    def __repr__(self) -> str:
-        return (
-            f"OpenAIJudge(model={self.model!r}, base_url={self.base_url!r}, max_retries={self.max_retries}, "
-            f"timeout={self.timeout}, max_tokens={self.max_tokens})"
-        )
-
-    __str__ = __repr__
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "[redacted]") if self._secret else text
 
     def answer(self, prompt: str) -> str:
         """Send ``prompt`` and return the text of the reply (possibly empty).
@@ -146,34 +120,16 @@ class OpenAIJudge:
                 model=self.model, messages=[{"role": "user", "content": prompt}], **limits
             )
         except openai.APIStatusError as err:
-            etype, emsg = _status_text(err)
-            text = f"{self.model}: HTTP {err.status_code} {etype}: {emsg}"
-            if err.request_id:
-                text += f" (request-id {err.request_id})"
-            if err.status_code not in FATAL_STATUSES:
-                text += f"; gave up after {self.max_retries} retries"
-            raise JudgeRequestError(self._scrub(text), err.status_code, err.status_code in FATAL_STATUSES) from None
+            raise self._status_error(err.status_code, *_status_text(err), err.request_id) from None
         except openai.APITimeoutError:
-            raise JudgeRequestError(
-                f"{self.model}: timed out after {self.timeout} s; gave up after {self.max_retries} retries"
-            ) from None
+            raise self._timeout_error() from None
         except openai.APIConnectionError as err:
-            raise JudgeRequestError(
-                self._scrub(
-                    f"{self.model}: connection to {self.base_url} failed ({_connection_text(err)}); "
-                    f"gave up after {self.max_retries} retries"
-                )
-            ) from None
+            raise self._connection_error(_connection_text(err)) from None
         except (openai.APIResponseValidationError, ValueError) as err:
-            raise JudgeRequestError(
-                self._scrub(f"{self.model}: unreadable reply: {type(err).__name__}: {err}")
-            ) from None
+            raise self._unreadable(err) from None
         text = self._completion_text(completion)
         usage = getattr(completion, "usage", None)
-        with self._usage_lock:
-            self.usage["requests"] += 1
-            self.usage["input_tokens"] += int(getattr(usage, "prompt_tokens", 0) or 0)
-            self.usage["output_tokens"] += int(getattr(usage, "completion_tokens", 0) or 0)
+        self._count(getattr(usage, "prompt_tokens", 0), getattr(usage, "completion_tokens", 0))
         return text
 
     def _completion_text(self, completion: Any) -> str:
