@@ -106,10 +106,7 @@ def evaluate(
     with attempt(work_root(), parent_id, str(flow_run.get_id() or "") or None):
         try:
             store = ArtifactStore()
-            records = stage_records(cfg, EVALUATE_STAGES, parent_id, store, logger)
-            for stage, record in records.items():
-                client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
-                client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")
+            records = stage_records(cfg, EVALUATE_STAGES, client, parent_id, store, logger)
             tracker.log_metrics(records["policy_eval"].metrics)
             report = _stamped_report(cfg, client, parent_id, records["policy_eval"].key, store)
             tracker.close()

@@ -83,10 +83,8 @@ def _run_stages(
     report and the model registrations; the run ends FINISHED, or FAILED on an error."""
     try:
         store = ArtifactStore()
-        records = stage_records(cfg, names, parent_id, store, logger)
+        records = stage_records(cfg, names, client, parent_id, store, logger)
         for stage, record in records.items():
-            client.set_tag(parent_id, f"rlhf.artifact.{stage}", record.uri)
-            client.set_tag(parent_id, f"rlhf.stage_run.{stage}", record.mlflow_run_id or "")
             tracker.log_metrics({f"{stage}/{k}": v for k, v in record.metrics.items()})
         if "data" in records:  # the TL;DR splits as the run's dataset inputs
             data_dir = store.local_path(records["data"].key, work_root() / "downloads")
@@ -137,11 +135,13 @@ def _run_stages(
 
 
 def stage_records(
-    cfg: PipelineConfig, names: list[str], parent_id: str, store: ArtifactStore, logger: Any
+    cfg: PipelineConfig, names: list[str], client: MlflowClient, parent_id: str, store: ArtifactStore, logger: Any
 ) -> dict[str, StageRecord]:
     """Run (or take from the cache) the stages ``names`` in order as Prefect tasks under the MLflow
     run ``parent_id``, each reading its inputs' records; a cache entry whose artifact was deleted
-    or damaged since runs its stage again. Returns each stage's record."""
+    or damaged since runs its stage again. As each stage ends, ``parent_id`` is tagged with its
+    artifact (``rlhf.artifact.<stage>``) and MLflow run (``rlhf.stage_run.<stage>``). Returns each
+    stage's record."""
     c = cfg.model_dump()
     storage = result_storage(store)  # cache entries beside the artifacts: every worker finds them
     raw: dict[str, dict] = {}
@@ -154,6 +154,8 @@ def stage_records(
             logger.warning("stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage)
             record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
         raw[name] = record
+        client.set_tag(parent_id, f"rlhf.artifact.{name}", record["uri"])
+        client.set_tag(parent_id, f"rlhf.stage_run.{name}", record.get("mlflow_run_id") or "")
     return {name: StageRecord.model_validate(r) for name, r in raw.items()}
 
 
