@@ -98,7 +98,17 @@ def start_mlflow(root: Path) -> Server:
         "--workers",
         "1",
     ]
+    fresh_mlflow_store(root / "mlflow.db")
     return Server("mlflow", cmd, port, root, health_path="/health", timeout=180)
+
+
+def start_prefect(home: Path) -> Server:
+    """A Prefect server (its API and UI) on a free port, its ``PREFECT_HOME`` ``home``
+    (:func:`fresh_prefect_home`: the database migrated once per pytest run, copied)."""
+    port = free_port()
+    cmd = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    env = {"PREFECT_HOME": str(fresh_prefect_home(home))}
+    return Server("prefect", cmd, port, home, health_path="/api/health", env=env, timeout=180)
 
 
 #: An empty Prefect database at Prefect's current schema, migrated once per pytest run (the
@@ -114,3 +124,18 @@ def fresh_prefect_home(home: Path) -> Path:
     if PREFECT_DATABASE and not (home / "prefect.db").exists():
         shutil.copyfile(PREFECT_DATABASE[0], home / "prefect.db")
     return home
+
+
+#: An empty MLflow SQLite store at MLflow's current schema, made once per pytest run (the
+#: ``mlflow_database`` fixture of tests/conftest.py), as MLflow's own suite caches one
+#: (``cached_db``): :func:`fresh_mlflow_store` copies it instead of migrating a new database.
+MLFLOW_DATABASE: list[Path] = []
+
+
+def fresh_mlflow_store(path: Path) -> str:
+    """A new SQLite MLflow store at ``path`` (no experiments but MLflow's ``Default``, no runs,
+    no models), a copy of :data:`MLFLOW_DATABASE` where the session made one: its tracking URI."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if MLFLOW_DATABASE and not path.exists():
+        shutil.copyfile(MLFLOW_DATABASE[0], path)
+    return f"sqlite:///{path}"

@@ -40,6 +40,23 @@ def made_once(shared: Path, name: str, build: Callable[[Path], object]) -> Path:
     return done
 
 
+def run_made_once(shared: Path, name: str, build: Callable[[Path], object]) -> Path:
+    """``shared/NAME``, a run directory made by ``build(directory)`` once for all test processes
+    of the pytest run, in place (its stores hold its absolute paths, so it is never renamed),
+    and read only after: processes side by side wait for the one that makes it (a file lock);
+    ``NAME.done`` marks it finished, and a directory without it is made again."""
+    from filelock import FileLock
+
+    done, marker = shared / name, shared / f"{name}.done"
+    with FileLock(str(done) + ".lock"):
+        if not marker.exists():
+            shutil.rmtree(done, ignore_errors=True)
+            done.mkdir()
+            build(done)
+            marker.touch()
+    return done
+
+
 def finished_run(shared: Path, until: str, overrides: list[str]) -> Path:
     """A run directory of ``rlhf stages --preset smoke OVERRIDES --until UNTIL`` under
     :data:`BITWISE_ENV`, made once in ``shared`` for each ``(until, overrides)``

@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 from tasks.mlflow_tracking import TRAINING_VIEW, compare_link, experiment_link, ui_link
 from tasks.storage import ArtifactStore
 from tests.browser import LAPTOP, close_mlflow_assistant
-from tests.servers import free_port, fresh_prefect_home
+from tests.servers import free_port, fresh_mlflow_store, fresh_prefect_home
 
 # The tests share one server stack: one test process runs them.
 pytestmark = pytest.mark.xdist_group("server-stack")
@@ -66,7 +66,8 @@ def server_stack(tmp_path_factory):
     module; session-scoped, so that a test process which runs other tests between them does not
     stop and start it again."""
     root = tmp_path_factory.mktemp("stack")
-    fresh_prefect_home(root / "stack" / "prefect")  # the server's database, migrated already
+    fresh_prefect_home(root / "stack" / "prefect")  # the servers' databases, migrated already
+    fresh_mlflow_store(root / "stack" / "mlflow.db")
     env = {
         **os.environ,
         "STACK_DIR": str(root / "stack"),

@@ -18,7 +18,8 @@ from mlflow.tracking import MlflowClient
 from rlhf_core.config.settings import policy_key
 from rlhf_core.run.pipeline import STAGES
 from tasks.storage import ArtifactStore
-from tests.servers import fresh_prefect_home
+from tests.servers import fresh_mlflow_store, fresh_prefect_home
+from tests.stages import run_made_once
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = [
@@ -39,13 +40,20 @@ FAST = [
 ]
 
 
-def flow_env(root: Path, migrated: bool = True) -> dict:
+def flow_env(root: Path, migrated: bool = True, api: str | None = None, store: bool = True) -> dict:
     """The environment of an ``rlhf`` command on the run directory ``root``: its own Prefect home
     (:func:`fresh_prefect_home` the first time, unless not ``migrated``: then the first command
-    creates its database), MLflow store, artifact root and work directory."""
+    creates its database), MLflow store (with ``store``, a copy of the migrated one the first
+    time: :func:`fresh_mlflow_store`), artifact root and work directory. With ``api`` (the
+    ``prefect_api`` fixture), the command's flow runs on that Prefect server; without, on a
+    temporary server of its own (Prefect's ephemeral mode, which ``rlhf run`` starts)."""
     home = fresh_prefect_home(root / "prefect") if migrated else root / "prefect"
+    if store:
+        fresh_mlflow_store(root / "mlflow.db")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     return {
-        **os.environ,
+        **env,
+        **({"PREFECT_API_URL": api} if api else {}),
         "PREFECT_HOME": str(home),
         "RLHF_ARTIFACT_ROOT": str(root / "artifacts"),
         "RLHF_WORK_DIR": str(root / "work"),
@@ -57,21 +65,26 @@ def flow_env(root: Path, migrated: bool = True) -> dict:
     }
 
 
-def rlhf_run(root: Path, *args: str, env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
-    """``rlhf run --preset smoke ARGS --out ROOT`` in a subprocess, with the run's own stores."""
+def rlhf_run(
+    root: Path, *args: str, env: dict | None = None, timeout: int = 900, api: str | None = None, store: bool = True
+) -> subprocess.CompletedProcess:
+    """``rlhf run --preset smoke ARGS --out ROOT`` in a subprocess, with the run's own stores
+    (:func:`flow_env`: ``api``, ``store``)."""
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--preset", "smoke", *args, "--out", str(root)],
         cwd=root,
-        env={**flow_env(root), **(env or {})},
+        env={**flow_env(root, api=api, store=store), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
 
 
-def run_flow(root: Path, *overrides: str, timeout: int = 900, env: dict | None = None) -> tuple[dict, str]:
+def run_flow(
+    root: Path, *overrides: str, timeout: int = 900, env: dict | None = None, api: str | None = None
+) -> tuple[dict, str]:
     """A short smoke run (``FAST``) that must succeed: its JSON record and its whole output."""
-    result = rlhf_run(root, "--json", *FAST, *overrides, env=env, timeout=timeout)
+    result = rlhf_run(root, "--json", *FAST, *overrides, env=env, timeout=timeout, api=api)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     out = result.stdout
     return json.loads(out[out.index("{\n") : out.rindex("}") + 1]), result.stdout + result.stderr
@@ -149,18 +162,25 @@ def check_registered_models_load_with_pyfunc(root: Path, result: dict) -> None:
 
 
 @pytest.fixture(scope="session")
-def first_run(tmp_path_factory) -> tuple[Path, dict, str]:
-    """One ``rlhf run`` of every stage from nothing (``FAST``): its directory, JSON record and
-    output. Shared by the tests of the ``smoke-flow`` group (one test process runs them all):
-    the caching test goes on in its directory; the digest test compares a second run with it."""
-    root = tmp_path_factory.mktemp("first-run")
-    record, log = run_flow(root)
-    return root, record, log
+def first_run(shared_runs, prefect_api) -> tuple[Path, dict, str]:
+    """One ``rlhf run`` of every stage from nothing (``FAST``), made once for all test processes
+    (:func:`tests.stages.run_made_once`): its directory, JSON record and output. The tests of
+    the ``smoke-flow`` group (one test process runs them, one after the other) go on in its
+    directory; the digest test (group ``two-at-once``) reads only its record, taken before any
+    other test used the directory."""
+
+    def build(root: Path) -> None:
+        record, log = run_flow(root, api=prefect_api)
+        (root / "first-run.json").write_text(json.dumps(record))
+        (root / "first-run.log").write_text(log)
+
+    root = run_made_once(shared_runs, "first-run", build)
+    return root, json.loads((root / "first-run.json").read_text()), (root / "first-run.log").read_text()
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("smoke-flow")
-def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_run):
+def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_run, prefect_api):
     tmp_path, first, log = first_run
     assert states(log) == {s: "Completed" for s in first["stages"]}
     for stage in first["stages"]:  # each stage's freed memory given back before the next one runs
@@ -221,7 +241,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     # A fresh PREFECT_HOME, as in a new container: the cache entries live beside the artifacts
     # (tasks.stages.result_storage), so the unchanged stages are still cache hits.
     fresh_home = fresh_prefect_home(tmp_path / "prefect-fresh")  # no flow runs, no cache records
-    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(fresh_home)})
+    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(fresh_home)}, api=prefect_api)
     s = states(log)
     assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     assert "stage ppo runs: its settings changed: ppo.kl_coef 0.05 -> 0.1" in log  # why, in the task's log
@@ -245,7 +265,9 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
         fh.seek(size // 2)
         fh.write(bytes(65_536))
     assert weights.stat().st_size == size
-    third, log = run_flow(tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5")
+    third, log = run_flow(
+        tmp_path, "ppo.kl_coef=0.1", "reward.eval_max_samples=2", "eval.title_copy_threshold=0.5", api=prefect_api
+    )
     s = states(log)
     # reward.eval_* also sets which pairs DPO's implicit reward model is evaluated on
     rerun = [s.pop(name) for name in ("reward_eval", "dpo_eval", "dpo", "ppo", "evaluation")]
@@ -265,7 +287,9 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     # Two training processes (the GPU pools set RLHF_NPROC_PER_NODE from their `gpus` job
     # variable): the task launches SFT under torchrun, 2 gloo ranks with half the micro-batch,
     # relays rank 0's records to MLflow, and trains exactly like the single process above.
-    fourth, log = run_flow(tmp_path, "sft.micro_batch_size=2", "--until", "sft", env={"RLHF_NPROC_PER_NODE": "2"})
+    fourth, log = run_flow(
+        tmp_path, "sft.micro_batch_size=2", "--until", "sft", env={"RLHF_NPROC_PER_NODE": "2"}, api=prefect_api
+    )
     assert states(log) == {"data": "Cached", "base_model": "Cached", "sft": "Completed"}
     assert "sft: 2 processes" in log and "torch.distributed.run" in log
 
@@ -283,13 +307,13 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
 EVAL_FAST = [o for o in FAST if o.startswith("eval.")]
 
 
-def rlhf_evaluate(root: Path, *args: str) -> tuple[dict, str]:
+def rlhf_evaluate(root: Path, *args: str, api: str | None = None) -> tuple[dict, str]:
     """``rlhf evaluate --preset smoke --json ARGS`` (with ``FAST``'s evaluation settings) in a subprocess on ``root``'s stores;
     it must succeed: its JSON record and its whole output."""
     result = subprocess.run(
         [sys.executable, "-m", "flows.cli", "evaluate", "--preset", "smoke", "--json", *args, *EVAL_FAST],
         cwd=root,
-        env=flow_env(root),
+        env=flow_env(root, api=api),
         capture_output=True,
         text=True,
         timeout=900,
@@ -301,12 +325,13 @@ def rlhf_evaluate(root: Path, *args: str) -> tuple[dict, str]:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("smoke-flow")
-def test_evaluate_two_checkpoints_and_a_registered_model_in_one_mlflow_run_and_report(first_run):
+def test_evaluate_two_checkpoints_and_a_registered_model_in_one_mlflow_run_and_report(first_run, prefect_api):
     root, first, _ = first_run
     sft = str(Path(first["stages"]["sft"]["uri"]) / "model")
     base = first["stages"]["base_model"]["uri"]
     registered = "models:/rlhf-tldr-policy@latest-pipeline"
-    result, log = rlhf_evaluate(root, "--policy", sft, "--policy", base, "--policy", registered, "--out", str(root))
+    policies = ["--policy", sft, "--policy", base, "--policy", registered]
+    result, log = rlhf_evaluate(root, *policies, "--out", str(root), api=prefect_api)
     assert states(log) == {"data": "Cached", "base_model": "Cached", "policy_eval": "Completed"}
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     run = client.get_run(result["mlflow_run_id"])
@@ -326,7 +351,7 @@ def test_evaluate_two_checkpoints_and_a_registered_model_in_one_mlflow_run_and_r
         assert f"| {name} | " in md
     assert f"| {run.info.run_id} in sqlite:" in md.replace("| MLflow run | ", "| ")  # the report names its run
     # the same policies again: the stage comes from the cache, keyed by their files
-    again, log = rlhf_evaluate(root, "--policy", sft, "--policy", base, "--policy", registered, "--out", str(root))
+    again, log = rlhf_evaluate(root, *policies, "--out", str(root), api=prefect_api)
     assert states(log) == {"data": "Cached", "base_model": "Cached", "policy_eval": "Cached"}
     assert again["stages"]["policy_eval"] == result["stages"]["policy_eval"]
 
@@ -342,14 +367,15 @@ def test_run_with_a_bad_setting_stops_before_starting_anything(tmp_path, capsys)
 
 @pytest.fixture(scope="session")
 def two_runs_at_once(tmp_path_factory) -> tuple[Path, list[str]]:
-    """Two ``rlhf run --until reward_norm`` processes (``FAST``) started together on one new run
-    directory: the directory and their outputs. The ``smoke-flow`` group's digest test goes on
-    in it, after the test of the two runs."""
+    """Two ``rlhf run --until reward_norm`` processes (``FAST``), each on a temporary Prefect
+    server of its own, started together on one new run directory: the directory and their
+    outputs. The ``two-at-once`` group's digest test goes on in it, after the test of the two runs."""
     root = tmp_path_factory.mktemp("two-at-once")
     argv = [sys.executable, "-m", "flows.cli", "run", "--json", "--preset", "smoke", *FAST, "--until", "reward_norm"]
-    # Both create the Prefect database as well (no copy of a migrated one), which keeps them in
-    # step until their first stage: one then computes each stage while the other waits for it.
-    env = flow_env(root, migrated=False)
+    # Both create the Prefect and MLflow databases as well (no copies of migrated ones), which
+    # keeps them in step until their first stage: one then computes each stage while the other
+    # waits for it.
+    env = flow_env(root, migrated=False, store=False)
     procs = [
         subprocess.Popen(
             [*argv, "--out", str(root)],
@@ -368,7 +394,7 @@ def two_runs_at_once(tmp_path_factory) -> tuple[Path, list[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smoke-flow")
+@pytest.mark.xdist_group("two-at-once")
 def test_two_runs_at_once_on_one_fresh_directory_give_one_result(two_runs_at_once):
     """Two ``rlhf run`` processes started together on one new run directory: the stores are
     created once, each stage is computed by one of them while the other waits for it, and both
@@ -405,7 +431,7 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(two_runs_at_onc
 )
 def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, setup, env, message):
     setup(tmp_path)
-    result = rlhf_run(tmp_path, env=env, timeout=600)
+    result = rlhf_run(tmp_path, env=env, timeout=600, store=False)
     assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
     assert re.search(r"rlhf run: error: .*" + message, result.stderr)
     assert "Task run" not in result.stdout + result.stderr  # no stage started
@@ -413,15 +439,15 @@ def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("smoke-flow")
-def test_identical_work_in_two_directories_gives_identical_digests(first_run, two_runs_at_once):
+@pytest.mark.xdist_group("two-at-once")
+def test_identical_work_in_two_directories_gives_identical_digests(first_run, two_runs_at_once, prefect_api):
     """Timings, absolute paths and random dataset fingerprints stay out of a stage's digest:
     the same settings run twice from nothing, in two directories, give equal digests for every
     stage (the models are bitwise equal), so a re-run of identical work leaves downstream cached.
     The second directory is the one of the two runs at once (stages up to reward_norm), where a
     third run computes the remaining stages."""
     _, first, _ = first_run  # its record, taken before any other test used its directory
-    second, log = run_flow(two_runs_at_once[0])
+    second, log = run_flow(two_runs_at_once[0], api=prefect_api)
     s = states(log)
     assert [s.pop(name) for name in ("data", "base_model", "sft", "reward", "reward_norm")] == ["Cached"] * 5
     assert set(s.values()) == {"Completed"}
@@ -505,7 +531,7 @@ def fails_on_second_call(*args):
 
 
 @pytest.mark.slow
-def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
+def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path, prefect_api):
     """A PPO reward that fails once, in the second update, after the first update's checkpoint:
     Prefect retries the task (orchestration.retries) and PPO resumes from that checkpoint,
     training the second update only once. The run tracks to the store that
@@ -513,6 +539,7 @@ def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
     a summary: its MLflow run, each stage's artifact, and how to open the MLflow UI on that store."""
     (tmp_path / "flaky_reward.py").write_text(FLAKY_REWARD)
     elsewhere = tmp_path / "elsewhere.db"
+    fresh_mlflow_store(elsewhere)
     done = rlhf_run(
         tmp_path,
         *FAST,
@@ -524,6 +551,8 @@ def test_a_failed_stage_is_retried_and_resumes_from_its_checkpoint(tmp_path):
         "--until",
         "ppo",
         env={"PYTHONPATH": str(tmp_path)},
+        api=prefect_api,
+        store=False,
     )
     log = done.stdout + done.stderr
     assert done.returncode == 0, log[-4000:]

