@@ -12,8 +12,9 @@ the test process's name and its start and end time, one JSON line per test:
 Not counted: processes that a test starts and does not reap, such as the server stack of the
 deployment tests (`infra/stack.sh` detaches it) and the flow runs its worker starts.
 
-The summary: the span of the run, each test process's busy time and CPU, the CPU of each test
-file and the N tests that use most.
+The summary: the span of the run; each test process's busy time, its idle time (the span less
+its busy time) with the longest stretch of it, and its CPU; the CPU of each test file and the
+N tests that use most.
 """
 
 from __future__ import annotations
@@ -63,6 +64,18 @@ def pytest_runtest_protocol(item, nextitem):
         fh.write(json.dumps(record) + "\n")
 
 
+def longest_idle(records: list[dict], start: float, span: float) -> float:
+    """The longest time in seconds within the run's span (``start``, ``span``) in which the
+    process of ``records`` ran no test: before its first, between two, or after its last."""
+    edges = sorted((r["start"], r["end"]) for r in records)
+    gaps = [edges[0][0] - start, start + span - max(end for _, end in edges)]
+    reached = edges[0][1]
+    for begin, end in edges[1:]:
+        gaps.append(begin - reached)
+        reached = max(reached, end)
+    return max(0.0, *gaps)
+
+
 def summarise(path: Path, top: int = 30) -> str:
     """The summary of a file of records, as text."""
     records = [json.loads(line) for line in path.open()]
@@ -76,7 +89,10 @@ def summarise(path: Path, top: int = 30) -> str:
         mine = [r for r in records if r["process"] == process]
         busy = sum(r["end"] - r["start"] for r in mine)
         used = sum(cpu[r["test"]] for r in mine)
-        lines.append(f"  {process}: busy {busy:.0f} s, {used:.0f} CPU seconds, {len(mine)} tests")
+        lines.append(
+            f"  {process}: busy {busy:.0f} s, idle {span - busy:.0f} s (longest {longest_idle(mine, start, span):.0f} s), "
+            f"{used:.0f} CPU seconds, {len(mine)} tests"
+        )
     by_file: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for r in records:
         by_file[r["test"].split("::")[0]][0] += cpu[r["test"]]
