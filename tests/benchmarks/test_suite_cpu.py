@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.suite_cpu import summarise
 
 REPO = Path(__file__).resolve().parents[2]
@@ -21,6 +23,7 @@ def test_idle():
 """
 
 
+@pytest.mark.slow
 def test_a_test_is_charged_its_subprocesses_cpu(tmp_path):
     (tmp_path / "test_burn.py").write_text(TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")

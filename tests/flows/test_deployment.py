@@ -24,8 +24,11 @@ from tasks.storage import ArtifactStore
 from tests.browser import LAPTOP, close_mlflow_assistant
 from tests.servers import free_port, fresh_mlflow_store, fresh_prefect_home
 
-# The tests share one server stack: one test process runs them.
-pytestmark = pytest.mark.xdist_group("server-stack")
+# Two groups, each run by one test process (the group's tests read what its first left in that
+# process): the deployment run and its checks in the browser; the sweep's deployment run and its
+# compare view. Each process that runs either starts one server stack (`server_stack`).
+DEPLOYMENT = pytest.mark.xdist_group("server-stack")
+SWEEP = pytest.mark.xdist_group("sweep-stack")
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -63,8 +66,8 @@ SWEPT: dict = {}
 @pytest.fixture(scope="session")
 def server_stack(tmp_path_factory):
     """One stack (Prefect server, MLflow server, worker, deployment) for the tests of this
-    module; session-scoped, so that a test process which runs other tests between them does not
-    stop and start it again."""
+    module that run in this test process; session-scoped, so that a test process which runs
+    other tests between them does not stop and start it again."""
     root = tmp_path_factory.mktemp("stack")
     fresh_prefect_home(root / "stack" / "prefect")  # the servers' databases, migrated already
     fresh_mlflow_store(root / "stack" / "mlflow.db")
@@ -164,6 +167,7 @@ def kill_flow_run(env: dict) -> None:
     psutil.wait_procs(victims, timeout=30)
 
 
+@DEPLOYMENT
 @pytest.mark.slow
 def test_deployment_runs_caches_resumes_and_tracks(stack):
     env = stack
@@ -242,6 +246,8 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     )
 
 
+@SWEEP
+@pytest.mark.slow
 def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
     """`make stack-up` deploys `rlhf/sweep` (infra/prefect.yaml) from flows/sweep.py, its
     default spec the one that runs on a CPU."""
@@ -259,6 +265,7 @@ def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
     assert deployment["work_pool_name"] == "rlhf-process"
 
 
+@SWEEP
 @pytest.mark.slow
 def test_a_sweep_runs_its_cells_at_once_on_the_workers_one_model_stage_at_a_time(server_stack, tmp_path):
     """`rlhf/sweep` with 2 cells at a time and a spec that sets a `gpu` tag limit of 1: each cell
@@ -341,6 +348,7 @@ def test_a_sweep_runs_its_cells_at_once_on_the_workers_one_model_stage_at_a_time
     assert SWEPT["differ"]["seed"] == ("1", "2")
 
 
+@DEPLOYMENT
 @pytest.mark.slow
 def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
     """The deployment run above as a person finds it in a browser (tests/browser.py), read by
@@ -431,6 +439,7 @@ def test_the_smoke_run_reads_well_in_the_mlflow_and_prefect_uis(visit):
     seen(page, "prefect-flow-run")
 
 
+@SWEEP
 @pytest.mark.slow
 def test_the_sweeps_cells_read_side_by_side_in_mlflows_compare_view(visit):
     """The link the sweep's summary gives (its Prefect artifact, ``rlhf sweep``'s last line)

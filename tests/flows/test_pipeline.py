@@ -429,6 +429,7 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(two_runs_at_onc
         ),
     ],
 )
+@pytest.mark.slow
 def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, setup, env, message):
     setup(tmp_path)
     result = rlhf_run(tmp_path, env=env, timeout=600, store=False)

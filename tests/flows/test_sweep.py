@@ -161,6 +161,7 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path, prefect_api):
     assert finished_states(run.stdout + run.stderr)["sft", "Completed"] == 1
 
 
+@pytest.mark.slow
 def test_concurrent_cells_need_the_pipeline_deployment(tmp_path):
     """More than one cell at a time runs each as a run of `rlhf/full-pipeline` on the workers:
     in Prefect's ephemeral mode there is no such deployment, and the sweep says so before any

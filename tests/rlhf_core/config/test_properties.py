@@ -6,6 +6,7 @@ tests/conftest.py (derandomised in the suite; HYPOTHESIS_PROFILE=thorough for a 
 import re
 import string
 
+import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -46,6 +47,7 @@ def _names_a_key(message: str, key: str) -> bool:
     return key.split(".")[0] in message or re.search(r"\b[a-z_]+\.[a-z_]+", message) is not None
 
 
+@pytest.mark.slow
 @given(key=KEYS, value=VALUES)
 def test_an_override_gives_a_configuration_or_a_config_error_naming_a_key(key, value):
     try:

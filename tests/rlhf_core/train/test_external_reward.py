@@ -28,6 +28,9 @@ from rlhf_core.train.reward import (
 from tests.conftest import tiny_llama_config
 from tests.stages import link_stages
 
+#: Real-model tests: a checkpoint around Llama 3.2's tokenizer (128,256 tokens), imported and normalised.
+pytestmark = pytest.mark.slow
+
 #: A chat template in Llama 3's layout, for the checkpoint that has one.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"

@@ -48,6 +48,7 @@ def report(browser, stages, tmp_path_factory):  # noqa: F811  (the fixture impor
 
 
 @pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["1280px", "390px"])
+@pytest.mark.slow
 def test_the_report_reads_well_on_a_laptop_and_a_phone(report, visit, viewport):
     seen = visit(report.as_uri(), viewport)
     page = seen.page
