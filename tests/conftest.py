@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -125,14 +124,23 @@ def preference_rows(tldr_dir) -> list[dict]:
     return read_jsonl(tldr_dir / "preference_validation.jsonl")
 
 
-@pytest.fixture(scope="session")
-def llama_tokenizer(_cache_dir):
-    return load_tokenizer(ModelConfig(base=LLAMA_TOKENIZER))
+def load_shared_tokenizer(shared_runs: Path, source: str):
+    """``load_tokenizer`` of ``source``, one test process at a time: the first converts a GGUF
+    tokenizer into the run's cache (:func:`_cache_dir`), the others wait and read it there."""
+    from filelock import FileLock
+
+    with FileLock(str(shared_runs / "rlhf-cache.lock")):
+        return load_tokenizer(ModelConfig(base=source))
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer(_cache_dir):
-    return load_tokenizer(ModelConfig(base=SMOL_GGUF))
+def llama_tokenizer(_cache_dir, shared_runs):
+    return load_shared_tokenizer(shared_runs, LLAMA_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(_cache_dir, shared_runs):
+    return load_shared_tokenizer(shared_runs, SMOL_GGUF)
 
 
 @pytest.fixture(params=["llama3.2", "smollm2"])
@@ -188,6 +196,9 @@ def shared_runs(tmp_path_factory) -> Path:
     base = tmp_path_factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
     shared.mkdir(exist_ok=True)
+    from tests.servers import SHARED_RUNS
+
+    SHARED_RUNS[:] = [shared]  # where tests/servers.py makes the migrated databases
     return shared
 
 
@@ -217,58 +228,19 @@ def moto_s3(tmp_path_factory):
             os.environ[k] = v
 
 
-@pytest.fixture(scope="session", autouse=True)
-def mlflow_database(shared_runs) -> Path:
-    """An empty MLflow SQLite store migrated to MLflow's current schema once for all test
-    processes of the run (:func:`tests.stages.made_once`), as MLflow's own suite caches one
-    (``cached_db`` in its tests/conftest.py); :func:`tests.servers.fresh_mlflow_store` copies it."""
-    from tests.servers import MLFLOW_DATABASE
-    from tests.stages import made_once
-
-    def migrate(directory: Path) -> None:
-        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
-
-        directory.mkdir(parents=True)
-        # MLflow's Default experiment keeps its artifacts in the folder of the finished copy
-        default_root = (shared_runs / "mlflow-database" / "default-artifacts").as_uri()
-        SqlAlchemyStore(f"sqlite:///{directory / 'mlflow.db'}", default_root).engine.dispose()
-
-    made = made_once(shared_runs, "mlflow-database", migrate) / "mlflow.db"
-    MLFLOW_DATABASE[:] = [made]
-    return made
-
-
 @pytest.fixture
 def cached_db(tmp_path) -> str:
-    """A new SQLite MLflow store in the test's ``tmp_path`` (a copy of :func:`mlflow_database`): its URI."""
+    """A new SQLite MLflow store in the test's ``tmp_path``, copied from one migrated once per
+    pytest run (:func:`tests.servers.fresh_mlflow_store`): its URI."""
     from tests.servers import fresh_mlflow_store
 
     return fresh_mlflow_store(tmp_path / "mlflow.db")
 
 
 @pytest.fixture(scope="session")
-def prefect_database(shared_runs) -> Path:
-    """``prefect server database upgrade`` into an empty ``PREFECT_HOME``, once for all test
-    processes of the run (:func:`tests.stages.made_once`): its ``prefect.db``, which
-    :func:`tests.servers.fresh_prefect_home` copies."""
-    from tests.servers import BIN, PREFECT_DATABASE, QUIET_ENV
-    from tests.stages import made_once
-
-    def migrate(home: Path) -> None:
-        env = {**os.environ, **QUIET_ENV, "PREFECT_HOME": str(home)}
-        argv = [str(BIN / "prefect"), "server", "database", "upgrade", "-y"]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stdout + done.stderr
-
-    made = made_once(shared_runs, "prefect-database", migrate) / "prefect.db"
-    PREFECT_DATABASE[:] = [made]
-    return made
-
-
-@pytest.fixture(scope="session")
-def prefect_api(prefect_database, tmp_path_factory) -> str:
+def prefect_api(tmp_path_factory) -> str:
     """One real Prefect server per test process (as Prefect's testing guide runs
-    ``prefect_test_harness`` once per session), on a copy of the migrated database: its API URL,
+    ``prefect_test_harness`` once per session), on a copy of a migrated database: its API URL,
     which the ``rlhf`` commands of the tests reach through ``PREFECT_API_URL`` instead of each
     starting a temporary server of its own. Each test keeps its own artifact root, so its
     stages' cache entries are its own."""

@@ -111,31 +111,54 @@ def start_prefect(home: Path) -> Server:
     return Server("prefect", cmd, port, home, health_path="/api/health", env=env, timeout=180)
 
 
-#: An empty Prefect database at Prefect's current schema, migrated once per pytest run (the
-#: ``prefect_database`` fixture of tests/flows/conftest.py): :func:`fresh_prefect_home` starts a
-#: run directory's ``PREFECT_HOME`` from a copy of it, not from the migrations of a new database.
-PREFECT_DATABASE: list[Path] = []
+#: The folder that the test processes of one pytest run share (the ``shared_runs`` fixture of
+#: tests/conftest.py, which sets it): the migrated databases below are made there, once.
+SHARED_RUNS: list[Path] = []
+
+
+def _migrated(name: str, migrate) -> Path | None:
+    """``SHARED_RUNS/NAME/NAME.db``, made by ``migrate(directory)`` the first time a test of the
+    pytest run needs it (:func:`tests.stages.made_once`); ``None`` outside a pytest run."""
+    if not SHARED_RUNS:
+        return None
+    from tests.stages import made_once
+
+    return made_once(SHARED_RUNS[0], f"{name}-database", migrate) / f"{name}.db"
+
+
+def _migrate_prefect(home: Path) -> None:
+    env = {**os.environ, **QUIET_ENV, "PREFECT_HOME": str(home)}
+    argv = [str(BIN / "prefect"), "server", "database", "upgrade", "-y"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _migrate_mlflow(directory: Path) -> None:
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    directory.mkdir(parents=True)
+    # MLflow's Default experiment (no test logs to it) keeps its artifacts beside the finished copy
+    default_root = (SHARED_RUNS[0] / "mlflow-database" / "default-artifacts").as_uri()
+    SqlAlchemyStore(f"sqlite:///{directory / 'mlflow.db'}", default_root).engine.dispose()
 
 
 def fresh_prefect_home(home: Path) -> Path:
-    """``home`` as a new ``PREFECT_HOME``: no flow runs, no cache records, no settings; its
-    database a copy of :data:`PREFECT_DATABASE` where the session made one and ``home`` has none."""
+    """``home`` as a new ``PREFECT_HOME``: no flow runs, no cache records, no settings; where it
+    has no database, a copy of an empty one at Prefect's current schema (``prefect server
+    database upgrade``, run once per pytest run), so that no server migrates one again."""
     home.mkdir(parents=True, exist_ok=True)
-    if PREFECT_DATABASE and not (home / "prefect.db").exists():
-        shutil.copyfile(PREFECT_DATABASE[0], home / "prefect.db")
+    migrated = None if (home / "prefect.db").exists() else _migrated("prefect", _migrate_prefect)
+    if migrated is not None:
+        shutil.copyfile(migrated, home / "prefect.db")
     return home
-
-
-#: An empty MLflow SQLite store at MLflow's current schema, made once per pytest run (the
-#: ``mlflow_database`` fixture of tests/conftest.py), as MLflow's own suite caches one
-#: (``cached_db``): :func:`fresh_mlflow_store` copies it instead of migrating a new database.
-MLFLOW_DATABASE: list[Path] = []
 
 
 def fresh_mlflow_store(path: Path) -> str:
     """A new SQLite MLflow store at ``path`` (no experiments but MLflow's ``Default``, no runs,
-    no models), a copy of :data:`MLFLOW_DATABASE` where the session made one: its tracking URI."""
+    no models) where none is: a copy of an empty one migrated to MLflow's current schema once
+    per pytest run, as MLflow's own suite caches one (``cached_db``). Its tracking URI."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if MLFLOW_DATABASE and not path.exists():
-        shutil.copyfile(MLFLOW_DATABASE[0], path)
+    migrated = None if path.exists() else _migrated("mlflow", _migrate_mlflow)
+    if migrated is not None:
+        shutil.copyfile(migrated, path)
     return f"sqlite:///{path}"
