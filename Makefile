@@ -149,8 +149,9 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The inner loop of a change: the tests marked neither slow nor heavy (docs/development.md).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m 'not slow' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m 'not slow and not heavy' $(PYTEST_ARGS)
 
 # The oldest versions pyproject.toml allows, tested as scikit-learn's and pandas' minimum-dependency
 # jobs do: every requirement of `dependencies` and the dev extra pinned at its lower bound

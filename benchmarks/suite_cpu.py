@@ -10,7 +10,10 @@ the test process's name and its start and end time, one JSON line per test:
     python benchmarks/suite_cpu.py [FILE] [--top N]           # the summary below
 
 Not counted: processes that a test starts and does not reap, such as the server stack of the
-deployment tests (`infra/stack.sh` detaches it) and the flow runs its worker starts.
+deployment tests (`infra/stack.sh` detaches it) and the flow runs its worker starts. A server
+that a session fixture starts (the Prefect server of each test process) is charged to the test
+after which it stops, and a test that waits for another process (a file lock on what is made
+once for both) counts as busy.
 
 The summary: the span of the run; each test process's busy time, its idle time (the span less
 its busy time) with the longest stretch of it, and its CPU; the CPU of each test file and the

@@ -191,8 +191,10 @@ def cuda_tuning(monkeypatch):
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory) -> Path:
     """A folder that the test processes of one pytest run share (all of pytest-xdist's workers):
-    run directories made once and copied by the tests that start from them
-    (:func:`tests.stages.finished_run`)."""
+    what is made once for all of them there (:func:`tests.stages.made_once`): run directories
+    that tests copy (:func:`tests.stages.finished_run`) or go on in
+    (:func:`tests.stages.run_made_once`), the migrated databases (tests/servers.py) and the cache
+    of converted GGUF files."""
     base = tmp_path_factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
     shared.mkdir(exist_ok=True)

@@ -42,9 +42,10 @@ def made_once(shared: Path, name: str, build: Callable[[Path], object]) -> Path:
 
 def run_made_once(shared: Path, name: str, build: Callable[[Path], object]) -> Path:
     """``shared/NAME``, a run directory made by ``build(directory)`` once for all test processes
-    of the pytest run, in place (its stores hold its absolute paths, so it is never renamed),
-    and read only after: processes side by side wait for the one that makes it (a file lock);
-    ``NAME.done`` marks it finished, and a directory without it is made again."""
+    of the pytest run, in place (its stores hold its absolute paths, so it is never renamed):
+    processes side by side wait for the one that makes it (a file lock); ``NAME.done`` marks it
+    finished, and a directory without it is made again. Tests that go on in it run in one
+    process (an ``xdist_group``); the others read only what ``build`` wrote."""
     from filelock import FileLock
 
     done, marker = shared / name, shared / f"{name}.done"

@@ -30,7 +30,7 @@ def test_the_script_reads_every_committed_row():
     assert read_jsonl(FIXTURE_TLDR / "sft_test.jsonl")[-1]["summary"] in texts
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_smoke_preset_tokenizer_fits_4096_with_its_own_pad_and_reads_unseen_rows(sft_rows):
     cfg = load_config("smoke")
     assert cfg.model.tokenizer == "configs:tokenizers/smoke-bpe-4096"

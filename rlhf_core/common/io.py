@@ -309,7 +309,8 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     On an exception the partial directory is removed and ``path`` is left as it was.
 
     Raises:
-        FileExistsError: ``path`` exists and ``overwrite`` is false.
+        FileExistsError: ``path`` exists and ``overwrite`` is false, also where another process
+            made it while this one built its own (which is then removed, the other's kept).
     """
     path = Path(path)
     if path.exists() and not overwrite:
@@ -322,6 +323,9 @@ def atomic_directory(path: str | os.PathLike, overwrite: bool = False) -> Iterat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if path.exists() and not overwrite:  # another process's directory took the name meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FileExistsError(f"{path} already exists (made by another process meanwhile)")
     if path.exists():
         old = path.with_name(f".{path.name}.old-{os.getpid()}")
         os.replace(path, old)

@@ -23,7 +23,7 @@ def test_idle():
 """
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_test_is_charged_its_subprocesses_cpu(tmp_path):
     (tmp_path / "test_burn.py").write_text(TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")

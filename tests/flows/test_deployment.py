@@ -247,7 +247,7 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
 
 
 @SWEEP
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
     """`make stack-up` deploys `rlhf/sweep` (infra/prefect.yaml) from flows/sweep.py, its
     default spec the one that runs on a CPU."""

@@ -6,7 +6,7 @@ import pytest
 from flows.cli import main
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_policy_that_is_no_causal_lm_is_refused_in_one_line_before_anything_starts(tmp_path, capsys, smoke_stages):
     reward_model = smoke_stages / "rm"
     code = main(["evaluate", "--preset", "smoke", "--policy", str(reward_model), "--out", str(tmp_path / "run")])

@@ -1,5 +1,7 @@
-"""`rlhf run`: the `rlhf` flow in-process (Prefect's ephemeral mode, no servers), with a local
-SQLite MLflow store and a local artifact root in the run directory. Killing and resuming is tested through the deployment
+"""`rlhf run`: the `rlhf` flow in the command's process, on the test process's Prefect server
+(the `prefect_api` fixture) or, where a test is about it, on a temporary server of the command's
+own (Prefect's ephemeral mode), with a local SQLite MLflow store and a local artifact root in the
+run directory. Killing and resuming is tested through the deployment
 (tests/flows/test_deployment.py)."""
 
 import json
@@ -238,10 +240,11 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     assert " ".join(planned_ppo[2:]) == "no cache entry: its settings changed: ppo.kl_coef 0.05 -> 0.1"
     assert {line[1] for line in plan.values()} == {"cached"}
 
-    # A fresh PREFECT_HOME, as in a new container: the cache entries live beside the artifacts
-    # (tasks.stages.result_storage), so the unchanged stages are still cache hits.
+    # A fresh PREFECT_HOME and a temporary Prefect server of its own, as in a new container: the
+    # cache entries live beside the artifacts (tasks.stages.result_storage), so the unchanged
+    # stages are still cache hits.
     fresh_home = fresh_prefect_home(tmp_path / "prefect-fresh")  # no flow runs, no cache records
-    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(fresh_home)}, api=prefect_api)
+    second, log = run_flow(tmp_path, "ppo.kl_coef=0.1", env={"PREFECT_HOME": str(fresh_home)})
     s = states(log)
     assert s.pop("ppo") == s.pop("evaluation") == "Completed" and set(s.values()) == {"Cached"}
     assert "stage ppo runs: its settings changed: ppo.kl_coef 0.05 -> 0.1" in log  # why, in the task's log
@@ -429,7 +432,7 @@ def test_two_runs_at_once_on_one_fresh_directory_give_one_result(two_runs_at_onc
         ),
     ],
 )
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_what_must_hold_for_the_whole_run_is_checked_before_any_stage(tmp_path, setup, env, message):
     setup(tmp_path)
     result = rlhf_run(tmp_path, env=env, timeout=600, store=False)

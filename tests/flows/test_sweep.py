@@ -1,5 +1,6 @@
-"""`rlhf sweep`: the sweep flow in-process (Prefect's ephemeral mode), its cells as `rlhf`
-subflows with a local SQLite MLflow store and artifact root in the run directory."""
+"""`rlhf sweep`: the sweep flow in the command's process (on a temporary Prefect server of its
+own, or on the test process's: the `prefect_api` fixture), its cells as `rlhf` subflows with a
+local SQLite MLflow store and artifact root in the run directory."""
 
 import json
 import os
@@ -161,7 +162,7 @@ def test_a_failed_cell_does_not_stop_the_others(tmp_path, prefect_api):
     assert finished_states(run.stdout + run.stderr)["sft", "Completed"] == 1
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_concurrent_cells_need_the_pipeline_deployment(tmp_path):
     """More than one cell at a time runs each as a run of `rlhf/full-pipeline` on the workers:
     in Prefect's ephemeral mode there is no such deployment, and the sweep says so before any

@@ -79,7 +79,7 @@ def _wait_for_line(proc: subprocess.Popen, word: str) -> str:
     return line
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_second_machine_waits_for_the_claimed_stage_then_takes_it_from_the_store(store, tmp_path):
     """The first worker trains for longer than the lease (renewing its claim); the second waits
     the whole time, never trains, and ends with the first's record."""
@@ -96,7 +96,7 @@ def test_a_second_machine_waits_for_the_claimed_stage_then_takes_it_from_the_sto
     assert "sft/k1.claim.json" not in keys and "sft/k1/MANIFEST.json" in keys  # released
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_claim_of_a_killed_worker_lapses_and_is_taken_over(store, tmp_path):
     """A worker SIGKILLed while training leaves its claim; another waits one lease (by the
     store's clock), takes the claim over naming the dead worker, and trains the stage."""

@@ -15,7 +15,7 @@ KEY = "sk-ant-test-tracing-0123456789-secret"
 OPENAI_KEY = "sk-proj-test-tracing-0123456789-secret"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_judge_calls_are_traced_in_the_stage_run_without_the_key(cached_db, tmp_path, sft_rows):
     client = MlflowClient(tracking_uri=cached_db)
     experiment = client.create_experiment("judge", artifact_location=(tmp_path / "mlartifacts").as_uri())

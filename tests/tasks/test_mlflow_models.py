@@ -76,7 +76,7 @@ def test_the_reward_model_pyfunc_scores_rows_as_the_pipeline_does(smoke_stages, 
         scorer.predict(frame[["post"]])  # the signature requires a summary
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_an_existing_reward_model_pyfunc_scores_through_its_own_tokenizer(rows, llama_tokenizer, tmp_path):
     """``ppo.reward: model:DIR``: the registered model is the existing checkpoint, whose own
     tokenizer builds the queries; its scores are ``transformers``' own on the chat template's texts."""

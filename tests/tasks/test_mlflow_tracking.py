@@ -16,7 +16,7 @@ from tasks.mlflow_tracking import MLflowTracker, mlflow_key
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_metrics_params_tables_and_files_reach_the_server(mlflow_server, tmp_path):
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment = client.create_experiment(f"tracker-{tmp_path.name}")
@@ -134,7 +134,7 @@ def test_the_prepared_splits_are_logged_as_dataset_inputs(smoke_stages, cached_d
     assert {t.key: t.value for t in logged["tldr/preference/validation"].tags}["mlflow.data.context"] == "evaluation"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_data_stages_policy_pairs_and_token_lengths_reach_its_run(smoke_stages, cached_db, tmp_path):
     """Table 2 in MLflow: each preference split's distinct policy pairs and comparisons per pair
     as metrics, every pair as the table ``policy_pairs``, beside the token lengths' plot."""

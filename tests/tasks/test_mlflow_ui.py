@@ -31,7 +31,7 @@ def training_view(page) -> None:
         assert nav.get_by_role("link", name=genai, exact=True).count() == 0, f"the GenAI view: {genai}"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_printed_links_land_on_the_training_runs(mlflow_server, visit):
     client = MlflowClient(tracking_uri=mlflow_server)
     name = "rlhf-tldr-ui-links"
@@ -63,7 +63,7 @@ def test_the_printed_links_land_on_the_training_runs(mlflow_server, visit):
     assert experiment_link(mlflow_server, "no-such-experiment") == mlflow_server
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_compare_link_shows_two_runs_and_the_parameters_they_differ_in(mlflow_server, visit):
     """:func:`compare_link`, which a sweep prints for its cells, opens the MLflow UI's compare
     view: both runs by name, and with "Show diff only" the parameter that differs alone."""

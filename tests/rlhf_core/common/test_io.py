@@ -204,3 +204,20 @@ def test_verify_finds_an_edited_manifest(tmp_path):
         "stats.json: 11 bytes, its manifest says 14",
         "the manifest's digest is not that of its entries (the manifest was edited)",
     ]
+
+
+def test_a_directory_made_by_another_process_meanwhile_is_kept_and_ours_removed(tmp_path):
+    """Two processes building one cache directory at once (two test processes converting one
+    GGUF tokenizer): the one that finishes second finds the first's directory, which stays
+    whole; it gets FileExistsError and leaves no partial directory behind."""
+    target = tmp_path / "tokenizer"
+    with pytest.raises(FileExistsError, match="made by another process meanwhile"):
+        with io.atomic_directory(target) as tmp:
+            (tmp / "ours.json").write_text("{}")
+            target.mkdir()  # the other process's rename, after this one's check
+            (target / "theirs.json").write_text("{}")
+    assert [p.name for p in tmp_path.iterdir()] == ["tokenizer"]
+    assert [p.name for p in target.iterdir()] == ["theirs.json"]
+    with io.atomic_directory(target, overwrite=True) as tmp:  # asked to replace it: replaced
+        (tmp / "ours.json").write_text("{}")
+    assert [p.name for p in target.iterdir()] == ["ours.json"]

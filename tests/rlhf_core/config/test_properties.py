@@ -47,7 +47,7 @@ def _names_a_key(message: str, key: str) -> bool:
     return key.split(".")[0] in message or re.search(r"\b[a-z_]+\.[a-z_]+", message) is not None
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 @given(key=KEYS, value=VALUES)
 def test_an_override_gives_a_configuration_or_a_config_error_naming_a_key(key, value):
     try:

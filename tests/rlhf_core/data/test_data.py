@@ -174,7 +174,7 @@ def test_bisected_truncation_equals_dropping_one_paragraph_at_a_time_on_every_re
     assert truncated > checked / 4  # many exercise the bisection, not the early return (about 38%)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_bisected_truncation_of_a_post_of_hundreds_of_short_paragraphs(smol_tokenizer, sft_rows):
     """A pathological post (hundreds of line breaks) gets the reference's answer with about
     log2(n) tokenisations instead of up to n."""

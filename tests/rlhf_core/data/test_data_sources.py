@@ -113,7 +113,7 @@ def test_skip_counts_every_bad_row(tmp_path, local_dir, sft_rows, llama_tokenize
     assert written["dropped"] == stats["dropped"]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_real_cnndm_rows_with_empty_summaries(tmp_path, tldr_dir, llama_tokenizer):
     """The released CNN/DM comparisons include empty summaries: an error by default, counted with skip."""
     cnndm = read_jsonl(tldr_dir / "preference_validation_cnndm.jsonl")

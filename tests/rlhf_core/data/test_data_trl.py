@@ -160,7 +160,7 @@ def test_text_rows_train_sft_whole_as_trls_sft_trainer_tokenises_them(tmp_path, 
     assert stats["splits"]["sft/validation"]["form"] == "standard"
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_stages_that_sample_prompts_refuse_a_split_of_text_rows(tmp_path, smoke_stages):
     """SFT trains on ``text`` rows; its evaluation, the reward normalisation, PPO and the
     evaluation sample from a split's prompts, and a split of text rows has none: each names its
@@ -343,7 +343,7 @@ def test_the_data_stage_reads_conversational_files(tmp_path, conversational_fold
     assert stats["splits"]["sft/train"]["truncation"]["token"] > 0  # the posts are longer than 256 tokens
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_converted_rows_give_the_tldr_formats_token_ids_on_every_shared_row(tmp_path, tldr_dir):
     """Every row of the offline TL;DR files, read as TL;DR rows and as their TRL standard-form
     conversion, gives the same query, response, chosen and rejected token ids."""

@@ -750,7 +750,7 @@ def test_offline_judge_from_pretrained(tiny_model, llama_tokenizer, tmp_path):
     assert loaded.answer(prompt) == direct.answer(prompt)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_offline_path_never_imports_an_api_sdk():
     """Only the API judges need their SDKs: the judging package and the evaluation stage load
     without ``anthropic`` and ``openai``, and each judge imports its own alone."""

@@ -66,7 +66,7 @@ def evaluate(root, policies, out, *overrides):
     return cfg, ON_DEMAND["policy_eval"].run(cfg, [root / "data", root / "base"], out, NullTracker())
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_any_policy_is_judged_and_measured_from_its_own_rows(policies, tmp_path, monkeypatch):
     root, sources = policies
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root / "hub"))

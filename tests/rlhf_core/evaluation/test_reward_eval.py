@@ -156,7 +156,7 @@ def in_dist_data(smoke_stages, tmp_path_factory):
     return cfg, out
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_reward_model_and_dpo_are_evaluated_in_and_out_of_distribution_with_intervals(
     in_dist_data, smoke_stages, tmp_path
 ):

@@ -69,7 +69,7 @@ def test_ensure_pad_token_adds_only_when_needed():
     assert tok.pad_token == "[PAD]" and len(tok) == size + 1 and tok.pad_token_id != tok.eos_token_id
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_gguf_tokenizer_cache_matches_the_gguf_tokenizer(smol_tokenizer, sft_rows):
     """The cached tokenizer encodes as transformers' conversion does; its EOS is the GGUF
     metadata's (tests/rlhf_core/models/test_special_tokens.py: where a conversion gets it wrong)."""

@@ -34,7 +34,7 @@ SMOL = ModelConfig(base=SMOL_GGUF)
 
 @pytest.fixture
 def smol_converted(smol_tokenizer):
-    """The session cache's converted SmolLM2 tokenizer directory (before the project's PAD)."""
+    """The pytest run's cache's converted SmolLM2 tokenizer directory (before the project's PAD)."""
     return gguf_cache_dir(resolve_source(SMOL_GGUF)) / "tokenizer"
 
 
@@ -80,7 +80,7 @@ def test_the_gguf_cache_and_the_stage_keys_name_the_conversion_scheme(monkeypatc
         assert stage_key(name, cfg, []) != key, name
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_stale_gguf_tokenizer_cache_is_converted_again(monkeypatch, tmp_path, smol_converted, caplog):
     """A cached tokenizer with the wrong EOS, in the unversioned directory of earlier conversions
     and in the current one, is never used: the current one is checked and converted again."""
@@ -100,7 +100,7 @@ def test_a_stale_gguf_tokenizer_cache_is_converted_again(monkeypatch, tmp_path, 
     assert AutoTokenizer.from_pretrained(current).eos_token_id == 2  # the cache itself is repaired
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_wrong_eos_from_the_conversion_is_set_from_the_gguf_metadata(
     real_from_pretrained, monkeypatch, tmp_path, caplog
 ):

@@ -283,7 +283,7 @@ def test_a_critic_free_trainer_holds_no_value_model_and_samples_each_prompt_k_ti
     assert len({tuple(r) for r in traj.responses.tolist()}) > 4  # each prompt's samples differ
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_grpos_kl_is_a_term_of_its_loss_weighted_by_kl_coef(tiny):
     """With every advantage 0, GRPO's gradient is its KL term's alone: none at kl_coef 0, and
     linear in kl_coef; the logged ``kl_loss`` is the mean k3 KL, here exp(-0.3) + 0.3 - 1 with
@@ -307,7 +307,7 @@ def test_grpos_kl_is_a_term_of_its_loss_weighted_by_kl_coef(tiny):
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "grpo"])
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_critic_free_update_is_the_same_for_micro_batches_of_1_and_of_4(tiny, tmp_path, one_thread, estimator):
     """Under the critic-free estimators' default ``ppo.loss_type`` (``dapo``: the mean over the
     minibatch's tokens) an update does not depend on ``micro_batch_size``: a run's first update

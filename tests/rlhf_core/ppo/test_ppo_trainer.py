@@ -344,7 +344,7 @@ def test_figure_11_rows_put_the_score_where_the_rollouts_put_it(position):
     assert rows[1]["score_index"] == 3 and rows[1]["ppo_score"] == -1.0 and rows[1]["ppo_values"] == [4, 5, 6, 7]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     cfg, root = smoke
     ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 16, "eval_every": 1, "eval_max_samples": 4})
@@ -399,7 +399,7 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     assert settings == {"kl_coef": 0.05, "score_position": "eos", "non_eos_penalty": -1.0, "whiten_rewards": False}
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_reward_whitening_reaches_the_stages_rewards_and_returns(smoke, tmp_path):
     """Detail 24 at the stage level: one update of the PPO stage without and with
     ``ppo.whiten_rewards`` samples the same rollout; with it, the per-token rewards the update
@@ -480,7 +480,7 @@ def test_non_finite_scores_stop_with_the_update_named(smoke, tmp_path):
     assert not (tmp_path / "ppo" / "model").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_non_finite_loss_stops_before_the_minibatchs_step_with_the_update_named(smoke, tmp_path, monkeypatch):
     """The losses are checked once per minibatch, before its optimiser step: a value loss that
     turns NaN in the second micro-batch of update 2 stops the run naming it, and the state
@@ -511,7 +511,7 @@ def test_a_non_finite_loss_stops_before_the_minibatchs_step_with_the_update_name
     assert any(not torch.equal(policy[k], sft[k]) for k in sft if k in policy)  # update 1 was applied
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ppo_checkpoints_by_the_clock_and_keeps_the_newest_only(smoke, tmp_path, monkeypatch):
     """``ppo.checkpoint_every_minutes`` with the step count unset: a fake clock that moves 40 s
     at each reading makes half a minute pass every update, so 3 updates save after updates 1 and
@@ -545,8 +545,8 @@ def test_ppo_checkpoints_by_the_clock_and_keeps_the_newest_only(smoke, tmp_path,
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "lora", "rloo", "pass"])
 def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path, variant, shared_runs):
-    """Kill `rlhf ppo` with SIGKILL after its first checkpoint, that of update 1 of 3; the resumed
-    run's final policy is identical.
+    """Kill `rlhf ppo` with SIGKILL after its first checkpoint, that of update 1 of 3 (of update 2
+    with ``pass``); the resumed run's final policy is identical.
     With ``pass``, updates of 16 prompts over the smoke preset's 32: the checkpoint of update 2
     ends the first pass over the prompts, and the resumed update 3 starts the second, reshuffled
     (Detail 21), as the uninterrupted run's does.

@@ -16,7 +16,7 @@ from rlhf_core.run.cli import main
 REPO = Path(__file__).resolve().parents[3]
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_data_command_writes_the_output_contract(tmp_path, capsys):
     out = tmp_path / "data"
     assert main(["data", "--preset", "smoke", "--out", str(out)]) == 0
@@ -97,7 +97,7 @@ def _edit_first_row(path: Path, field: str, value: str) -> None:
     path.write_text("".join(lines))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_an_edited_data_row_reruns_data_and_what_follows(tmp_path, tldr_dir, monkeypatch, capsys):
     """The data stage's key covers the data files' contents, not only the data settings:
     ``RLHF_TLDR_DIR`` pointed at edited data re-runs ``data`` and SFT, not the base model."""
@@ -458,7 +458,7 @@ def test_a_copied_stage_is_read_once_then_reused_without_reading(tmp_path, capsy
     assert "rlhf verify: 1 of 1 outputs differ from their manifests" in captured.err
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_verify_exit_codes_through_the_console_script(tmp_path):
     """``rlhf verify DIR``: 0 when every file of every finished stage below DIR matches its
     manifest, 1 naming each file that does not, 2 when there is nothing to check."""
@@ -675,7 +675,7 @@ def test_an_empty_stage_folder_left_behind_is_reused(tmp_path, capsys):
     assert (out / "data" / "stats.json").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_data_and_model_overwrite_replace_only_their_own_output(tmp_path, capsys):
     """``rlhf data|model --overwrite`` replaces a directory only when it is empty or an earlier
     output of the same command; one holding anything else is refused, naming it, untouched."""

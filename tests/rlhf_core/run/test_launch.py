@@ -88,7 +88,7 @@ def test_rlhf_sft_trains_on_two_processes_when_asked(tmp_path):
     assert (tmp_path / "sft" / "model" / "model.safetensors").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_rank_leaves_its_process_group_even_when_the_stage_fails(tmp_path):
     """A rank that exits with gloo's process group still joined can abort in the interpreter's
     teardown (SIGABRT) after finishing its work; ``main`` leaves the group on every way out, here

@@ -136,7 +136,7 @@ def _cadence_on_rank(rank: int, world_size: int, store: str, out_dir: str) -> No
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_every_rank_saves_when_rank_0s_clock_says_and_a_step_cadence_needs_no_communication(tmp_path):
     """Under torchrun the ranks save together (saving is collective): rank 0's clock decides and
     a sum over the ranks carries its decision to the others, once a step; a step cadence is
@@ -232,7 +232,7 @@ CheckpointManager(sys.argv[1], "digest").save(int(sys.argv[2]), *_trained(5))
 
 
 @pytest.mark.parametrize("step", [4, 2])
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_process_killed_while_saving_leaves_the_previous_checkpoint_loadable(step, tmp_path):
     """SIGKILL half way through writing a checkpoint, of a new step or of the step already saved
     (a failure right after a resume saves that step again): the previous checkpoint loads, with

@@ -66,7 +66,7 @@ def _whiten_on_rank(rank: int, world_size: int, store: str, out_dir: str) -> Non
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_advantage_whitening_uses_the_global_batch_over_two_ranks(tmp_path):
     """Detail 25 under data parallelism: each rank's share, whitened with the statistics of all
     ranks (gloo), gives the global batch mean 0 and variance 1, the same as whitening the
@@ -130,7 +130,7 @@ def _data_parallel_on_rank(rank: int, world_size: int, store: str, out_dir: str)
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_data_parallel_sums_gradients_over_ranks_once_per_global_batch(tmp_path):
     """``DataParallel`` on 2 gloo ranks, each with half the global batch in 2 micro-batches:
     after the last micro-batch every parameter's gradient equals one process's gradient of the

@@ -195,7 +195,7 @@ def test_two_ranks_with_half_the_micro_batch_match_one_rank(smoke_stages, tmp_pa
         torch.testing.assert_close(weights[1][name], tensor, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_implicit_reward_model_is_evaluated_like_the_reward_model(smoke_stages, tmp_path):
     """Detail 19: DPO's implicit reward model on the reward model's evaluation pairs, with the
     same metrics; the SFT policy as its own reference gives every response reward 0."""

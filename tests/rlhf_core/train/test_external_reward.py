@@ -29,7 +29,7 @@ from tests.conftest import tiny_llama_config
 from tests.stages import link_stages
 
 #: Real-model tests: a checkpoint around Llama 3.2's tokenizer (128,256 tokens), imported and normalised.
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.heavy
 
 #: A chat template in Llama 3's layout, for the checkpoint that has one.
 CHAT_TEMPLATE = (

@@ -283,7 +283,7 @@ def test_decoding_is_chosen_by_device():
     assert COMPILED_STATIC_CACHE.cache_length(204, 53) == 512
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_compiled_static_cache_step_is_traced_once_for_every_query_length(smol_tokenizer):
     """The compiled path on the CPU, with a backend that records each graph TorchDynamo
     captures and runs it eagerly (inductor's CPU compile is too slow for a unit test; CUDA
@@ -344,7 +344,7 @@ def test_a_decoding_step_that_fails_to_compile_falls_back_to_the_dynamic_cache(s
 
 
 @pytest.mark.parametrize("fail_at", [1, 4], ids=["first-step", "fourth-step"])
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_compiled_step_that_fails_when_it_runs_falls_back_with_the_same_tokens(
     smol_tokenizer, monkeypatch, caplog, fail_at
 ):
@@ -383,7 +383,7 @@ def test_a_compiled_step_that_fails_when_it_runs_falls_back_with_the_same_tokens
     torch.testing.assert_close(fallen_logits, dyn_logits, rtol=0, atol=0)
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_a_model_sharded_by_fsdp2_decodes_with_the_dynamic_cache():
     """A sharded policy is gathered into new memory for each rollout: its model is recognised as
     sharded (one-rank FSDP2 on the CPU, in its own process), a plain model is not."""

@@ -252,7 +252,7 @@ def test_dpo_with_adapters_against_the_policy_with_them_off(smoke, tmp_path, mon
     assert metrics["dpo/rewards/margin"] != 0.0  # the implicit reward moved: the reference did not follow
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_ppo_with_adapters_saves_merged_policy_and_value_model(smoke, tmp_path, monkeypatch):
     spy = FinishSpy(monkeypatch, IDS)
     cfg = load_config("smoke", ["ppo.lora.r=8", "ppo.total_episodes=8", "ppo.eval_max_samples=2", *PPO_SMALL]).ppo

@@ -166,7 +166,7 @@ def test_preference_loss():
     torch.testing.assert_close(loss, torch.tensor([math.log(1 + math.exp(-1)), math.log(2)]))
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_training_normalisation_and_evaluation(smoke, tmp_path):
     cfg, root, sft, _, stats = smoke
     pad = stats["tokenizer"]["pad_token_id"]
@@ -262,7 +262,7 @@ class CrashAfter:
         pass
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_reward_training_resumes_to_the_same_weights(smoke, tmp_path):
     """Two epochs of two steps (32 pairs in batches of 16): the crash comes right after the
     checkpoint of step 2, the last of the first epoch, and the resumed run trains the second."""

@@ -63,7 +63,7 @@ def _train(stage: str, stages, out, monkeypatch) -> tuple[list[float], dict[str,
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_cuda_choices_train_as_the_cpu_choices(stage, stages, tmp_path, monkeypatch, cuda_tuning):
     """Rows grouped shortest first into micro-batches, widths rounded to 64, 256 MiB head chunks
     and fused AdamW: the same sums in another order, so the same losses and weights up to

@@ -48,7 +48,7 @@ def report(browser, stages, tmp_path_factory):  # noqa: F811  (the fixture impor
 
 
 @pytest.mark.parametrize("viewport", [LAPTOP, PHONE], ids=["1280px", "390px"])
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_report_reads_well_on_a_laptop_and_a_phone(report, visit, viewport):
     seen = visit(report.as_uri(), viewport)
     page = seen.page
@@ -65,7 +65,7 @@ def test_the_report_reads_well_on_a_laptop_and_a_phone(report, visit, viewport):
         assert box["x"] >= 0 and box["x"] + box["width"] <= viewport["width"] + 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_first_table_shows_without_scrolling_on_a_laptop(report, visit):
     page = visit(report.as_uri(), LAPTOP).page
     heading = page.get_by_role("heading", name=re.compile("^Does it learn"))
@@ -79,7 +79,7 @@ def test_the_first_table_shows_without_scrolling_on_a_laptop(report, visit):
     assert table.get_by_role("row").count() >= 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy
 def test_the_checks_see_a_broken_image_and_a_table_wider_than_a_phone(report, visit, tmp_path):
     """The checks above fail where a person would see something wrong: a plot whose data is
     corrupt shows as a broken image, one cut short as a part of one, a table out of its scrolling box pushes the page wider
