@@ -26,7 +26,9 @@ from tests.servers import free_port, fresh_mlflow_store, fresh_prefect_home
 
 # Two groups, each run by one test process (the group's tests read what its first left in that
 # process): the deployment run and its checks in the browser; the sweep's deployment run and its
-# compare view. Each process that runs either starts one server stack (`server_stack`).
+# compare view. Each process that runs either starts one server stack (`server_stack`). pytest-xdist
+# hands out the larger group first, and a process with two tests or fewer left another group:
+# the sweep's, the shorter, is then followed by the first pipeline run of tests/flows/test_pipeline.py.
 DEPLOYMENT = pytest.mark.xdist_group("server-stack")
 SWEEP = pytest.mark.xdist_group("sweep-stack")
 
@@ -246,7 +248,7 @@ def test_deployment_runs_caches_resumes_and_tracks(stack):
     )
 
 
-@SWEEP
+@DEPLOYMENT
 @pytest.mark.heavy
 def test_the_sweep_is_deployed_beside_the_pipeline(server_stack):
     """`make stack-up` deploys `rlhf/sweep` (infra/prefect.yaml) from flows/sweep.py, its
