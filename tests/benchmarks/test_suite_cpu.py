@@ -55,9 +55,9 @@ def test_a_test_is_charged_its_subprocesses_cpu(tmp_path):
 
 
 def test_each_process_is_charged_its_idle_time_and_its_longest_idle_stretch(tmp_path):
-    """Two processes over a 100-second run: gw0 busy 0-40 and 50-100 (idle 10 s, at most 10 at
-    once); gw1 busy 0-30 only (idle 70 s, all of it at the end)."""
-    spans = {"gw0": [(0, 40), (50, 100)], "gw1": [(0, 10), (10, 30)]}
+    """Two processes over a 100-second run: gw0 busy 0-40, 45-90 and 95-100 (idle 10 s, at most
+    5 at once); gw1 busy 0-30 only (idle 70 s, all of it at the end)."""
+    spans = {"gw0": [(0, 40), (45, 90), (95, 100)], "gw1": [(0, 10), (10, 30)]}
     records = [
         {"test": f"{p}-{i}", "process": p, "start": 1000 + a, "end": 1000 + b, "cpu_own": 1.0, "cpu_children": 0.0}
         for p, edges in spans.items()
@@ -66,5 +66,5 @@ def test_each_process_is_charged_its_idle_time_and_its_longest_idle_stretch(tmp_
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     lines = summarise(path).splitlines()
-    assert lines[1] == "  gw0: busy 90 s, idle 10 s (longest 10 s), 2 CPU seconds, 2 tests"
+    assert lines[1] == "  gw0: busy 90 s, idle 10 s (longest 5 s), 3 CPU seconds, 3 tests"
     assert lines[2] == "  gw1: busy 30 s, idle 70 s (longest 70 s), 2 CPU seconds, 2 tests"
