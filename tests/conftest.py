@@ -89,8 +89,10 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session", autouse=True)
 def _cache_dir(shared_runs):
     """Converted GGUF checkpoints and tokenizers go to a cache of the pytest run's, never the
-    user's; the test processes side by side share it, so each file is converted once (the
-    cache is written a directory at a time, under a temporary name: :func:`rlhf_core.common.io.atomic_directory`).
+    user's; the test processes side by side share it, so a file one of them converted is read,
+    not converted again, by the other (the cache is written a directory at a time under a
+    temporary name, and one made meanwhile by the other process is kept:
+    :func:`rlhf_core.common.io.atomic_directory`).
     A test that needs an empty cache sets ``RLHF_CACHE_DIR`` itself."""
     os.environ["RLHF_CACHE_DIR"] = str(shared_runs / "rlhf-cache")
     yield

@@ -117,7 +117,7 @@ SHARED_RUNS: list[Path] = []
 
 
 def _migrated(name: str, migrate) -> Path | None:
-    """``SHARED_RUNS/NAME/NAME.db``, made by ``migrate(directory)`` the first time a test of the
+    """``SHARED_RUNS/NAME-database/NAME.db``, made by ``migrate(directory)`` the first time a test of the
     pytest run needs it (:func:`tests.stages.made_once`); ``None`` outside a pytest run."""
     if not SHARED_RUNS:
         return None
