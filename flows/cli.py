@@ -111,13 +111,14 @@ def cmd_check(cfg: PipelineConfig, args: argparse.Namespace) -> int:
     stages = stages_until(args.until)
     check_world_size(cfg, nproc_per_node())
     lookup = None
-    variable = cfg.eval.judge_key_variable or ""
-    if cfg.eval.judge_needs_key and "evaluation" in stages and not os.environ.get(variable):
+    variable, secret = cfg.eval.judge_key_variable, cfg.eval.judge_key_secret
+    if cfg.eval.judge_needs_key and "evaluation" in stages and not os.environ.get(variable or ""):
         if os.environ.get("PREFECT_API_URL"):
             from tasks.stages import secret_block_exists as lookup
-        else:
+        elif secret is not None:
+            unset = f"{variable} is unset" if variable else "the judge's key is in no environment variable"
             print(
-                f"rlhf check: {variable} is unset; the Prefect Secret block {cfg.eval.judge_key_secret!r} "
+                f"rlhf check: {unset}; the Prefect Secret block {secret!r} "
                 "(eval.api_key_secret) is looked up on the Prefect server when the run starts",
                 file=sys.stderr,
             )

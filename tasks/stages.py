@@ -31,6 +31,7 @@ from pydantic import BaseModel
 
 from rlhf_core.common.io import exclusive_lock, write_json_atomic
 from rlhf_core.common.tracking import JsonlTracker, TeeTracker
+from rlhf_core.config.credentials import judge_key_given
 from rlhf_core.config.settings import EvalConfig, PipelineConfig, TrainerConfig
 from rlhf_core.run.launch import nproc_per_node
 from rlhf_core.run.pipeline import ON_DEMAND, STAGES, key_changes, key_of, key_record, stage_key_parts
@@ -83,31 +84,36 @@ def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return task_cache_key(parameters["stage"], cfg, upstream)
 
 
-def provide_judge_key(ecfg: EvalConfig) -> None:
-    """Make the API judge's key available to it in its environment variable
-    (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_variable`: ``ANTHROPIC_API_KEY``,
-    ``OPENAI_API_KEY``), for a judge that needs one (``judge_needs_key``).
+def provide_judge_key(ecfg: EvalConfig) -> str | None:
+    """The API judge's key, for a judge that needs one (``judge_needs_key``): its environment
+    variable (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_variable`) when set, else
+    the Prefect Secret block :attr:`~rlhf_core.config.settings.EvalConfig.judge_key_secret`
+    (``eval.api_key_secret``). The caller hands it to the stage
+    (:func:`rlhf_core.config.credentials.judge_key_given`); it is never put in the process
+    environment, and never logged.
 
-    A key already in the environment wins; otherwise it is read from the Prefect Secret block
-    ``eval.api_key_secret`` (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_secret`).
-    The key is never logged.
+    Returns:
+        The key, or ``None`` when the judge needs none.
 
     Raises:
         JudgeConfigError: neither the variable nor the block exists
             (:func:`rlhf_core.run.preflight.judge_key_missing`).
     """
     variable = ecfg.judge_key_variable
-    if not ecfg.judge_needs_key or variable is None or os.environ.get(variable):
-        return
+    if not ecfg.judge_needs_key:
+        return None
+    if variable and os.environ.get(variable):
+        return os.environ[variable]
     from prefect.blocks.system import Secret
 
     from rlhf_core.evaluation.judging import JudgeConfigError
 
+    if ecfg.judge_key_secret is None:
+        raise JudgeConfigError(judge_key_missing(ecfg, None))
     try:
-        key = Secret.load(ecfg.judge_key_secret).get()
+        return str(Secret.load(ecfg.judge_key_secret).get())
     except ValueError:
         raise JudgeConfigError(judge_key_missing(ecfg, ecfg.judge_key_secret)) from None
-    os.environ[variable] = str(key)
 
 
 def secret_block_exists(name: str) -> bool:
@@ -348,8 +354,13 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     """
     logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
-    if stage in JUDGING_STAGES:
-        provide_judge_key(cfg.eval)
+    with judge_key_given(provide_judge_key(cfg.eval) if stage in JUDGING_STAGES else None):
+        return _run_stage_task(stage, cfg, upstream, parent_run_id)
+
+
+def _run_stage_task(stage: str, cfg: PipelineConfig, upstream: list[dict] | None, parent_run_id: str | None) -> dict:
+    """:func:`run_stage`'s work: one writer per stage key, the finished record of another run,
+    else the stage run once (:func:`_run_stage_once`) and its record written."""
     records = [StageRecord.model_validate(u) for u in upstream or []]
     store = ArtifactStore()
     parts = stage_cache_parts(stage, cfg, records, store)  # what the key covers: read once

@@ -20,13 +20,46 @@ Hub ids, paths and URLs in the other fields (``model.base``, ``model.tokenizer``
 from __future__ import annotations
 
 import difflib
+import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import UnionType
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from ..common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from .settings import EvalConfig
+
+#: The API judge's key given to the stage running in this context (:func:`judge_key_given`).
+_GIVEN_JUDGE_KEY: ContextVar[str | None] = ContextVar("rlhf_judge_key", default=None)
+
+
+@contextmanager
+def judge_key_given(key: str | None) -> Iterator[None]:
+    """Within the block, :func:`judge_key` returns ``key`` (read from a Prefect Secret block for
+    one stage). It is held in this context only, never in the process environment, so that a
+    later stage of the same process (a sweep's next cell) never sends it to another server."""
+    token = _GIVEN_JUDGE_KEY.set(key)
+    try:
+        yield
+    finally:
+        _GIVEN_JUDGE_KEY.reset(token)
+
+
+def judge_key(ecfg: EvalConfig) -> str | None:
+    """The key the API judge of ``ecfg`` sends: the one given to this stage
+    (:func:`judge_key_given`), else its environment variable
+    (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_variable`: ``ANTHROPIC_API_KEY``,
+    ``OPENAI_API_KEY`` for the OpenAI API's hosts only, ``eval.api_key_variable`` for another
+    server), else ``None`` (no key, or the offline judge)."""
+    variable = ecfg.judge_key_variable
+    return _GIVEN_JUDGE_KEY.get() or (os.environ.get(variable) if variable else None) or None
+
 
 #: API keys by their prefix: Anthropic, OpenAI, Stripe, AWS access key ids, Hugging Face, GitHub, Slack.
 _KEY_SHAPE = re.compile(

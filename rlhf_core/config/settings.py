@@ -413,9 +413,12 @@ JUDGE_KEY_VARIABLES = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_K
 
 
 def is_openai_api(base_url: str) -> bool:
-    """Whether ``base_url`` is the OpenAI API itself (host ``api.openai.com``), which needs a key;
-    any other OpenAI-compatible server (vLLM, llama.cpp, Ollama) is asked without one."""
-    return urlsplit(base_url).hostname == "api.openai.com"
+    """Whether ``base_url`` is on one of the OpenAI API's hosts: ``api.openai.com`` and its
+    regional (data residency) hosts ``REGION.api.openai.com`` (``us``, ``eu``, ...). Only these
+    are sent ``OPENAI_API_KEY``, and by default OpenAI's request shape (``eval.judge_request``);
+    any other OpenAI-compatible server (vLLM, llama.cpp, Ollama, Azure OpenAI) gets neither."""
+    host = (urlsplit(base_url).hostname or "").lower()
+    return host == "api.openai.com" or host.endswith(".api.openai.com")
 
 
 #: The judge compares each policy with the references; these keys name pipeline policies.
@@ -441,9 +444,10 @@ class EvalConfig(StrictModel):
     Secret block ``api_key_secret``, default ``anthropic-api-key``); ``judge: openai`` the Chat
     Completions API of the server at ``judge_base_url`` (default the OpenAI API; any
     OpenAI-compatible server: vLLM, llama.cpp, Ollama), ``judge_model`` a model id it serves,
-    required; the OpenAI API needs a key (``OPENAI_API_KEY`` or the Secret block
-    ``api_key_secret``, default ``openai-api-key``), another server none (``OPENAI_API_KEY`` is
-    sent when set).
+    required; the OpenAI API (:func:`is_openai_api`) needs a key (``OPENAI_API_KEY`` or the
+    Secret block ``api_key_secret``, default ``openai-api-key``); another server is sent the key
+    the user names for it (the variable ``api_key_variable`` or the block ``api_key_secret``),
+    else none, and never ``OPENAI_API_KEY``.
 
     ``judge_orders``: ``both`` judges every comparison with the two summaries in each order
     (a split verdict is a tie, or for the offline judge the two letter margins are summed, so a
@@ -462,9 +466,17 @@ class EvalConfig(StrictModel):
     judge_orders: Literal["one", "both"] | None = None
     judge_human_comparisons: int = Field(64, ge=0)
     judge_human_split: str = "validation"
-    #: The Prefect Secret block holding the API judge's key; unset: ``{judge}-api-key``
-    #: (:attr:`judge_key_secret`).
+    #: The Prefect Secret block holding the API judge's key; unset: ``{judge}-api-key`` for the
+    #: Anthropic and OpenAI APIs, none for another server (:attr:`judge_key_secret`).
     api_key_secret: str | None = None
+    #: The environment variable holding the key of an OpenAI-compatible server other than the
+    #: OpenAI API (e.g. VLLM_API_KEY); unset: it is sent no key.
+    api_key_variable: str | None = None
+    #: The request shape of judge openai: openai (max_completion_tokens, no temperature: reasoning
+    #: models) or compatible (max_tokens, temperature 0); unset: openai on the OpenAI API's hosts.
+    judge_request: Literal["openai", "compatible"] | None = None
+    #: The API judge's answer token limit; an answer cut at it (finish_reason length) is an error, never cached.
+    judge_max_tokens: int = Field(256, gt=0)
     #: A judge prompt template file naming {prompt}, {a} and {b}
     #: (rlhf_core.evaluation.judging.prompt.load_judge_prompt); unset: Huang et al. 2024's Appendix I prompt
     #: for TL;DR data, a neutral pairwise prompt for data.format trl.
@@ -529,21 +541,39 @@ class EvalConfig(StrictModel):
 
     @property
     def judge_key_variable(self) -> str | None:
-        """The environment variable the API judge reads its key from (:data:`JUDGE_KEY_VARIABLES`);
-        ``None`` for the offline judge."""
+        """The environment variable the API judge's key is read from: ``ANTHROPIC_API_KEY`` for
+        the Anthropic API, ``OPENAI_API_KEY`` for the OpenAI API's hosts (:func:`is_openai_api`),
+        ``api_key_variable`` for another server; ``None`` for the offline judge, or another
+        server with none named."""
+        if self.judge == "openai" and not is_openai_api(self.judge_base_url):
+            return self.api_key_variable
         return JUDGE_KEY_VARIABLES.get(self.judge)
 
     @property
     def judge_needs_key(self) -> bool:
-        """Whether the judge cannot run without a key: the Anthropic judge, and the OpenAI judge on
-        the OpenAI API (:func:`is_openai_api`); another OpenAI-compatible server takes none."""
-        return self.judge == "anthropic" or (self.judge == "openai" and is_openai_api(self.judge_base_url))
+        """Whether the judge cannot run without a key: the Anthropic judge, the OpenAI judge on
+        the OpenAI API (:func:`is_openai_api`), and another server whose key the user named
+        (``api_key_variable`` or ``api_key_secret``)."""
+        if self.judge != "openai":
+            return self.judge == "anthropic"
+        return is_openai_api(self.judge_base_url) or bool(self.api_key_variable or self.api_key_secret)
 
     @property
-    def judge_key_secret(self) -> str:
+    def judge_key_secret(self) -> str | None:
         """The Prefect Secret block the key is read from when its variable is unset:
-        ``api_key_secret``, or ``{judge}-api-key`` (``anthropic-api-key``, ``openai-api-key``)."""
-        return self.api_key_secret or f"{self.judge}-api-key"
+        ``api_key_secret``, or for the Anthropic and OpenAI APIs ``{judge}-api-key``
+        (``anthropic-api-key``, ``openai-api-key``); ``None`` for another server with none named."""
+        if self.api_key_secret or self.judge == "offline":
+            return self.api_key_secret
+        if self.judge == "openai" and not is_openai_api(self.judge_base_url):
+            return None
+        return f"{self.judge}-api-key"
+
+    @property
+    def openai_request(self) -> bool:
+        """Whether the OpenAI judge sends OpenAI's request shape (``judge_request``; unset: on the
+        OpenAI API's hosts)."""
+        return (self.judge_request or ("openai" if is_openai_api(self.judge_base_url) else "compatible")) == "openai"
 
 
 class TrackingConfig(StrictModel):

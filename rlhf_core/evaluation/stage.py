@@ -27,6 +27,7 @@ import torch
 from ..common.errors import ModelSourceError
 from ..common.io import write_jsonl_atomic
 from ..common.tracking import NullTracker, Tracker
+from ..config.credentials import judge_key
 from ..config.settings import EvalConfig, PipelineConfig
 from ..data.prepared import load_data_tokenizer, load_prepared, require_prompts
 from ..metrics.statistics import (
@@ -58,7 +59,8 @@ POLICIES = (("base", "base"), ("sft", "SFT"), ("ppo", "PPO"), ("dpo", "DPO"))
 
 def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: torch.device | None = None) -> Judge:
     """The configured judge: :class:`AnthropicJudge`, :class:`OpenAIJudge` on the server
-    ``cfg.judge_base_url``, or :class:`OfflineJudge` on ``cfg.judge_model`` (a model source) or, by
+    ``cfg.judge_base_url`` (with the key :func:`rlhf_core.config.credentials.judge_key` gives
+    for it, and ``cfg.judge_max_tokens``), or :class:`OfflineJudge` on ``cfg.judge_model`` (a model source) or, by
     default, on the pipeline's base model, on ``device`` (default the CPU) with ``cfg.bf16``'s
     precision.
 
@@ -69,11 +71,17 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: to
     if cfg.judge == "anthropic":
         from .judging.anthropic_judge import AnthropicJudge  # the SDK only when the API judge is used
 
-        return AnthropicJudge(cfg.judge_model)
+        return AnthropicJudge(cfg.judge_model, api_key=judge_key(cfg), max_tokens=cfg.judge_max_tokens)
     if cfg.judge == "openai":
         from .judging.openai_judge import OpenAIJudge  # likewise
 
-        return OpenAIJudge(cfg.judge_model, base_url=cfg.judge_base_url)
+        return OpenAIJudge(
+            cfg.judge_model,
+            api_key=judge_key(cfg),
+            base_url=cfg.judge_base_url,
+            max_tokens=cfg.judge_max_tokens,
+            openai_request=cfg.openai_request,
+        )
     if cfg.judge_model is None:
         return OfflineJudge.from_pretrained(
             base_model_dir, name=f"offline:{base_name}", batch_size=cfg.batch_size, bf16=cfg.bf16, device=device

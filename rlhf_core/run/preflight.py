@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..common.errors import DataError, ModelSourceError
+from ..config.credentials import judge_key
 from ..config.data_settings import DATA_KINDS
 from ..config.settings import ConfigError, DataConfig, EvalConfig, PipelineConfig
 from ..data.files import local_split_files
@@ -401,6 +402,12 @@ def judge_key_missing(ecfg: EvalConfig, secret_block: str | None) -> str:
     variable = ecfg.judge_key_variable
     judge = f"eval.judge is {ecfg.judge}" + (f" on {ecfg.judge_base_url}" if ecfg.judge == "openai" else "")
     other = " or point eval.judge_base_url at a server that needs no key," if ecfg.judge == "openai" else ""
+    if variable is None:  # another server, its key named as a Secret block only
+        return (
+            f"{judge} but no Prefect Secret block named {secret_block!r} exists (eval.api_key_secret): save the "
+            "server's key in that block (prefect block create secret), or name the environment variable holding "
+            "it (eval.api_key_variable)"
+        )
     if secret_block is None:
         return f"{judge} but {variable} is not set: export {variable},{other} or set eval.judge=offline"
     return (
@@ -425,41 +432,47 @@ def check_judge_key(cfg: PipelineConfig, secret_exists: Callable[[str], bool] | 
     ecfg = cfg.eval
     if not ecfg.judge_needs_key or os.environ.get(ecfg.judge_key_variable or ""):
         return
-    if secret_exists is not None and secret_exists(ecfg.judge_key_secret):
+    secret = ecfg.judge_key_secret
+    if secret is not None and secret_exists is not None and secret_exists(secret):
         return
-    raise PreflightError(judge_key_missing(ecfg, ecfg.judge_key_secret if secret_exists is not None else None))
+    raise PreflightError(judge_key_missing(ecfg, secret if secret_exists is not None else None))
 
 
 def check_judge_server(cfg: PipelineConfig) -> None:
     """Check that the OpenAI judge's server (``eval.judge`` openai) answers and serves
     ``eval.judge_model``: one request for its model list (``GET {eval.judge_base_url}/models``,
-    :data:`JUDGE_SERVER_TIMEOUT`, no retry), sent with ``OPENAI_API_KEY`` when set, as the judge
-    will send it (:func:`rlhf_core.evaluation.judging.openai_judge.served_models`); never shown.
+    :data:`JUDGE_SERVER_TIMEOUT`, no retry), sent with the key the judge will send
+    (:func:`rlhf_core.config.credentials.judge_key`: ``OPENAI_API_KEY`` to the OpenAI API's hosts
+    only, ``eval.api_key_variable``'s to another server), never shown
+    (:func:`rlhf_core.evaluation.judging.openai_judge.served_models`).
     A model listed as ``NAME:latest`` (Ollama) counts for ``NAME``. Not asked when the key the
     server needs is still in a Prefect Secret block (:func:`check_judge_key` found it there).
 
     Raises:
         PreflightError: one line naming ``eval.judge_base_url`` (the server cannot be reached,
-            times out, has no model list or answers with an error), ``OPENAI_API_KEY`` (the
+            times out, has no model list or answers with an error), the key's variable (the
             server refuses the key or wants one) or ``eval.judge_model`` (not listed: the models
             it serves, the first ten), and what to do.
     """
     ecfg = cfg.eval
-    if ecfg.judge != "openai" or (ecfg.judge_needs_key and not os.environ.get("OPENAI_API_KEY")):
+    key = judge_key(ecfg)
+    if ecfg.judge != "openai" or (ecfg.judge_needs_key and not key):
         return
     from ..evaluation.judging import JudgeRequestError
     from ..evaluation.judging.openai_judge import served_models
 
     url = ecfg.judge_base_url
     try:
-        models = served_models(url, timeout=JUDGE_SERVER_TIMEOUT)
+        models = served_models(url, api_key=key, timeout=JUDGE_SERVER_TIMEOUT)
     except JudgeRequestError as exc:
         why = _one_line(str(exc))
         if exc.status in (401, 403):
-            given = "refused the key in OPENAI_API_KEY" if os.environ.get("OPENAI_API_KEY") else "wants a key"
+            variable = ecfg.judge_key_variable or "eval.api_key_variable"
+            given = f"refused the key in {variable}" if key else "wants a key"
+            where = variable if ecfg.judge_key_variable else "an environment variable named by eval.api_key_variable"
             raise PreflightError(
-                f"OPENAI_API_KEY: the judge's server {url} (eval.judge_base_url) {given} ({why}): export the key "
-                "it accepts as OPENAI_API_KEY"
+                f"{variable}: the judge's server {url} (eval.judge_base_url) {given} ({why}): export the key "
+                f"it accepts as {where}"
             ) from None
         if exc.status is None and why.startswith(("connection failed", "timed out")):
             raise PreflightError(

@@ -105,8 +105,65 @@ def check(Secret, prefect_test_harness, cfg, capsys, caplog):
         captured = capsys.readouterr()
         assert KEY not in captured.out + captured.err + caplog.text
 
-        provide_judge_key(cfg.eval)
-        assert os.environ["ANTHROPIC_API_KEY"] == KEY
+        assert provide_judge_key(cfg.eval) == KEY  # handed to the stage, never put in the environment
+        assert os.environ.get("ANTHROPIC_API_KEY") is None
         os.environ["ANTHROPIC_API_KEY"] = "sk-from-env"  # the environment wins over the block
-        provide_judge_key(cfg.eval)
-        assert os.environ["ANTHROPIC_API_KEY"] == "sk-from-env"
+        assert provide_judge_key(cfg.eval) == "sk-from-env"
+
+
+def test_a_key_used_on_the_openai_api_is_never_sent_to_the_next_cells_server(prefect_api, monkeypatch):
+    """Two cells of a sweep in one process: the first judged on the OpenAI API (reached through
+    a loopback server acting as its proxy) with its key from a Prefect Secret block, as the
+    stage task gives it; the next on another server. That server, recording each request's
+    ``authorization`` header, is sent no key; with ``eval.api_key_variable`` naming a variable,
+    it is sent that variable's key, and never OpenAI's, even exported as ``OPENAI_API_KEY``."""
+    import uuid
+
+    from prefect.blocks.system import Secret
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from rlhf_core.config.credentials import judge_key_given
+    from rlhf_core.evaluation.judging.openai_judge import NO_KEY
+    from rlhf_core.evaluation.stage import make_judge
+    from tests.chat_completions_api import ChatCompletionsAPI, completion_reply
+
+    openai_key = "sk-proj-cell-one-0123456789abcdefghij"
+    block = f"openai-key-{uuid.uuid4().hex[:8]}"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    answer = "Comparison: A is better.\nPreferred: A"
+    with (
+        temporary_settings(updates={PREFECT_API_URL: prefect_api}),
+        ChatCompletionsAPI(api_key=openai_key, handler=lambda req: completion_reply(answer)) as openai_proxy,
+        ChatCompletionsAPI(handler=lambda req: completion_reply(answer)) as other,
+    ):
+        Secret(value=openai_key).save(block)
+        judged = ["eval.judge=openai", "eval.judge_model=m"]
+        first = load_config(
+            "smoke", [*judged, "eval.judge_base_url=http://api.openai.com/v1", f"eval.api_key_secret={block}"]
+        )
+        monkeypatch.setenv("HTTP_PROXY", openai_proxy.url)
+        monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+        with judge_key_given(provide_judge_key(first.eval)):  # as tasks.stages.run_stage does
+            assert make_judge(first.eval, None, "base").answer("cell one") == answer
+        [sent] = openai_proxy.requests
+        assert sent.headers["host"] == "api.openai.com" and sent.headers["authorization"] == f"Bearer {openai_key}"
+        assert os.environ.get("OPENAI_API_KEY") is None
+
+        second = load_config("smoke", [*judged, f"eval.judge_base_url={other.base_url}"])
+        with judge_key_given(provide_judge_key(second.eval)):
+            assert make_judge(second.eval, None, "base").answer("cell two") == answer
+        monkeypatch.setenv("OPENAI_API_KEY", openai_key)  # exported by the user: still OpenAI's only
+        with judge_key_given(provide_judge_key(second.eval)):
+            assert make_judge(second.eval, None, "base").answer("cell three") == answer
+        monkeypatch.setenv("OTHER_SERVER_KEY", "other-server-key")
+        named = load_config(
+            "smoke", [*judged, f"eval.judge_base_url={other.base_url}", "eval.api_key_variable=OTHER_SERVER_KEY"]
+        )
+        assert named.eval.judge_needs_key and named.eval.judge_key_secret is None
+        with judge_key_given(provide_judge_key(named.eval)):
+            assert make_judge(named.eval, None, "base").answer("cell four") == answer
+        sent = [r.headers["authorization"] for r in other.requests]
+        assert sent == [f"Bearer {NO_KEY}", f"Bearer {NO_KEY}", "Bearer other-server-key"]
+        assert all(openai_key not in str(r.headers) for r in other.requests)

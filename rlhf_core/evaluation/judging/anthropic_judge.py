@@ -36,7 +36,7 @@ class AnthropicJudge(ApiJudge):
             (default ``https://api.anthropic.com``).
         max_retries: retries per request after the first attempt.
         timeout: seconds per attempt.
-        max_tokens: the answer's token limit (a comparison sentence and one line).
+        max_tokens: the answer's token limit (``eval.judge_max_tokens``).
 
     Raises:
         JudgeConfigError: no key given and ``ANTHROPIC_API_KEY`` unset or empty.
@@ -68,7 +68,8 @@ class AnthropicJudge(ApiJudge):
 
         Raises:
             JudgeRequestError: the request failed after the SDK's retries (status and
-                error type in the message), or the reply is not a readable message.
+                error type in the message), the reply is not a readable message, or it was
+                cut at ``max_tokens`` (``stop_reason`` ``max_tokens``).
         """
         try:
             message = self._client.messages.create(
@@ -89,6 +90,8 @@ class AnthropicJudge(ApiJudge):
         text = self._message_text(message)
         usage = getattr(message, "usage", None)
         self._count(getattr(usage, "input_tokens", 0), getattr(usage, "output_tokens", 0))
+        if getattr(message, "stop_reason", None) == "max_tokens":
+            raise self._cut_at_limit(text, "stop_reason max_tokens")
         return text
 
     def _message_text(self, message: Any) -> str:

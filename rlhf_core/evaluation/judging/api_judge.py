@@ -19,8 +19,8 @@ class ApiJudge:
     made here has it replaced by ``[redacted]`` (even where the server echoes it).
 
     Args:
-        model: the model id; also the judge's ``name`` (the judgement cache keeps one model's
-            answers under it).
+        model: the model id; also the judge's ``name`` (its :attr:`identity` keys the
+            judgement cache).
         key: the API key, ``None`` for a server that needs none.
         max_retries: the SDK's retries per request after the first attempt.
         timeout: seconds per attempt.
@@ -47,6 +47,12 @@ class ApiJudge:
     def base_url(self) -> str:
         """The address requests go to."""
         return str(self._client.base_url)
+
+    @property
+    def identity(self) -> str:
+        """What the judgement cache keys its answers by: the model id and the server's address,
+        so that one id on two servers (two quantisations, two providers) shares no answer."""
+        return f"{self.model} at {self.base_url}"
 
     def __repr__(self) -> str:
         return (
@@ -89,3 +95,13 @@ class ApiJudge:
 
     def _unreadable(self, err: Exception) -> JudgeRequestError:
         return JudgeRequestError(self._scrub(f"{self.model}: unreadable reply: {type(err).__name__}: {err}"))
+
+    def _cut_at_limit(self, text: str, reason: str) -> JudgeRequestError:
+        """A reply cut at :attr:`max_tokens` (``reason``: the API's stop reason): an error, so
+        that it is reported and never cached (a reasoning model may spend the limit thinking)."""
+        return JudgeRequestError(
+            self._scrub(
+                f"{self.model}: the answer was cut at its {self.max_tokens} tokens ({reason}) after {text[:80]!r}: "
+                "raise eval.judge_max_tokens"
+            )
+        )

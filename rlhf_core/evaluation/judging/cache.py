@@ -24,7 +24,8 @@ class CachedAnswer:
 
 
 class JudgementCache:
-    """Judge answers in a JSONL file, keyed by SHA-256 of (judge name, full prompt).
+    """Judge answers in a JSONL file, keyed by SHA-256 of (judge identity, full prompt): the
+    identity names what decides the answer (:class:`~.runner.Judge`).
 
     One line per answer: ``{"key", "judge", "prompt_sha256", "answer", "attempts"}``.
     :meth:`put` appends a line and flushes and fsyncs it, so an answer survives a crash as

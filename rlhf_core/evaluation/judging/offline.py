@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -14,6 +16,21 @@ from ...config.settings import ModelConfig
 from ...models.saved import load_causal_lm
 from ...models.tokenizers import load_tokenizer
 from ...train.training import Precision, autocast, resolve_bf16
+
+
+def judge_digest(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+    """``sha256:<hex>`` of what decides a local judge's answers: every tensor of the model's
+    ``state_dict`` (name, dtype, shape, bytes) and the tokenizer's vocabulary, special tokens
+    and chat template."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name} {flat.dtype} {tuple(tensor.shape)}\n".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = sorted(tokenizer.all_special_tokens)
+    digest.update(json.dumps([vocab, special, getattr(tokenizer, "chat_template", None)]).encode())
+    return f"sha256:{digest.hexdigest()}"
 
 
 class OfflineJudge:
@@ -38,9 +55,10 @@ class OfflineJudge:
     Args:
         model: a causal LM; it is put in eval mode and used on its own device.
         tokenizer: its tokenizer.
-        name: the judge's name (part of the cache key: give each checkpoint its own). With
-            bf16 autocast in effect, `` (bf16)`` is appended, so answers of the two precisions
-            are cached apart.
+        name: the judge's name, shown. With bf16 autocast in effect, `` (bf16)`` is
+            appended. Its ``identity``, which keys the judgement cache, is the name and
+            :func:`judge_digest` of the model and tokenizer: a judge retrained or re-imported
+            under the same name shares no cached answer with the one before.
         batch_size: prompts per forward pass in :meth:`answer_batch`.
         bf16: the forward pass under bf16 autocast: true, false or ``"auto"`` (where the
             hardware computes bf16 natively: :func:`rlhf_core.train.training.resolve_bf16`).
@@ -65,6 +83,7 @@ class OfflineJudge:
         self.tokenizer = tokenizer
         self.bf16 = resolve_bf16(bf16, next(self.model.parameters()).device)
         self.name = f"{name} (bf16)" if self.bf16 else name
+        self.identity = f"{self.name} {judge_digest(self.model, tokenizer)}"
         self.batch_size = int(batch_size)
         self.letter_token_ids: dict[str, list[int]] = {}
         vocab = self.model.get_input_embeddings().num_embeddings

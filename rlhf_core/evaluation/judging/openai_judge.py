@@ -17,13 +17,15 @@ NO_KEY = "no-key"
 
 
 def _key(api_key: str | None, base_url: str, who: str) -> str | None:
-    """``api_key``, else ``OPENAI_API_KEY``, else ``None`` (allowed only off the OpenAI API).
+    """``api_key``, else for the OpenAI API's hosts (:func:`is_openai_api`) ``OPENAI_API_KEY``,
+    else ``None``: another server is never sent ``OPENAI_API_KEY``, only a key given for it.
 
     Raises:
-        JudgeConfigError: neither is set and ``base_url`` is the OpenAI API.
+        JudgeConfigError: no key and ``base_url`` is the OpenAI API.
     """
-    key = api_key or os.environ.get("OPENAI_API_KEY") or None
-    if key is None and is_openai_api(base_url):
+    openai_api = is_openai_api(base_url)
+    key = api_key or (os.environ.get("OPENAI_API_KEY") if openai_api else None) or None
+    if key is None and openai_api:
         raise JudgeConfigError(
             f"{who} needs an API key for {base_url}: set the OPENAI_API_KEY environment variable (or pass "
             "api_key=...), or point eval.judge_base_url at a server that needs none"
@@ -57,28 +59,32 @@ class OpenAIJudge(ApiJudge):
     a ``retry-after-ms`` or ``retry-after`` header asks (up to 2 minutes). The client is
     thread-safe (``thread_safe = True``).
 
-    The OpenAI API is sent ``max_completion_tokens`` and no temperature (its reasoning models
-    refuse ``max_tokens`` and any temperature but the default; like the Anthropic judge's,
-    its answers need not repeat, and :class:`JudgementCache` makes a finished evaluation
-    reproducible); any other server ``max_tokens`` and ``temperature: 0`` (greedy), which
-    vLLM, llama.cpp and Ollama all read.
+    OpenAI's request shape (``openai_request``; by default on the OpenAI API's hosts,
+    :func:`~rlhf_core.config.settings.is_openai_api`) sends ``max_completion_tokens`` and no
+    temperature (its reasoning models refuse ``max_tokens`` and any temperature but the
+    default; like the Anthropic judge's, its answers need not repeat, and
+    :class:`JudgementCache` makes a finished evaluation reproducible); the compatible shape
+    sends ``max_tokens`` and ``temperature: 0`` (greedy), which vLLM, llama.cpp and Ollama all
+    read. A reply cut at the token limit (``finish_reason`` ``length``: a reasoning model that
+    spent it thinking) raises :class:`JudgeRequestError`, so it is reported and never cached.
 
-    The key: ``api_key``, else ``OPENAI_API_KEY``; the OpenAI API (host ``api.openai.com``)
-    needs one, another server is sent ``OPENAI_API_KEY`` when set and :data:`NO_KEY`
-    otherwise. The SDK sends it as ``Authorization: Bearer <key>``. It is never shown
-    (:class:`~.api_judge.ApiJudge`), and the SDK's own exception is not chained to the errors
-    raised.
+    The key: ``api_key``, else on the OpenAI API's hosts ``OPENAI_API_KEY``, which they need;
+    another server is sent ``api_key`` only, else :data:`NO_KEY`. The SDK sends it as
+    ``Authorization: Bearer <key>``. It is never shown (:class:`~.api_judge.ApiJudge`), and
+    the SDK's own exception is not chained to the errors raised.
 
     Args:
         model: the model id the server serves, e.g. ``gpt-4o-mini`` or
-            ``Qwen/Qwen2.5-7B-Instruct``; also the judge's ``name`` (so the judgement cache
-            keeps one model's answers under its id, whichever server gave them).
-        api_key: the key; ``None`` reads ``OPENAI_API_KEY``.
+            ``Qwen/Qwen2.5-7B-Instruct``; also the judge's ``name``. Its ``identity``, which
+            keys the judgement cache, is the id and ``base_url``.
+        api_key: the key; ``None`` reads ``OPENAI_API_KEY`` on the OpenAI API's hosts.
         base_url: the server's API root (``eval.judge_base_url``), e.g.
             ``http://127.0.0.1:8000/v1``; default the OpenAI API.
         max_retries: retries per request after the first attempt.
         timeout: seconds per attempt.
-        max_tokens: the answer's token limit (a comparison sentence and one line).
+        max_tokens: the answer's token limit (``eval.judge_max_tokens``).
+        openai_request: OpenAI's request shape (``eval.judge_request``); ``None``: on the
+            OpenAI API's hosts.
 
     Raises:
         JudgeConfigError: no model id; or no key given, ``OPENAI_API_KEY`` unset or empty,
@@ -93,12 +99,13 @@ class OpenAIJudge(ApiJudge):
         max_retries: int = 4,
         timeout: float = 60.0,
         max_tokens: int = 256,
+        openai_request: bool | None = None,
     ):
         if not model:
             raise JudgeConfigError("OpenAIJudge needs a model id (eval.judge_model)")
         key = _key(api_key, base_url, "OpenAIJudge")
         super().__init__(model, key, max_retries, timeout, max_tokens)
-        self.openai_api = is_openai_api(base_url)
+        self.openai_request = is_openai_api(base_url) if openai_request is None else bool(openai_request)
         self._client = openai.OpenAI(
             api_key=key or NO_KEY, base_url=base_url, max_retries=self.max_retries, timeout=self.timeout
         )
@@ -108,10 +115,10 @@ class OpenAIJudge(ApiJudge):
 
         Raises:
             JudgeRequestError: the request failed after the SDK's retries (status and
-                error type in the message; ``fatal`` for :data:`FATAL_STATUSES`), or the
-                reply is not a chat completion with a message.
+                error type in the message; ``fatal`` for :data:`FATAL_STATUSES`), the reply is
+                not a chat completion with a message, or it was cut at ``max_tokens``.
         """
-        if self.openai_api:
+        if self.openai_request:
             limits: dict[str, Any] = {"max_completion_tokens": self.max_tokens}
         else:
             limits = {"max_tokens": self.max_tokens, "temperature": 0}
@@ -130,6 +137,8 @@ class OpenAIJudge(ApiJudge):
         text = self._completion_text(completion)
         usage = getattr(completion, "usage", None)
         self._count(getattr(usage, "prompt_tokens", 0), getattr(usage, "completion_tokens", 0))
+        if getattr(completion.choices[0], "finish_reason", None) == "length":
+            raise self._cut_at_limit(text, "finish_reason length")
         return text
 
     def _completion_text(self, completion: Any) -> str:

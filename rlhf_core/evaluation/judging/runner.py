@@ -19,9 +19,12 @@ log = logging.getLogger(__name__)
 
 
 class Judge(Protocol):
-    """What :func:`judge_comparisons` needs from a judge."""
+    """What :func:`judge_comparisons` needs from a judge: ``name`` (shown), ``identity`` (keys
+    its cached answers: what decides them, such as its weights' digest or its model id and
+    server), ``thread_safe`` and ``answer``."""
 
     name: str
+    identity: str
     thread_safe: bool
 
     def answer(self, prompt: str) -> str: ...
@@ -64,7 +67,7 @@ def _finish(judge: Judge, job: _Job, cache: JudgementCache | None, answer: str |
             return _judgement(job, judge.name, answer, attempts + 1, error=str(err))
         attempts += 1
     if cache is not None:
-        cache.put(judge.name, job.prompt, answer, attempts)
+        cache.put(judge.identity, job.prompt, answer, attempts)
     return _judgement(job, judge.name, answer, attempts)
 
 
@@ -85,8 +88,8 @@ def judge_comparisons(
     ``orders="both"`` the comparison is judged in the swapped order too, and the swapped
     judgement is the first one's :attr:`Judgement.swapped` (its :attr:`Judgement.outcome`
     combines the two: Zheng et al. 2023, arXiv 2306.05685). The prompt is
-    :meth:`Comparison.prompt`; a cached answer of the same judge to the same prompt is
-    reused without a request, per order. Otherwise the judge is asked; an answer that
+    :meth:`Comparison.prompt`; a cached answer of the same judge (its ``identity``) to the
+    same prompt is reused without a request, per order. Otherwise the judge is asked; an answer that
     :func:`parse_preference` cannot read is asked again once with a fresh request, and if
     that one cannot be read either the order is recorded as invalid (``preferred`` and
     ``response_wins`` ``None``). Answers, valid or invalid, are cached.
@@ -100,10 +103,10 @@ def judge_comparisons(
 
     Args:
         cache: ``None`` disables caching.
-        max_comparisons: spending cap: at most this many comparisons with an uncached order
-            are sent (one comparison may take two requests per order); the rest, in input
-            order, are neither judged nor returned, and a log line says how many. Cache hits
-            do not count.
+        max_comparisons: spending cap: the first this many comparisons in input order are
+            judged (one comparison may take two requests per order; cached answers are not
+            sent again); the rest are neither judged nor returned, and a log line says how
+            many. Which comparisons are judged does not depend on the cache.
         progress: show a tqdm progress bar.
         orders: ``"one"`` (the seeded order, as Huang et al. 2024, Appendix I) or ``"both"``.
 
@@ -172,7 +175,7 @@ def _cached_or_pending(
         first = response_is_a(seed, comparison.id)
         for order, response_first in enumerate((first, not first)[: 2 if orders == "both" else 1]):
             job = _Job(comparison, comparison.prompt(response_first), response_first)
-            hit = cache.get(judge.name, job.prompt) if cache is not None else None
+            hit = cache.get(judge.identity, job.prompt) if cache is not None else None
             if hit is not None:
                 results[index, order] = _judgement(job, judge.name, hit.answer, 0, cached=True)
             else:
@@ -183,24 +186,24 @@ def _cached_or_pending(
 def _spending_cap(
     judge: Judge, pending: list[tuple[_Key, _Job]], results: dict[_Key, Judgement], max_comparisons: int | None
 ) -> tuple[list[tuple[_Key, _Job]], int]:
-    """Keep the jobs of the first ``max_comparisons`` comparisons with an uncached order; the
-    others' cached judgements are dropped from ``results`` too (in place). Returns the jobs kept
-    and how many comparisons were left out."""
-    sent = sorted({index for (index, _), _ in pending})
-    if max_comparisons is None or len(sent) <= max_comparisons:
+    """Keep the first ``max_comparisons`` comparisons in input order, cached or not, so that which
+    comparisons are judged never depends on what the cache holds; the others' jobs are dropped
+    and their cached judgements too (``results``, in place). Returns the jobs kept and how many
+    comparisons were left out."""
+    indices = sorted({index for index, _ in results} | {index for (index, _), _ in pending})
+    if max_comparisons is None or len(indices) <= max_comparisons:
         return pending, 0
-    skipped = len(sent) - max_comparisons
-    keep = set(sent[:max_comparisons])
-    for index in sent[max_comparisons:]:
+    left_out = indices[max_comparisons:]
+    for index in left_out:
         results.pop((index, 0), None)
         results.pop((index, 1), None)
     log.warning(
-        "judge %s: spending cap max_comparisons=%d reached: %d uncached comparisons not judged",
+        "judge %s: spending cap max_comparisons=%d: %d comparisons not judged",
         judge.name,
         max_comparisons,
-        skipped,
+        len(left_out),
     )
-    return [(key, job) for key, job in pending if key[0] in keep], skipped
+    return [(key, job) for key, job in pending if key[0] < indices[max_comparisons]], len(left_out)
 
 
 def _ask(

@@ -172,7 +172,18 @@ def test_an_api_judge_needs_a_model_and_the_openai_judge_an_http_address():
     local = load_config(
         "smoke", ["eval.judge=openai", "eval.judge_model=m", "eval.judge_base_url=http://localhost:11434/v1"]
     )
-    assert not local.eval.judge_needs_key and local.eval.judge_key_secret == "openai-api-key"
+    # another server: no key of OpenAI's, only one named for it
+    assert (
+        not local.eval.judge_needs_key and local.eval.judge_key_secret is None and local.eval.judge_key_variable is None
+    )
+    named = local.model_copy(deep=True)
+    named.eval.api_key_secret = "my-server-key"
+    assert named.eval.judge_needs_key and named.eval.judge_key_secret == "my-server-key"
+    assert named.eval.judge_key_variable is None
+    regional = load_config(
+        "smoke", ["eval.judge=openai", "eval.judge_model=m", "eval.judge_base_url=https://eu.api.openai.com/v1"]
+    ).eval
+    assert regional.judge_key_variable == "OPENAI_API_KEY" and regional.judge_needs_key and regional.openai_request
     assert (
         load_config("smoke", ["eval.judge=anthropic", "eval.judge_model=m"]).eval.judge_key_secret
         == "anthropic-api-key"

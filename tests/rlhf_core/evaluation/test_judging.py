@@ -610,10 +610,17 @@ def test_spending_cap(api, comparisons, tmp_path, caplog):
             make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=2, progress=False
         )
     assert len(api.requests) == 2 and [j.id for j in out] == [c.id for c in comparisons[:2]]
-    assert any("spending cap" in r.message and "3 uncached comparisons not judged" in r.message for r in caplog.records)
-    # cache hits are free: a second capped run returns the 2 cached and 2 new ones
+    assert any("spending cap" in r.message and "3 comparisons not judged" in r.message for r in caplog.records)
+    # which comparisons are judged does not depend on the cache: a second capped run judges the
+    # same two, from the cache, and so does a run whose cache holds later comparisons too
     out = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=2, progress=False)
-    assert len(api.requests) == 4 and [j.id for j in out] == [c.id for c in comparisons[:4]]
+    assert (
+        len(api.requests) == 2 and [j.id for j in out] == [c.id for c in comparisons[:2]] and all(j.cached for j in out)
+    )
+    judge_comparisons(make_judge(api), comparisons[3:5], cache=cache, seed=1, progress=False)
+    assert len(api.requests) == 4
+    out = judge_comparisons(make_judge(api), comparisons[:5], cache=cache, seed=1, max_comparisons=3, progress=False)
+    assert [j.id for j in out] == [c.id for c in comparisons[:3]] and len(api.requests) == 5
 
 
 def test_bounded_concurrency(comparisons):
@@ -748,6 +755,41 @@ def test_offline_judge_from_pretrained(tiny_model, llama_tokenizer, tmp_path):
     direct = OfflineJudge(tiny_model, llama_tokenizer, name=loaded.name)
     prompt = format_judge_prompt("a post", "one summary", "another summary")
     assert loaded.answer(prompt) == direct.answer(prompt)
+
+
+def test_two_offline_judges_of_one_name_with_other_weights_share_no_cached_verdict(
+    tiny_model, llama_tokenizer, comparisons, tmp_path
+):
+    """The judgement cache keys an offline judge's answers by its weights' and tokenizer's
+    digest beside its name: a judge retrained or re-imported under the same name (a changed
+    ``model.revision``, an upgraded ``pkg:`` GGUF) asks again, and the first judge's answers
+    still come from the cache; an API judge's by its model id and server."""
+    import copy
+
+    cache = JudgementCache(tmp_path / "cache.jsonl")
+    first = OfflineJudge(tiny_model, llama_tokenizer, name="offline:the-base")
+    other_model = copy.deepcopy(tiny_model)
+    with torch.no_grad():
+        next(other_model.parameters()).add_(0.5)
+    second = OfflineJudge(other_model, llama_tokenizer, name="offline:the-base")
+    same = OfflineJudge(copy.deepcopy(tiny_model), llama_tokenizer, name="offline:the-base")
+    assert first.name == second.name and first.identity != second.identity and first.identity == same.identity
+    items = comparisons[:3]
+    judged = judge_comparisons(first, items, cache=cache, seed=1, progress=False)
+    assert not any(j.cached for j in judged) and len(cache) == 3
+    again = judge_comparisons(second, items, cache=cache, seed=1, progress=False)
+    assert not any(j.cached for j in again) and len(cache) == 6
+    assert all(a.answer != b.answer for a, b in zip(again, judged))  # the second judge's own log-probabilities
+    hits = judge_comparisons(same, items, cache=cache, seed=1, progress=False)
+    assert all(j.cached for j in hits) and [j.answer for j in hits] == [j.answer for j in judged]
+
+
+def test_an_api_judges_identity_is_its_model_and_server(monkeypatch):
+    from rlhf_core.evaluation.judging import OpenAIJudge
+
+    one = OpenAIJudge("m", api_key="k", base_url="http://127.0.0.1:8000/v1")
+    two = OpenAIJudge("m", api_key="k", base_url="http://127.0.0.1:8001/v1")
+    assert one.name == two.name == "m" and one.identity == "m at http://127.0.0.1:8000/v1/" != two.identity
 
 
 @pytest.mark.heavy

@@ -96,7 +96,9 @@ def test_a_good_answer_sends_the_prompt_model_key_and_greedy_sampling(api, compa
     assert Judgement.from_dict(json.loads(json.dumps(j.to_dict()))) == j
 
 
-def test_a_local_server_needs_no_key_and_gets_one_from_the_environment_when_set(comparisons, monkeypatch):
+def test_another_server_is_sent_only_the_key_given_for_it_never_openais(comparisons, monkeypatch):
+    """A server other than the OpenAI API gets no key, even with ``OPENAI_API_KEY`` set; a key
+    given for it (``api_key``) is sent."""
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with ChatCompletionsAPI(handler=lambda req: completion_reply(ANSWER_B)) as local:
         judge = OpenAIJudge(MODEL, base_url=local.base_url, max_retries=0)
@@ -104,7 +106,62 @@ def test_a_local_server_needs_no_key_and_gets_one_from_the_environment_when_set(
         assert local.requests[-1].headers["authorization"] == f"Bearer {NO_KEY}"
         monkeypatch.setenv("OPENAI_API_KEY", KEY)
         assert OpenAIJudge(MODEL, base_url=local.base_url, max_retries=0).answer("hello") == ANSWER_B
-        assert local.requests[-1].headers["authorization"] == f"Bearer {KEY}"
+        assert served_models(local.base_url) == [MODEL]
+        assert [r.headers["authorization"] for r in local.requests[-2:]] == [f"Bearer {NO_KEY}"] * 2
+        assert OpenAIJudge(MODEL, api_key="local-key", base_url=local.base_url).answer("hello") == ANSWER_B
+        assert local.requests[-1].headers["authorization"] == "Bearer local-key"
+
+
+def test_an_answer_cut_at_the_token_limit_is_an_error_reported_and_never_cached(api, comparisons, tmp_path):
+    """A reasoning model that spends ``eval.judge_max_tokens`` thinking returns ``""`` with
+    ``finish_reason`` ``length``: the comparison is an error, nothing is cached, and the next
+    run asks again."""
+    cache = JudgementCache(tmp_path / "cache.jsonl")
+    api.push(completion_reply("", finish_reason="length"))
+    [j] = judge_comparisons(make_judge(api, max_tokens=16), comparisons[:1], cache=cache, seed=1, progress=False)
+    assert len(api.requests) == 1 and len(cache) == 0
+    assert j.error is not None and "cut at its 16 tokens (finish_reason length)" in j.error
+    assert "eval.judge_max_tokens" in j.error and j.preferred is None and win_counts([j])["errors"] == 1
+    api.push(completion_reply(ANSWER_A))
+    [again] = judge_comparisons(make_judge(api), comparisons[:1], cache=cache, seed=1, progress=False)
+    assert len(api.requests) == 2 and again.error is None and again.preferred == "A" and len(cache) == 1
+
+
+@pytest.mark.parametrize(
+    ("base_url", "request_shape", "openai_shape"),
+    [
+        ("http://api.openai.com/v1", None, True),
+        ("http://eu.api.openai.com/v1", None, True),
+        ("http://127.0.0.1:1/v1", None, False),
+        ("http://my-resource.openai.azure.com/v1", "openai", True),
+        ("http://api.openai.com/v1", "compatible", False),
+    ],
+)
+def test_the_request_shape_follows_the_openai_apis_hosts_unless_a_setting_chooses(
+    base_url, request_shape, openai_shape, monkeypatch
+):
+    """OpenAI's shape (``max_completion_tokens``, no temperature) on ``api.openai.com`` and its
+    regional hosts; ``eval.judge_request`` chooses it for another server (Azure OpenAI) or
+    turns it off; ``OPENAI_API_KEY`` goes to the OpenAI API's hosts only."""
+    from rlhf_core.config.presets import load_config
+
+    overrides = ["eval.judge=openai", "eval.judge_model=m", f"eval.judge_base_url={base_url}"]
+    cfg = load_config("smoke", overrides + ([f"eval.judge_request={request_shape}"] if request_shape else [])).eval
+    assert cfg.openai_request is openai_shape
+    assert (cfg.judge_key_variable == "OPENAI_API_KEY") is ("api.openai.com" in base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    with ChatCompletionsAPI(api_key=KEY if "api.openai.com" in base_url else None) as proxy:
+        proxy.push(completion_reply(ANSWER_A))
+        for name in ("NO_PROXY", "no_proxy", "ALL_PROXY", "all_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        judge = OpenAIJudge("m", base_url=base_url, max_retries=0, max_tokens=64, openai_request=cfg.openai_request)
+        assert judge.answer("hello") == ANSWER_A
+        [req] = proxy.requests
+    limits = {"max_completion_tokens": 64} if openai_shape else {"max_tokens": 64, "temperature": 0}
+    assert req.json == {"model": "m", "messages": [{"role": "user", "content": "hello"}]} | limits
+    sent = req.headers["authorization"]
+    assert sent == (f"Bearer {KEY}" if "api.openai.com" in base_url else f"Bearer {NO_KEY}")
 
 
 def test_the_openai_api_needs_a_key_and_gets_max_completion_tokens_without_temperature(monkeypatch):
@@ -152,9 +209,9 @@ def test_a_malformed_reply_is_a_recorded_error_not_a_crash(api, comparisons, tmp
 
 
 def test_null_content_is_an_answer_naming_neither_summary(api, comparisons, tmp_path):
-    """Null content (a refusal, or a reasoning model out of tokens) is asked again once, then invalid."""
+    """Null content (a refusal) is asked again once, then invalid."""
     cache = JudgementCache(tmp_path / "cache.jsonl")
-    api.push(completion_reply(None, finish_reason="length"), completion_reply(None, refusal="I can't help with that."))
+    api.push(completion_reply(None), completion_reply(None, refusal="I can't help with that."))
     [j] = judge_comparisons(make_judge(api), comparisons[:1], cache=cache, seed=1, progress=False)
     assert len(api.requests) == 2 and j.error is None and j.attempts == 2
     assert j.preferred is None and j.answer == "I can't help with that." and win_counts([j])["invalid"] == 1
@@ -255,8 +312,7 @@ def test_a_server_that_is_down_is_recorded(comparisons):
 
 
 def test_the_key_is_never_shown(api, monkeypatch):
-    monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    judge = OpenAIJudge(MODEL, base_url=api.base_url, max_retries=1)
+    judge = OpenAIJudge(MODEL, api_key=KEY, base_url=api.base_url, max_retries=1)
     assert KEY not in repr(judge) and KEY not in str(judge) and api.base_url in repr(judge)
     api.push(*[error_reply(500, "server_error", f"internal error for key {KEY}")] * 2)  # a server echoing it
     with pytest.raises(JudgeRequestError) as info:

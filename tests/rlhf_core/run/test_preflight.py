@@ -358,21 +358,33 @@ def test_a_judge_server_that_cannot_be_reached_is_named():
 
 
 def test_a_server_refusing_the_key_or_without_a_model_list_is_named(monkeypatch):
+    """Another server is asked with the key named for it (``eval.api_key_variable``), never
+    ``OPENAI_API_KEY``; a refusal names that variable."""
     monkeypatch.setenv("OPENAI_API_KEY", OPENAI_KEY)
+    monkeypatch.setenv("SERVER_KEY", "sk-proj-a-wrong-key-for-this-server")
     with ChatCompletionsAPI(api_key="sk-proj-the-servers-own-key") as api:
         with pytest.raises(PreflightError) as err:
             check_before_stages(openai_judge(api.base_url), ["evaluation"])
         assert str(err.value).startswith(
-            f"OPENAI_API_KEY: the judge's server {api.base_url} (eval.judge_base_url) refused the key in OPENAI_API_KEY"
+            f"eval.api_key_variable: the judge's server {api.base_url} (eval.judge_base_url) wants a key"
         )
-        assert OPENAI_KEY not in str(err.value)
+        assert api.requests[-1].headers["authorization"] == "Bearer no-key"
+        named = openai_judge(api.base_url).model_copy(deep=True)
+        named.eval.api_key_variable = "SERVER_KEY"
+        with pytest.raises(PreflightError) as err:
+            check_before_stages(named, ["evaluation"])
+        assert str(err.value).startswith(
+            f"SERVER_KEY: the judge's server {api.base_url} (eval.judge_base_url) refused the key in SERVER_KEY"
+        )
+        assert OPENAI_KEY not in str(err.value) and "sk-proj-a-wrong" not in str(err.value)
         with pytest.raises(
             PreflightError, match=r"^eval\.judge_base_url: .* gave no model list at .*/models \(HTTP 404"
         ):
             check_before_stages(openai_judge(api.url), ["evaluation"])  # the host, not the API root
-        api.api_key = OPENAI_KEY
-        check_before_stages(openai_judge(api.base_url), ["evaluation"])
-        assert api.requests[-1].headers["authorization"] == f"Bearer {OPENAI_KEY}"
+        monkeypatch.setenv("SERVER_KEY", "sk-proj-the-servers-own-key")
+        check_before_stages(named, ["evaluation"])
+        assert api.requests[-1].headers["authorization"] == "Bearer sk-proj-the-servers-own-key"
+        assert all(OPENAI_KEY not in str(r.headers) for r in api.requests)
 
 
 # ------------------------------------------------------------------------ before any stage
