@@ -477,6 +477,9 @@ class EvalConfig(StrictModel):
     judge_request: Literal["openai", "compatible"] | None = None
     #: The API judge's answer token limit; an answer cut at it (finish_reason length) is an error, never cached.
     judge_max_tokens: int = Field(256, gt=0)
+    #: The largest share of the judge's answers that may name neither summary; above it the
+    #: evaluation stops with an error showing one, its answers cached.
+    max_unreadable: float = Field(0.5, ge=0, le=1)
     #: A judge prompt template file naming {prompt}, {a} and {b}
     #: (rlhf_core.evaluation.judging.prompt.load_judge_prompt); unset: Huang et al. 2024's Appendix I prompt
     #: for TL;DR data, a neutral pairwise prompt for data.format trl.

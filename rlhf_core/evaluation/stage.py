@@ -46,7 +46,15 @@ from ..ppo.rollout import summary_logprobs
 from ..train.generation import Summaries, summarize
 from ..train.reward import ResponseScores, load_reward_model, score_responses
 from ..train.training import autocast, pick_device, precision_name
-from .judging import Comparison, Judge, JudgementCache, OfflineJudge, judge_comparisons, win_counts
+from .judging import (
+    Comparison,
+    Judge,
+    JudgementCache,
+    OfflineJudge,
+    judge_comparisons,
+    require_readable,
+    win_counts,
+)
 from .judging.prompt import JUDGE_PROMPT, load_judge_prompt
 from .token_shift import token_shift_blocks
 
@@ -326,6 +334,7 @@ def judge_policies(
         progress=True,
         orders=ecfg.orders,
     )
+    require_readable(judge.name, judgements, ecfg.max_unreadable, "the policies' summaries")
     by_id = {j.id: j for j in judgements}
     wins = {
         key: [by_id[f"{key}/{ids[i]}"].outcome if f"{key}/{ids[i]}" in by_id else None for i in range(n)]
@@ -374,6 +383,7 @@ def judge_human_labels(
     judgements = judge_comparisons(
         judge, comparisons, cache=cache, seed=ecfg.seed, concurrency=ecfg.concurrency, progress=True, orders=ecfg.orders
     )
+    require_readable(judge.name, judgements, ecfg.max_unreadable, "human-labelled comparisons")
     return judge_label_agreement(judgements, ecfg.orders) | {"split": ecfg.judge_human_split}, judgements
 
 

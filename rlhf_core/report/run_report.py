@@ -24,7 +24,7 @@ from typing import Any
 from ..common.io import METRICS_FILE, METRICS_LOG, SAMPLES_FILE, atomic_file, write_json_atomic
 from ..common.tracking import NullTracker, Tracker, read_metrics
 from ..config.settings import EvalConfig, PipelineConfig, PPOConfig
-from ..evaluation.judging import win_counts
+from ..evaluation.judging import unreadable_answers, win_counts
 from ..evaluation.reward_eval import BASELINES, CALIBRATION_PLOT, REWARD_LOGITS
 from ..evaluation.stage import POLICIES, Evaluation
 from ..metrics.statistics import mean_ignoring_missing
@@ -328,6 +328,14 @@ def judge_notes(cfg: PipelineConfig, evaluation: Evaluation) -> list[str]:
     else:
         prompt = JUDGE_PROMPT_NAME
     notes = [judge_note(judge_name, ecfg, len(evaluation.prompts), evaluation.judge_human or {}, prompt)]
+    unreadable, answered, example = unreadable_answers(verdicts.judgements)
+    if answered and unreadable == answered:  # said first, in one line: no verdict to read below
+        shown = example if len(example or "") <= 120 else f"{(example or '')[:120]}..."
+        notes.insert(
+            0,
+            f"The judge {judge_name} gave no readable verdict: {answered} answers, none naming a summary "
+            f"(for example {shown!r}); the win rates below are empty.",
+        )
     if ecfg.judge == "offline":
         notes.append(
             f"The judge is a small offline language model ({judge_name}) choosing A or B by the "
@@ -426,6 +434,11 @@ def judge_note(
     )
     if not judge_human:
         return text + " The judge's agreement with human labels was not measured (eval.judge_human_comparisons: 0)."
+    if not judge_human.get("n"):
+        return (
+            text
+            + " The judge's agreement with human labels could not be measured: none of its answers on them was readable."
+        )
     low, high = judge_human["agreement_ci"]
     measured = (
         f"it agreed with the human label on {judge_human['agreement']:.1%} [{low:.1%}, {high:.1%}] of "

@@ -30,11 +30,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .cache import CachedAnswer, JudgementCache
-from .errors import JudgeConfigError, JudgeError, JudgeRequestError
+from .errors import JudgeConfigError, JudgeError, JudgeRequestError, JudgeUnreadableError
 from .offline import OfflineJudge
 from .prompt import JUDGE_PROMPT, Preference, format_judge_prompt, parse_preference, prompt_sha256, response_is_a
 from .records import Comparison, Judgement, win_counts
-from .runner import Judge, judge_comparisons
+from .runner import Judge, judge_comparisons, require_readable, unreadable_answers
 
 if TYPE_CHECKING:
     from .anthropic_judge import AnthropicJudge
@@ -49,6 +49,7 @@ __all__ = [
     "JudgeConfigError",
     "JudgeError",
     "JudgeRequestError",
+    "JudgeUnreadableError",
     "Judgement",
     "JudgementCache",
     "OfflineJudge",
@@ -58,7 +59,9 @@ __all__ = [
     "judge_comparisons",
     "parse_preference",
     "prompt_sha256",
+    "require_readable",
     "response_is_a",
+    "unreadable_answers",
     "win_counts",
 ]
 

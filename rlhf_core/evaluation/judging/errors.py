@@ -11,6 +11,11 @@ class JudgeConfigError(JudgeError, ValueError):
     """A judge cannot be set up (for example, no API key)."""
 
 
+class JudgeUnreadableError(JudgeError):
+    """Too many of a judge's answers named neither summary (``eval.max_unreadable``): its
+    verdicts would measure nothing. The answers stay in the judgement cache."""
+
+
 class JudgeRequestError(JudgeError):
     """A request failed after the client's own retries, or its reply could not be read.
 

@@ -11,7 +11,7 @@ from typing import Literal, Protocol
 from tqdm.auto import tqdm
 
 from .cache import JudgementCache
-from .errors import JudgeRequestError
+from .errors import JudgeRequestError, JudgeUnreadableError
 from .prompt import parse_preference, prompt_sha256, response_is_a
 from .records import Comparison, Judgement, _outcome, win_counts
 
@@ -243,3 +243,37 @@ def _ask(
     finally:
         bar.close()
     return results
+
+
+def unreadable_answers(judgements: Iterable[Judgement]) -> tuple[int, int, str | None]:
+    """How many of the judgements' answers (each order's, request errors left out) name neither
+    summary: ``(unreadable, answered, an example unreadable answer or None)``."""
+    unreadable = answered = 0
+    example = None
+    for judgement in judgements:
+        for order in (judgement, judgement.swapped):
+            if order is None or order.error is not None or order.answer is None:
+                continue
+            answered += 1
+            if order.preferred is None:
+                unreadable += 1
+                example = example if example is not None else order.answer
+    return unreadable, answered, example
+
+
+def require_readable(judge_name: str, judgements: list[Judgement], max_unreadable: float, what: str) -> None:
+    """Stop when more than ``max_unreadable`` of the judge's answers (:func:`unreadable_answers`)
+    name neither summary (``eval.max_unreadable``), rather than report verdicts of nothing.
+
+    Raises:
+        JudgeUnreadableError: naming the judge, the count and an example answer cut short.
+    """
+    unreadable, answered, example = unreadable_answers(judgements)
+    if answered and unreadable / answered > max_unreadable:
+        shown = example if len(example or "") <= 160 else f"{example[:160]}..."  # type: ignore[index]
+        raise JudgeUnreadableError(
+            f"judge {judge_name}: {unreadable} of {answered} answers on {what} name neither summary "
+            f"(more than eval.max_unreadable={max_unreadable:g}), for example {shown!r}: use a judge that "
+            "follows the prompt (a larger model, or eval.judge_prompt), or raise eval.max_unreadable; its "
+            "answers stay cached, so a re-run asks nothing again"
+        )

@@ -14,6 +14,7 @@ from rlhf_core.common.tracking import NullTracker
 from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import EvalConfig
 from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
+from rlhf_core.evaluation.judging import JudgementCache
 from rlhf_core.evaluation.stage import judge_human_metrics
 from rlhf_core.evaluation.token_shift import response_token_ranks
 from rlhf_core.metrics.statistics import agreement, paired_difference
@@ -263,6 +264,46 @@ def test_stage_with_an_openai_compatible_judge_in_both_orders(stages, tmp_path, 
         )
         assert "4 human-labelled comparisons of the validation preference split" in report
         assert "picked the same summary in both orders 100.0% of the time" in report
+
+
+@pytest.mark.heavy
+def test_a_judge_with_no_readable_verdict_stops_the_stage_and_its_answers_stay_cached(stages, tmp_path, monkeypatch):
+    """A server whose every answer names neither summary (a 135M model's): the evaluation stage
+    ends with an error naming the judge and showing an answer, its answers cached so that a
+    re-run asks nothing again; with ``eval.max_unreadable`` 1 the report says so in one line at
+    the top of the judge's notes, and prints no nan and no "at chance"."""
+    from rlhf_core.evaluation.judging import JudgeUnreadableError
+
+    cfg, root = stages
+    names = ("data", "base", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval")
+    inputs = [root / name for name in names]
+    monkeypatch.setenv("RLHF_JUDGE_CACHE", str(tmp_path / "cache.jsonl"))
+    with ChatCompletionsAPI(handler=lambda req: completion_reply("I think both are about a cat.")) as api:
+        overrides = [
+            "eval.judge=openai",
+            "eval.judge_model=tiny-judge",
+            f"eval.judge_base_url={api.base_url}",
+            "eval.max_samples=2",
+            "eval.judge_human_comparisons=2",
+            "eval.diversity_prompts=0",
+            "eval.token_shift_samples=1",
+        ]
+        cfg = load_config("smoke", overrides)
+        for attempt in range(2):
+            with pytest.raises(JudgeUnreadableError) as info:
+                STAGES["evaluation"].run(cfg, inputs, tmp_path / f"out{attempt}", NullTracker())
+            message = str(info.value)
+            assert message.startswith("judge tiny-judge: 8 of 8 answers on the policies' summaries name neither")
+            assert "eval.max_unreadable=0.5" in message and "'I think both are about a cat.'" in message
+            assert len(api.requests) == 16  # each asked twice on the first run, none on the second
+        assert 0 < len(JudgementCache(tmp_path / "cache.jsonl")) <= 8  # one per distinct prompt
+        lenient = load_config("smoke", [*overrides, "eval.max_unreadable=1"])
+        STAGES["evaluation"].run(lenient, inputs, tmp_path / "out", NullTracker())
+    report = (tmp_path / "out" / "report.md").read_text()
+    line = "The judge tiny-judge gave no readable verdict: 8 answers, none naming a summary (for example 'I think both"
+    assert line in report and report.index(line) < report.index("Win rates: share of valid judgements")
+    assert "nan" not in report.lower() and "at chance" not in report
+    assert "could not be measured: none of its answers on them was readable" in report
 
 
 def test_the_report_says_in_words_when_the_judge_is_at_chance_on_human_labels():
