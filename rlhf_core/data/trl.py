@@ -219,15 +219,41 @@ def normalise_trl_row(rec: dict, kind: str, columns: dict[str, str]) -> tuple[st
     return form, out | {"subreddit": "", "title": "", "site": ""} | responses
 
 
+#: The roles a conversational prompt may end with: a user or tool turn, after which the
+#: generation prompt opens the assistant's, or an assistant turn that the response continues.
+PROMPT_LAST_ROLES = ("user", "tool", "assistant")
+
+
+def render_prompt(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> str:
+    """A conversational prompt rendered by the tokenizer's chat template as TRL's
+    ``maybe_apply_chat_template`` renders it: after a final user or tool turn with the generation
+    prompt added; a final assistant turn left open to be continued (``continue_final_message``,
+    no generation prompt).
+
+    Raises:
+        BadRow: ``prompt_last_role:ROLE`` when the last message is of another role (a system turn).
+    """
+    role = messages[-1]["role"]
+    if role not in PROMPT_LAST_ROLES:
+        raise BadRow(
+            f"prompt_last_role:{role}",
+            f"a prompt ends with a user, tool or assistant message, this one with a {role} message",
+        )
+    continued = role == "assistant"
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=not continued, continue_final_message=continued
+    )
+
+
 def trl_query(
     row: dict, tokenizer: PreTrainedTokenizerBase, max_query_length: int, truncation: str
 ) -> tuple[str, list[int], dict]:
     """The query of a row of :func:`normalise_trl_row`, cut to ``max_query_length`` tokens.
 
     A standard prompt is tokenised as given, with the tokenizer's special tokens (as a TL;DR
-    query is: Detail 2); a conversation is rendered by the tokenizer's chat template with the
-    generation prompt added, then tokenised without adding special tokens (the template writes
-    its own). A query over the limit keeps its last tokens (``keep_end``, TRL's default), its
+    query is: Detail 2); a conversation is rendered by the tokenizer's chat template as TRL
+    renders it (:func:`render_prompt`), then tokenised without adding special tokens (the
+    template writes its own). A query over the limit keeps its last tokens (``keep_end``, TRL's default), its
     first (``keep_start``), or is dropped (``drop``); the query text is then the kept tokens
     decoded.
 
@@ -236,7 +262,8 @@ def trl_query(
         ``counts["token_cut"]`` is whether the query was cut.
 
     Raises:
-        BadRow: ``prompt_too_long`` with ``truncation: drop``.
+        BadRow: ``prompt_too_long`` with ``truncation: drop``; ``prompt_last_role:ROLE``
+            (:func:`render_prompt`).
         DataError: a conversation with a tokenizer that has no chat template.
     """
     if row["prompt_messages"]:
@@ -245,9 +272,7 @@ def trl_query(
                 f"conversational rows need a chat template, and the tokenizer {tokenizer.name_or_path!r} has none: "
                 "use a chat model's tokenizer (model.tokenizer) or standard-form rows"
             )
-        query = tokenizer.apply_chat_template(
-            json.loads(row["prompt_messages"]), tokenize=False, add_generation_prompt=True
-        )
+        query = render_prompt(json.loads(row["prompt_messages"]), tokenizer)
         ids = tokenizer(query, add_special_tokens=False)["input_ids"]
     else:
         query = row["prompt"]

@@ -183,7 +183,8 @@ class ExternalRewardModel(nn.Module):
 
     def conversation_text(self, messages: list[dict[str, str]], response: str) -> tuple[str, bool]:
         """The conversation of a row's prompt ``messages`` and the response (assistant,
-        stripped), rendered by the chat template, within :attr:`max_length` tokens as the
+        stripped; continuing the prompt's last message when that is the assistant's), rendered
+        by the chat template, within :attr:`max_length` tokens as the
         policy's query is truncated: while it is longer, its earliest turns other than a system
         turn are left out, down to the last; then the start of that last turn's content is cut.
         The whole response and the end of the prompt are read; a response that does not fit
@@ -192,8 +193,10 @@ class ExternalRewardModel(nn.Module):
         Returns:
             ``(text, whether the prompt was shortened)``.
         """
-        response = response.strip()
         turns = [dict(m) for m in messages]
+        if turns and turns[-1]["role"] == "assistant":  # a prompt the response continues (TRL's continue_final_message)
+            response = turns.pop()["content"] + response
+        response, given = response.strip(), [dict(m) for m in turns]
 
         def render() -> tuple[str, int]:
             text = self.tokenizer.apply_chat_template(
@@ -215,7 +218,7 @@ class ExternalRewardModel(nn.Module):
                 text, excess = render()
                 if excess <= 0 or not last["content"]:
                     break
-        return text, turns != list(messages)
+        return text, turns != given
 
     def fit(self, query_texts: list[str], response_texts: list[str]) -> tuple[list[str], int]:
         """The query texts cut at their start until each query's text with its response fits

@@ -238,6 +238,35 @@ def test_an_implicit_prompt_is_split_as_trls_extract_prompt_splits_it():
         split_implicit_prompt(" blue", " green")  # the space before the difference is all they share
 
 
+TRL_TEMPLATE_CASES = Path(__file__).resolve().parents[2] / "data" / "trl_chat_template_cases.json"
+
+
+def test_a_conversational_prompt_is_rendered_as_trls_maybe_apply_chat_template_renders_it(smol_tokenizer):
+    """Each prompt of tests/data/trl_chat_template_cases.json (written by TRL's own
+    ``maybe_apply_chat_template``: tests/data/make_trl_chat_template_cases.py) is PPO's query as
+    TRL rendered it: the generation prompt after a final user or tool turn, a final assistant
+    turn continued; and as TRL renders it now where TRL is installed. A prompt ending in another
+    role is a bad row, as TRL refuses it."""
+    data = json.loads(TRL_TEMPLATE_CASES.read_text())
+    assert data["tokenizer"] == SMOL_GGUF
+    trl_render = None
+    if importlib.util.find_spec("trl") is not None:
+        from trl.data_utils import maybe_apply_chat_template as trl_render
+    for case in data["cases"]:
+        row = {"prompt_messages": json.dumps(case["prompt"]), "prompt": ""}
+        query, ids, counts = trl_query(row, smol_tokenizer, 10_000, "keep_end")
+        assert query == case["trl"] and not counts["token_cut"], case
+        assert ids == smol_tokenizer(case["trl"], add_special_tokens=False)["input_ids"]
+        if trl_render is not None:
+            assert query == trl_render({"prompt": case["prompt"]}, smol_tokenizer)["prompt"], case
+    assert {c["prompt"][-1]["role"] for c in data["cases"]} == {"user", "tool", "assistant"}
+    continued = [c for c in data["cases"] if c["prompt"][-1]["role"] == "assistant"]
+    assert continued and all(c["trl"].endswith(c["prompt"][-1]["content"]) for c in continued)
+    system_last = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}]
+    with pytest.raises(BadRow, match="prompt_last_role:system"):
+        trl_query({"prompt_messages": json.dumps(system_last), "prompt": ""}, smol_tokenizer, 10_000, "keep_end")
+
+
 def test_columns_are_renamed_and_bad_rows_named():
     form, row = normalise_trl_row(
         {"question": "Q?", "answer": " A."}, "sft", {"prompt": "question", "completion": "answer"}
