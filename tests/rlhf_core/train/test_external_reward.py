@@ -445,3 +445,6 @@ def test_a_conversation_longer_than_the_models_positions_keeps_its_response_and_
         expected = torch.tensor([direct(torch.tensor([i])).logits[0, 0].item() for i in ids])
     torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
     assert abs(scores[0] - scores[1]) > 1e-4
+    # a prompt ending in the assistant's turn (TRL's continue_final_message): the response continues it
+    text, shortened = model.conversation_text([msg("user", "Summarise."), msg("assistant", "TL;DR: a cat")], " sat.")
+    assert text.count("<|start_header_id|>assistant") == 1 and "TL;DR: a cat sat.<|eot_id|>" in text and not shortened
