@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from ..common.io import json_digest
 from ..common.stage_code import StageCode, stage_code
 from ..common.tracking import Tracker
@@ -26,6 +28,7 @@ from ..models.sources import (
     external_reward_source,
     judge_prompt_fingerprint,
     policy_fingerprint,
+    resolve_source,
     reward_code_digest,
     source_fingerprint,
 )
@@ -37,8 +40,10 @@ class Stage:
 
     ``inputs`` names the stages whose output directories it reads, in the order ``run``
     takes them. ``keys`` are the config values it depends on itself: a whole section
-    (``"sft"``) or one field (``"reward.eval_max_samples"``); ``ignore`` names fields of
-    those sections it does not read (so changing an evaluation setting does not re-train).
+    (``"sft"``), one field (``"reward.eval_max_samples"``) or a top-level value (``"name"``);
+    ``ignore`` names fields of those sections it does not read (so changing an evaluation
+    setting does not re-train), and ``unread(cfg)`` those it does not read in this
+    configuration (``ppo.scale_rewards`` but under GRPO); :data:`RUN_ONLY` is in no key.
     Upstream settings reach a stage through its inputs. ``reads(cfg)`` fingerprints what else
     it reads that is not a setting (data files, a model's files, a reward function's source),
     so that a change there re-runs it too. ``run(cfg, input_dirs, out_dir, tracker)`` writes
@@ -55,6 +60,7 @@ class Stage:
     ignore: tuple[str, ...] = ()
     reads: Callable[[PipelineConfig], dict[str, Any]] | None = None
     branch: str | None = None
+    unread: Callable[[PipelineConfig], tuple[str, ...]] | None = None
 
     @property
     def sections(self) -> tuple[str, ...]:
@@ -200,36 +206,114 @@ def _policy_eval(cfg, inputs, out, tracker):
 
 #: The settings of the ``eval`` section that only ``policy_eval`` reads.
 POLICY_EVAL_KEYS = ("eval.policies", "eval.reward_model")
+#: Settings that change how a stage runs (how many requests at once, where a key is kept), never
+#: what it computes: in no stage's key.
+RUN_ONLY = ("eval.concurrency", "eval.api_key_secret", "eval.api_key_variable")
+#: The ``data`` settings that name hub datasets, read only when the rows come from the hub.
+DATA_HUB_KEYS = (
+    "data.sft_dataset",
+    "data.preference_dataset",
+    "data.preference_config",
+    "data.prompt_dataset",
+    "data.revision",
+)
+#: PPO's settings that only GAE with its value model reads (Details 24-26).
+PPO_GAE_KEYS = ("ppo.gamma", "ppo.lam", "ppo.vf_coef", "ppo.cliprange_value", "ppo.value_init")
+
+
+#: The ``data`` settings that only TRL-format rows read.
+DATA_TRL_KEYS = ("data.columns", "data.max_query_length", "data.prompt_truncation")
+
+
+def _revision_unread(source: str) -> bool:
+    """Whether ``model.revision`` goes unread for ``source``: it pins hub ids only."""
+    return resolve_source(source).kind != "hub"
+
+
+def _data_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    # the tokenizer is all the data stage reads of the model section
+    unread = ["model.dtype", "model.random_init"] + (["model.base"] if cfg.model.tokenizer else [])
+    if _revision_unread(cfg.model.tokenizer_source):
+        unread.append("model.revision")
+    if cfg.data.format != "trl":
+        unread += DATA_TRL_KEYS
+    if cfg.data.resolved_source() == "local":
+        unread += DATA_HUB_KEYS if cfg.data.subset_in_use() is None else DATA_HUB_KEYS[-1:]
+        if cfg.data.subset_in_use() is None:
+            unread.append("data.hub_subset")
+    return tuple(unread)
+
+
+def _base_model_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    # a random-init model is built from the tokenizer alone: the base model is not read
+    if cfg.model.random_init is not None:
+        return ("model.base",) + (("model.revision",) if _revision_unread(cfg.model.tokenizer_source) else ())
+    hub = not _revision_unread(cfg.model.base) or not _revision_unread(cfg.model.tokenizer_source)  # type: ignore[arg-type]
+    return () if hub else ("model.revision",)
+
+
+def _reward_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    # an existing reward model is imported untrained: only whether its plain texts end with EOS
+    if external_reward_source(cfg.ppo.reward) is None:
+        return ("reward.external_append_eos",)
+    return tuple(f"reward.{name}" for name in type(cfg.reward).model_fields if name != "external_append_eos")
+
+
+def _ppo_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    unread = () if cfg.ppo.advantage_estimator == "grpo" else ("ppo.scale_rewards",)
+    if cfg.ppo.advantage_estimator != "gae":  # critic-free: no value model
+        unread += PPO_GAE_KEYS
+    elif cfg.ppo.reward != "model":
+        unread += ("ppo.value_init",)  # no trained reward model to start from: the value model starts from SFT
+    return unread
+
+
+def _judge_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    # the API judges' own settings, unread by the others
+    unread = () if cfg.eval.judge == "openai" else ("eval.judge_base_url", "eval.judge_request")
+    return unread + (("eval.judge_max_tokens",) if cfg.eval.judge == "offline" else ())
+
+
+def _policy_eval_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    # an existing reward model scoring the policies reads whether its plain texts end with EOS
+    external = external_reward_source(cfg.eval.reward_model or "") is not None
+    # no token-shift table: the policies have no SFT model of the pipeline's to compare with
+    return _judge_unread(cfg) + ("eval.token_shift_samples",) + (() if external else ("reward.external_append_eos",))
+
 
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in (
-        Stage("data", (), ("data", "model"), _data, reads=_data_reads),
-        Stage("base_model", (), ("model",), _base_model, reads=_base_model_reads),
+        Stage("data", (), ("data", "model"), _data, reads=_data_reads, unread=_data_unread),
+        Stage("base_model", (), ("model",), _base_model, reads=_base_model_reads, unread=_base_model_unread),
         Stage("sft", ("data", "base_model"), ("sft",), _sft),
         Stage(
             "reward",
             ("data", "sft"),
-            ("reward",),
+            ("reward", "ppo.reward"),
             _reward,
             ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS,
             reads=_reward_reads,
             branch="ppo",
+            unread=_reward_unread,
         ),
         Stage("reward_norm", ("data", "reward"), REWARD_NORM_KEYS + REWARD_RUN_KEYS, _reward_norm, branch="ppo"),
         Stage("reward_eval", ("data", "reward_norm"), REWARD_EVAL_KEYS + REWARD_RUN_KEYS, _reward_eval, branch="ppo"),
-        Stage("ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo, reads=_ppo_reads, branch="ppo"),
+        Stage(
+            "ppo", ("data", "sft", "reward_norm"), ("ppo",), _ppo, reads=_ppo_reads, branch="ppo", unread=_ppo_unread
+        ),
         # DPO's implicit reward model is evaluated on the reward model's validation pairs, with
         # its settings (reward.eval_*), so that the report compares the two pair for pair.
-        Stage("dpo", ("data", "sft"), ("dpo",), _dpo, branch="dpo"),
+        Stage("dpo", ("data", "sft"), ("dpo",), _dpo, ignore=("dpo.eval_max_samples",), branch="dpo"),
         Stage("dpo_eval", ("data", "sft", "dpo"), REWARD_EVAL_KEYS, _dpo_eval, branch="dpo"),
         Stage(
             "evaluation",
             ("data", "base_model", "sft", "reward", "reward_norm", "reward_eval", "ppo", "dpo", "dpo_eval"),
-            ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
+            ("eval", "ppo.temperature", "ppo.non_eos_penalty", "model.base", "name"),  # the judge's and report's names
             _evaluation,
             ignore=POLICY_EVAL_KEYS,
             reads=_evaluation_reads,
+            unread=_judge_unread,
         ),
     )
 }
@@ -242,10 +326,11 @@ ON_DEMAND: dict[str, Stage] = {
         Stage(
             "policy_eval",
             ("data", "base_model"),
-            ("eval", "ppo.temperature", "ppo.non_eos_penalty"),
+            ("eval", "ppo.temperature", "ppo.non_eos_penalty", "reward.external_append_eos", "model.base", "name"),
             _policy_eval,
             ignore=POLICY_EVAL_KEYS,  # the policies and the reward model enter by name and files: reads
             reads=_policy_eval_reads,
+            unread=_policy_eval_unread,
         ),
     )
 }
@@ -264,21 +349,50 @@ def stage_entry(name: str) -> Stage:
     raise KeyError(f"no stage {name!r}; the stages are {', '.join([*STAGES, *ON_DEMAND])}")
 
 
-def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
-    """The config values stage ``name`` depends on itself, as ``{key: value}`` (JSON-serialisable).
+def stage_settings(name: str, cfg: PipelineConfig) -> set[str]:
+    """The settings stage ``name`` reads itself in ``cfg``, dotted (``ppo.kl_coef``; ``name``):
+    its keys' fields less ``ignore``, ``unread(cfg)`` and :data:`RUN_ONLY`.
 
     Raises:
         KeyError: ``name`` is not a stage.
     """
     stage = stage_entry(name)
+    dropped = {*stage.ignore, *(stage.unread(cfg) if stage.unread else ()), *RUN_ONLY}
+    settings: set[str] = set()
+    for key in stage.keys:
+        section, _, field = key.partition(".")
+        value = getattr(cfg, section)
+        if field or not isinstance(value, BaseModel):
+            settings.add(key)
+        else:
+            settings |= {f"{section}.{f}" for f in type(value).model_fields}
+    return settings - dropped
+
+
+def stage_config(cfg: PipelineConfig, name: str) -> dict[str, Any]:
+    """The config values stage ``name`` depends on itself (:func:`stage_settings`), as
+    ``{key: value}`` (JSON-serialisable): a whole section's dump less the fields it does not
+    read, or one field's value.
+
+    Raises:
+        KeyError: ``name`` is not a stage.
+    """
+    stage = stage_entry(name)
+    settings = stage_settings(name, cfg)
     values: dict[str, Any] = {}
     for key in stage.keys:
         section, _, field = key.partition(".")
-        dumped = getattr(cfg, section).model_dump(mode="json")
+        value = getattr(cfg, section)
+        if not isinstance(value, BaseModel):
+            if key in settings:
+                values[key] = value
+            continue
+        dumped = value.model_dump(mode="json")
         if field:
-            values[key] = dumped[field]
+            if key in settings:
+                values[key] = dumped[field]
         else:
-            values[key] = {k: v for k, v in dumped.items() if f"{section}.{k}" not in stage.ignore}
+            values[key] = {k: v for k, v in dumped.items() if f"{section}.{k}" in settings}
     return values
 
 
