@@ -30,7 +30,14 @@ and the resolved precision, then per update the mean score, the KL to the SFT po
 per summary), the EOS rate, the mean length and the seconds taken. Writes every update's
 figures to ``--out`` (default ``benchmarks/results/ppo_learning.json``).
 
-Verdict, the exit status: 0 when the mean score of the last 5 updates exceeds the first
+The gate across seeds (the seed is the unit of replication)::
+
+    .venv/bin/python benchmarks/ppo_learning.py --across-seeds benchmarks/results/ppo_learning-*-seed*-*.json
+
+holds for an estimator when the mean rise over its seeds has a 95% t interval above 0 and every
+seed's rise clears the 0.1 margin (``across_seeds``); each run's own interval is information.
+
+Verdict of one run, the exit status: 0 when the mean score of the last 5 updates exceeds the first
 update's (whose rollout precedes any training) by more than ``--margin`` (default 0.1, on
 the reward's [-1, 0] scale), the rise's 95% interval (``learning_verdict``) lies above 0, and
 the KL stays below ``--max-kl`` (default 10 nats) at every update; 1 otherwise. With fewer than 6 updates there is no verdict (exit status 2).
@@ -327,7 +334,84 @@ def sft_model(cfg, data_dir: Path, work: Path) -> tuple[Path, dict[str, float]]:
     return out / "model", run_sft(cfg.sft, data_dir, base, out)
 
 
+def across_seeds(results: list[dict[str, Any]], margin: float = 0.1) -> dict[str, dict[str, Any]]:
+    """The learning gate across seeds, the seed being the unit of replication: per estimator
+    (``args.advantage_estimator`` of each run's JSON), the mean of the runs' rises with its 95%
+    Student's t interval (n - 1 degrees of freedom) over seeds, and whether it holds: the
+    interval lies above 0 and every seed's rise clears ``margin``. Each run's own interval
+    (``learning_verdict``) is kept as information, not part of the gate.
+
+    Returns:
+        ``{estimator: {"seeds", "rises", "mean_rise", "ci_low", "ci_high", "passed"}}``;
+        ``passed`` is ``None`` with fewer than two seeds (no interval).
+
+    Raises:
+        ValueError: a run has no verdict (too few updates), or two runs of an estimator share a seed.
+    """
+    from scipy import stats
+
+    by_estimator: dict[str, dict[int, float]] = {}
+    for result in results:
+        args, verdict = result["args"], result["verdict"]
+        if verdict.get("rise") is None:
+            raise ValueError(f"a run of seed {args.get('seed')} has no verdict (too few updates)")
+        seeds = by_estimator.setdefault(args.get("advantage_estimator", "gae"), {})
+        if args["seed"] in seeds:
+            raise ValueError(f"two runs of {args.get('advantage_estimator', 'gae')} with seed {args['seed']}")
+        seeds[args["seed"]] = verdict["rise"]
+    out: dict[str, dict[str, Any]] = {}
+    for estimator, seeds in by_estimator.items():
+        rises = [seeds[s] for s in sorted(seeds)]
+        n = len(rises)
+        mean = sum(rises) / n
+        if n < 2:
+            out[estimator] = {
+                "seeds": sorted(seeds),
+                "rises": rises,
+                "mean_rise": mean,
+                "ci_low": None,
+                "ci_high": None,
+                "passed": None,
+            }
+            continue
+        sd = (sum((r - mean) ** 2 for r in rises) / (n - 1)) ** 0.5
+        half = float(stats.t.ppf(0.975, n - 1)) * sd / n**0.5
+        out[estimator] = {
+            "seeds": sorted(seeds),
+            "rises": rises,
+            "mean_rise": mean,
+            "ci_low": mean - half,
+            "ci_high": mean + half,
+            "passed": bool(mean - half > 0 and all(r > margin for r in rises)),
+        }
+    return out
+
+
+def seeds_main(paths: list[Path], margin: float) -> int:
+    """``--across-seeds FILE ...``: print :func:`across_seeds` of the runs' JSON files; exit 0
+    when every estimator's gate holds, 1 when one fails, 2 when one has a single seed."""
+    gate = across_seeds([json.loads(Path(p).read_text()) for p in paths], margin)
+    for estimator, g in gate.items():
+        interval = (
+            f"[{g['ci_low']:+.3f}, {g['ci_high']:+.3f}]" if g["ci_low"] is not None else "(one seed: no interval)"
+        )
+        verdict = {True: "PASS", False: "FAIL", None: "no verdict"}[g["passed"]]
+        print(
+            f"{estimator}: seeds {g['seeds']}, rises {', '.join(f'{r:+.3f}' for r in g['rises'])}; mean "
+            f"{g['mean_rise']:+.3f} {interval} (interval above 0, each rise > {margin}) -> {verdict}"
+        )
+    passed = [g["passed"] for g in gate.values()]
+    return 2 if None in passed else 0 if all(passed) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--across-seeds" in argv:
+        p = argparse.ArgumentParser(description="the learning gate across seeds, from the runs' JSON files")
+        p.add_argument("--across-seeds", nargs="+", type=Path, required=True, metavar="FILE")
+        p.add_argument("--margin", type=float, default=0.1, help="the rise each seed must clear")
+        seeds = p.parse_args(argv)
+        return seeds_main(seeds.across_seeds, seeds.margin)
     args = parse_args(argv)
     import torch
 
