@@ -26,14 +26,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from types import UnionType
-from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
 from ..common.errors import ConfigError
-
-if TYPE_CHECKING:
-    from .settings import EvalConfig
 
 #: The API judge's key given to the stage running in this context (:func:`judge_key_given`).
 _GIVEN_JUDGE_KEY: ContextVar[str | None] = ContextVar("rlhf_judge_key", default=None)
@@ -51,13 +48,11 @@ def judge_key_given(key: str | None) -> Iterator[None]:
         _GIVEN_JUDGE_KEY.reset(token)
 
 
-def judge_key(ecfg: EvalConfig) -> str | None:
-    """The key the API judge of ``ecfg`` sends: the one given to this stage
-    (:func:`judge_key_given`), else its environment variable
-    (:attr:`~rlhf_core.config.settings.EvalConfig.judge_key_variable`: ``ANTHROPIC_API_KEY``,
-    ``OPENAI_API_KEY`` for the OpenAI API's hosts only, ``eval.api_key_variable`` for another
-    server), else ``None`` (no key, or the offline judge)."""
-    variable = ecfg.judge_key_variable
+def judge_key(variable: str | None) -> str | None:
+    """The key the API judge sends: the one given to this stage (:func:`judge_key_given`), else
+    the environment variable ``variable`` (:attr:`rlhf_core.config.settings.EvalConfig.judge_key_variable`:
+    ``ANTHROPIC_API_KEY``, ``OPENAI_API_KEY`` for the OpenAI API's hosts only,
+    ``eval.api_key_variable`` for another server), else ``None`` (no key, or the offline judge)."""
     return _GIVEN_JUDGE_KEY.get() or (os.environ.get(variable) if variable else None) or None
 
 

@@ -19,25 +19,20 @@ import time
 from pathlib import Path
 
 from ..common.errors import ModelSourceError
-from ..common.io import write_jsonl_atomic
 from ..common.tracking import NullTracker, Tracker
 from ..config.settings import PipelineConfig, policy_key
 from ..data.prepared import load_data_tokenizer
 from ..models.sources import resolve_source, split_revision
 from ..train.training import pick_device, precision_name
-from .judging import JudgementCache
-from .judging.prompt import load_judge_prompt
 from .stage import (
     Evaluation,
-    judge_human_labels,
-    judge_human_metrics,
-    judge_policies,
+    judge_summaries,
     load_eval_prompts,
-    make_judge,
     policy_measurements,
     sample_policies,
     score_policies,
     summary_rows,
+    write_evaluation,
 )
 
 log = logging.getLogger(__name__)
@@ -194,22 +189,26 @@ def evaluate_policies(
             reward_dir, data_dir, tokenizer, prompts, summaries, ecfg, cfg.ppo.non_eos_penalty, device
         )
     # 3. The judge against the references, and on human-labelled comparisons.
-    base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
-    judge = make_judge(ecfg, Path(base_model_dir), base_name, device)
-    cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
-    template = load_judge_prompt(ecfg.judge_prompt, cfg.data.format)
-    verdicts = judge_policies(judge, prompts, summaries, ecfg, cache, template)
-    judge_human, human_judgements = judge_human_labels(judge, data_dir, ecfg, cache, template)
-    judge = None
+    judged = judge_summaries(cfg, Path(base_model_dir), data_dir, prompts, summaries, device, judgement_cache, out)
     # 4. Measurements and files.
     policies = list(labels.items())
+    verdicts = judged.verdicts
     metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, verdicts, ecfg, policies)
     rows = summary_rows(prompts, summaries, scored, verdicts)
-    write_jsonl_atomic(out / "summaries.jsonl", rows)
-    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements + human_judgements))
-    metrics |= judge_human_metrics(judge_human)
+    metrics |= write_evaluation(out, rows, judged)
     return Evaluation(
-        prompts, rows, headline, curves, [], scored or {}, {}, verdicts, judge_human, base_name, metrics, t0
+        prompts,
+        rows,
+        headline,
+        curves,
+        [],
+        scored or {},
+        {},
+        verdicts,
+        judged.judge_human,
+        judged.base_name,
+        metrics,
+        t0,
     )
 
 

@@ -79,13 +79,15 @@ def make_judge(cfg: EvalConfig, base_model_dir: Path, base_name: str, device: to
     if cfg.judge == "anthropic":
         from .judging.anthropic_judge import AnthropicJudge  # the SDK only when the API judge is used
 
-        return AnthropicJudge(cfg.judge_model, api_key=judge_key(cfg), max_tokens=cfg.judge_max_tokens)
+        return AnthropicJudge(
+            cfg.judge_model, api_key=judge_key(cfg.judge_key_variable), max_tokens=cfg.judge_max_tokens
+        )
     if cfg.judge == "openai":
         from .judging.openai_judge import OpenAIJudge  # likewise
 
         return OpenAIJudge(
             cfg.judge_model,
-            api_key=judge_key(cfg),
+            api_key=judge_key(cfg.judge_key_variable),
             base_url=cfg.judge_base_url,
             max_tokens=cfg.judge_max_tokens,
             openai_request=cfg.openai_request,
@@ -679,24 +681,76 @@ def run_evaluation(
     kl = kl_from_sft(model_dirs, tokenizer, prompts, summaries, ecfg, cfg.ppo.temperature, device)
     # 3. Token ranks of SFT, PPO and DPO summaries under the base model (Table 8).
     shift_blocks = token_shift_blocks(model_dirs["base"], tokenizer, prompts.queries, summaries, ecfg, device)
-    # 4. The judge: each policy's summary against the reference.
+    # 4. The judge: each policy's summary against the reference, and on human-labelled comparisons.
+    judged = judge_summaries(cfg, model_dirs["base"], data_dir, prompts, summaries, device, judgement_cache, out)
+    # 5. Measurements per policy.
+    metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, judged.verdicts, ecfg)
+    # 6. Files: summaries and judgements.
+    metrics |= {f"eval/{key}/kl_vs_sft": sum(values) / max(len(values), 1) for key, values in kl.items()}
+    rows = summary_rows(prompts, summaries, scored, judged.verdicts, kl)
+    metrics |= write_evaluation(out, rows, judged)
+    return Evaluation(
+        prompts,
+        rows,
+        headline,
+        curves,
+        shift_blocks,
+        scored,
+        kl,
+        judged.verdicts,
+        judged.judge_human,
+        judged.base_name,
+        metrics,
+        t0,
+    )
+
+
+@dataclass
+class Judged:
+    """What :func:`judge_summaries` gives: the policies' verdicts, the judge on human labels
+    (:func:`judge_human_labels`' figures and judgements) and the base model's name."""
+
+    verdicts: JudgedPolicies
+    judge_human: dict[str, Any]
+    human_judgements: list
+    base_name: str
+
+
+def judge_summaries(
+    cfg: PipelineConfig,
+    base_model_dir: Path,
+    data_dir: str | os.PathLike,
+    prompts: EvalPrompts,
+    summaries: dict[str, Summaries],
+    device: torch.device,
+    judgement_cache: str | os.PathLike | None,
+    out: Path,
+) -> Judged:
+    """The configured judge (:func:`make_judge`) on each policy's summaries against the
+    references (:func:`judge_policies`), then on human-labelled comparisons, with the judge
+    prompt of ``eval.judge_prompt`` (or the data format's) and the judgement cache
+    ``judgement_cache`` (default ``out/judge_cache.jsonl``); the judge is freed after.
+
+    Raises:
+        JudgeConfigError, JudgeRequestError, JudgeUnreadableError: as the judge raises them.
+    """
+    ecfg = cfg.eval
     base_name = cfg.model.base or f"random-init model with the tokenizer {cfg.model.tokenizer}"
-    judge = make_judge(ecfg, model_dirs["base"], base_name, device)
+    judge = make_judge(ecfg, base_model_dir, base_name, device)
     cache = JudgementCache(judgement_cache or out / "judge_cache.jsonl")
     template = load_judge_prompt(ecfg.judge_prompt, cfg.data.format)
     verdicts = judge_policies(judge, prompts, summaries, ecfg, cache, template)
-    # 4b. The same judge on human-labelled comparisons: is it better than chance at all?
+    # the same judge on human-labelled comparisons: is it better than chance at all?
     judge_human, human_judgements = judge_human_labels(judge, data_dir, ecfg, cache, template)
     judge = None
     _free()
-    # 5. Measurements per policy.
-    metrics, headline, curves = policy_measurements(prompts, summaries, diverse, scored, verdicts, ecfg)
-    # 6. Files: summaries and judgements.
-    metrics |= {f"eval/{key}/kl_vs_sft": sum(values) / max(len(values), 1) for key, values in kl.items()}
-    rows = summary_rows(prompts, summaries, scored, verdicts, kl)
+    return Judged(verdicts, judge_human, human_judgements, base_name)
+
+
+def write_evaluation(out: Path, rows: list[dict], judged: Judged) -> dict[str, float]:
+    """Write ``summaries.jsonl`` (``rows``) and ``judgements.jsonl`` (the policies' and the human
+    labels' judgements) to ``out``. Returns the judge's ``eval/judge/human_*`` metrics."""
     write_jsonl_atomic(out / "summaries.jsonl", rows)
-    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in verdicts.judgements + human_judgements))
-    metrics |= judge_human_metrics(judge_human)
-    return Evaluation(
-        prompts, rows, headline, curves, shift_blocks, scored, kl, verdicts, judge_human, base_name, metrics, t0
-    )
+    judgements = judged.verdicts.judgements + judged.human_judgements
+    write_jsonl_atomic(out / "judgements.jsonl", (j.to_dict() for j in judgements))
+    return judge_human_metrics(judged.judge_human)

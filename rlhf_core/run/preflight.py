@@ -455,7 +455,7 @@ def check_judge_server(cfg: PipelineConfig) -> None:
             it serves, the first ten), and what to do.
     """
     ecfg = cfg.eval
-    key = judge_key(ecfg)
+    key = judge_key(ecfg.judge_key_variable)
     if ecfg.judge != "openai" or (ecfg.judge_needs_key and not key):
         return
     from ..evaluation.judging import JudgeRequestError
