@@ -411,6 +411,41 @@ def test_a_conversational_row_is_scored_as_its_messages_through_the_models_chat_
         tmp_path / "rm", [[*ppo_prompts[i], msg("assistant", replies[i].strip())] for i in ppo_order]
     )
     torch.testing.assert_close(got.raw_scores, expected, atol=1e-5, rtol=1e-5)
+    # PPO itself: its trainer on those prompts (a tiny random policy of SmolLM2's tokenizer),
+    # its own samples scored as transformers scores apply_chat_template's text
+    from rlhf_core.models.base import import_base_model
+
+    ppo_cfg = load_config(
+        "smoke",
+        [
+            "data.format=trl",
+            f"data.local_dir={folder}",
+            smol,
+            'data.prompt_splits={"train": {}}',
+            f"ppo.reward=model:{tmp_path / 'rm'}",
+            "ppo.bf16=false",
+        ],
+    )
+    import_base_model(ppo_cfg.model, tmp_path / "policy")
+    trainer = PPOTrainer(ppo_cfg.ppo, tmp_path / "data", tmp_path / "policy", tmp_path / "imported" / "model")
+    assert isinstance(trainer.reward_model, ExternalRewardModel) and len(trainer.reward_model.conversations) == 6
+    queries = trainer.queries[:2]
+    traj = trainer.generate_trajectory(queries)
+    sampled = truncate_after_eos(traj.responses, trainer.eos_id, trainer.pad_id)
+    _, response_texts = policy_texts(trainer.tokenizer, queries, sampled)
+    prompt_rows = load_prompts(tmp_path / "data")["train"]
+    by_ids = {
+        tuple(t for t in ids if t != trainer.pad_id): json.loads(m)
+        for ids, m in zip(prompt_rows["query_token"], prompt_rows["prompt_messages"])
+    }
+    conversations = [
+        [*by_ids[tuple(t for t in q if t != trainer.pad_id)], msg("assistant", r.strip())]
+        for q, r in zip(queries.tolist(), response_texts)
+    ]
+    assert all(c[:-1] in ppo_prompts for c in conversations)
+    torch.testing.assert_close(
+        traj.raw_scores, direct_chat_scores(tmp_path / "rm", conversations), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_a_conversation_longer_than_the_models_positions_keeps_its_response_and_the_end_of_its_last_turn(
