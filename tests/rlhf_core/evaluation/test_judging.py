@@ -784,6 +784,23 @@ def test_two_offline_judges_of_one_name_with_other_weights_share_no_cached_verdi
     assert all(j.cached for j in hits) and [j.answer for j in hits] == [j.answer for j in judged]
 
 
+def test_the_offline_judges_bf16_verdicts_do_not_depend_on_its_batches(tiny_model, llama_tokenizer, comparisons):
+    """The cpu-demo path: bf16 autocast, prompts of different lengths batched together and left-
+    padded. Each prompt's verdict is the same whether it is judged alone or in a batch of 4, and
+    its letters' log-probabilities agree within bf16's rounding (measured: 1e-4 apart; with the
+    padding attended to, 7e-3)."""
+    prompts = [c.prompt(first) for c in comparisons[:6] for first in (True, False)]
+    alone = OfflineJudge(tiny_model, llama_tokenizer, name="j", batch_size=1, bf16=True)
+    batched = OfflineJudge(tiny_model, llama_tokenizer, name="j", batch_size=4, bf16=True)
+    assert alone.bf16 and alone.identity == batched.identity  # one judge: its answers cached alike
+    one, four = alone.letter_logprobs(prompts), batched.letter_logprobs(prompts)
+    torch.testing.assert_close(one, four, atol=1e-3, rtol=0)
+    margins = one[:, 0] - one[:, 1]
+    clear = margins.abs() > 0.1  # a margin within rounding may go either way
+    assert clear.sum() >= len(prompts) // 2
+    assert ((one[:, 0] >= one[:, 1]) == (four[:, 0] >= four[:, 1]))[clear].all()
+
+
 def test_an_api_judges_identity_is_its_model_and_server(monkeypatch):
     from rlhf_core.evaluation.judging import OpenAIJudge
 
