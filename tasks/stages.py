@@ -261,9 +261,17 @@ def check_free_space(stage: str, inputs: list[Path], places: list[Path], cfg: Pi
 def _not_retried() -> tuple[type[BaseException], ...]:
     from rlhf_core.common import errors
     from rlhf_core.config.settings import ConfigError
-    from rlhf_core.evaluation.judging.errors import JudgeConfigError, JudgeRequestError
+    from rlhf_core.evaluation.judging.errors import JudgeConfigError, JudgeRequestError, JudgeUnreadableError
 
-    return (errors.DataError, errors.ModelSourceError, ConfigError, ArtifactError, JudgeConfigError, JudgeRequestError)
+    return (
+        errors.DataError,
+        errors.ModelSourceError,
+        ConfigError,
+        ArtifactError,
+        JudgeConfigError,
+        JudgeRequestError,
+        JudgeUnreadableError,  # its answers are cached: another attempt reads the same ones
+    )
 
 
 def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:

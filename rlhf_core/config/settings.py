@@ -173,6 +173,13 @@ class TrainerConfig(StrictModel):
             dumped.pop("lora", None)
         return dumped
 
+    def unread_settings(self) -> tuple[str, ...]:
+        """The fields the trainer does not read with these settings: left out of its stage's
+        key (:mod:`rlhf_core.run.pipeline`) and of its checkpoints' digest
+        (:func:`rlhf_core.train.training.trainer_checkpoints`), so that changing one neither
+        re-runs the stage nor stops it resuming."""
+        return ()
+
     @model_validator(mode="after")
     def _lora_on_whole_models(self) -> TrainerConfig:
         # a sharded model is rebuilt whole on rank 0 after training as a plain model
@@ -256,6 +263,10 @@ class DPOConfig(EpochTrainerConfig):
     #: Same results, less GPU memory, one host-to-device copy of the reference per micro-batch.
     #: With adapters (lora.r > 0) there is no reference copy to offload: an error.
     offload_reference: bool = False
+
+    def unread_settings(self) -> tuple[str, ...]:
+        """``eval_max_samples``: DPO's implicit reward is evaluated with ``reward.eval_*`` (dpo_eval)."""
+        return ("eval_max_samples",)
 
     @model_validator(mode="after")
     def _a_reference_to_offload(self) -> DPOConfig:
@@ -360,6 +371,16 @@ class PPOConfig(TrainerConfig):
     #: the reference is the policy itself, so only the reward model is offloaded; with neither
     #: a reference copy nor a reward model there is nothing to offload: an error.
     offload_frozen: bool = False
+
+    def unread_settings(self) -> tuple[str, ...]:
+        """``scale_rewards`` but under GRPO; GAE's own (``gamma``, ``lam``, ``vf_coef``,
+        ``cliprange_value``, ``value_init``) under a critic-free estimator, and ``value_init``
+        with an existing reward model (``model:SOURCE``), whose tokens are not the policy's: the
+        value model then starts from SFT (rlhf_core.ppo.models.initial_value_model)."""
+        unread = () if self.advantage_estimator == "grpo" else ("scale_rewards",)
+        if self.advantage_estimator != "gae":
+            return unread + ("gamma", "lam", "vf_coef", "cliprange_value", "value_init")
+        return unread + (("value_init",) if self.reward.startswith("model:") else ())
 
     @model_validator(mode="after")
     def _frozen_models_to_offload(self) -> PPOConfig:

@@ -437,7 +437,8 @@ def judge_note(
     if not judge_human.get("n"):
         return (
             text
-            + " The judge's agreement with human labels could not be measured: none of its answers on them was readable."
+            + " The judge's agreement with human labels could not be measured: it gave no readable verdict on them "
+            "(unreadable answers or request errors)."
         )
     low, high = judge_human["agreement_ci"]
     measured = (

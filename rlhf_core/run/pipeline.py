@@ -217,8 +217,6 @@ DATA_HUB_KEYS = (
     "data.prompt_dataset",
     "data.revision",
 )
-#: PPO's settings that only GAE with its value model reads (Details 24-26).
-PPO_GAE_KEYS = ("ppo.gamma", "ppo.lam", "ppo.vf_coef", "ppo.cliprange_value", "ppo.value_init")
 
 
 #: The ``data`` settings that only TRL-format rows read.
@@ -237,8 +235,8 @@ def _data_unread(cfg: PipelineConfig) -> tuple[str, ...]:
         unread.append("model.revision")
     if cfg.data.format != "trl":
         unread += DATA_TRL_KEYS
-    if cfg.data.resolved_source() == "local":
-        unread += DATA_HUB_KEYS if cfg.data.subset_in_use() is None else DATA_HUB_KEYS[-1:]
+    if cfg.data.resolved_source() == "local":  # a folder, or the subset's rows fetched into one
+        unread += DATA_HUB_KEYS
         if cfg.data.subset_in_use() is None:
             unread.append("data.hub_subset")
     return tuple(unread)
@@ -260,12 +258,11 @@ def _reward_unread(cfg: PipelineConfig) -> tuple[str, ...]:
 
 
 def _ppo_unread(cfg: PipelineConfig) -> tuple[str, ...]:
-    unread = () if cfg.ppo.advantage_estimator == "grpo" else ("ppo.scale_rewards",)
-    if cfg.ppo.advantage_estimator != "gae":  # critic-free: no value model
-        unread += PPO_GAE_KEYS
-    elif cfg.ppo.reward != "model":
-        unread += ("ppo.value_init",)  # no trained reward model to start from: the value model starts from SFT
-    return unread
+    return tuple(f"ppo.{name}" for name in cfg.ppo.unread_settings())
+
+
+def _dpo_unread(cfg: PipelineConfig) -> tuple[str, ...]:
+    return tuple(f"dpo.{name}" for name in cfg.dpo.unread_settings())
 
 
 def _judge_unread(cfg: PipelineConfig) -> tuple[str, ...]:
@@ -290,7 +287,7 @@ STAGES: dict[str, Stage] = {
         Stage(
             "reward",
             ("data", "sft"),
-            ("reward", "ppo.reward"),
+            ("reward",),
             _reward,
             ignore=REWARD_EVAL_KEYS + REWARD_NORM_KEYS,
             reads=_reward_reads,
@@ -304,7 +301,7 @@ STAGES: dict[str, Stage] = {
         ),
         # DPO's implicit reward model is evaluated on the reward model's validation pairs, with
         # its settings (reward.eval_*), so that the report compares the two pair for pair.
-        Stage("dpo", ("data", "sft"), ("dpo",), _dpo, ignore=("dpo.eval_max_samples",), branch="dpo"),
+        Stage("dpo", ("data", "sft"), ("dpo",), _dpo, branch="dpo", unread=_dpo_unread),
         Stage("dpo_eval", ("data", "sft", "dpo"), REWARD_EVAL_KEYS, _dpo_eval, branch="dpo"),
         Stage(
             "evaluation",

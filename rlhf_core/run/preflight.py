@@ -402,6 +402,12 @@ def judge_key_missing(ecfg: EvalConfig, secret_block: str | None) -> str:
     variable = ecfg.judge_key_variable
     judge = f"eval.judge is {ecfg.judge}" + (f" on {ecfg.judge_base_url}" if ecfg.judge == "openai" else "")
     other = " or point eval.judge_base_url at a server that needs no key," if ecfg.judge == "openai" else ""
+    if variable is None and secret_block is None:  # a block named, and no way to look it up here
+        return (
+            f"{judge} and its key is in the Prefect Secret block {ecfg.api_key_secret!r} (eval.api_key_secret), "
+            "which only a run with a Prefect server reads: run it with `rlhf run` or a deployment, or name the "
+            "environment variable holding the key (eval.api_key_variable)"
+        )
     if variable is None:  # another server, its key named as a Secret block only
         return (
             f"{judge} but no Prefect Secret block named {secret_block!r} exists (eval.api_key_secret): save the "

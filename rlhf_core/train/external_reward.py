@@ -195,7 +195,7 @@ class ExternalRewardModel(nn.Module):
         """
         turns = [dict(m) for m in messages]
         if turns and turns[-1]["role"] == "assistant":  # a prompt the response continues (TRL's continue_final_message)
-            response = turns.pop()["content"] + response
+            response = turns.pop()["content"].rstrip() + response  # as the template continues it, trailing space cut
         response, given = response.strip(), [dict(m) for m in turns]
 
         def render() -> tuple[str, int]:

@@ -498,7 +498,7 @@ def trainer_checkpoints(
 
     The settings go to ``tracker`` as ``{section}.{key}`` params with the resolved precision
     (``{section}.precision``) and ``extra_params``; the checkpoints live in
-    ``out_dir/checkpoints``, keyed by the settings and ``inputs`` (JSON-serialisable: the data
+    ``out_dir/checkpoints``, keyed by the settings it reads (less ``cfg.unread_settings()``) and ``inputs`` (JSON-serialisable: the data
     statistics, the input model folders), so a checkpoint written with other settings or
     inputs is never resumed (:meth:`CheckpointManager.load_latest` raises instead); the newest
     ``cfg.keep_checkpoints`` are kept.
@@ -508,9 +508,10 @@ def trainer_checkpoints(
         | {f"{section}.precision": precision_name(cfg.bf16, device)}
         | (extra_params or {})
     )
+    unread = set(cfg.unread_settings())
     return CheckpointManager(
         Path(out_dir) / "checkpoints",
-        json_digest([cfg.model_dump(mode="json"), *inputs]),
+        json_digest([cfg.model_dump(mode="json", exclude=unread), *inputs]),
         keep=cfg.keep_checkpoints,
     )
 

@@ -167,3 +167,20 @@ def test_a_key_used_on_the_openai_api_is_never_sent_to_the_next_cells_server(pre
         sent = [r.headers["authorization"] for r in other.requests]
         assert sent == [f"Bearer {NO_KEY}", f"Bearer {NO_KEY}", "Bearer other-server-key"]
         assert all(openai_key not in str(r.headers) for r in other.requests)
+
+
+def test_another_servers_key_named_only_as_a_block_is_refused_in_one_line_where_no_block_can_be_read(monkeypatch):
+    cfg = load_config(
+        "smoke",
+        [
+            "eval.judge=openai",
+            "eval.judge_model=m",
+            "eval.judge_base_url=http://127.0.0.1:1/v1",
+            "eval.api_key_secret=b",
+        ],
+    )
+    with pytest.raises(PreflightError) as info:
+        check_judge_key(cfg)  # rlhf stages: no Prefect server to read the block
+    assert str(info.value).startswith("eval.judge is openai on http://127.0.0.1:1/v1 and its key is in the Prefect")
+    assert "None" not in str(info.value) and "eval.api_key_variable" in str(info.value)
+    check_judge_key(cfg, secret_exists=lambda name: name == "b")

@@ -90,8 +90,9 @@ class AnthropicJudge(ApiJudge):
         text = self._message_text(message)
         usage = getattr(message, "usage", None)
         self._count(getattr(usage, "input_tokens", 0), getattr(usage, "output_tokens", 0))
-        if getattr(message, "stop_reason", None) == "max_tokens":
-            raise self._cut_at_limit(text, "stop_reason max_tokens")
+        stop = getattr(message, "stop_reason", None)
+        if stop in ("max_tokens", "model_context_window_exceeded"):
+            raise self._cut_at_limit(text, f"stop_reason {stop}")
         return text
 
     def _message_text(self, message: Any) -> str:

@@ -303,7 +303,7 @@ def test_a_judge_with_no_readable_verdict_stops_the_stage_and_its_answers_stay_c
     line = "The judge tiny-judge gave no readable verdict: 8 answers, none naming a summary (for example 'I think both"
     assert line in report and report.index(line) < report.index("Win rates: share of valid judgements")
     assert "nan" not in report.lower() and "at chance" not in report
-    assert "could not be measured: none of its answers on them was readable" in report
+    assert "could not be measured: it gave no readable verdict on them" in report
 
 
 def test_the_report_says_in_words_when_the_judge_is_at_chance_on_human_labels():

@@ -14,8 +14,9 @@ from tests.settings_reads import recorded_reads
 #: Read for how a stage runs, never for what it computes (:data:`RUN_ONLY`).
 READ_FOR_DISPLAY = set(RUN_ONLY)
 #: Settings that reach a stage's key through ``Stage.reads``, by what they name's contents:
-#: ``rlhf evaluate``'s policies and reward model, by name and files.
-THROUGH_READS = {"policy_eval": {"eval.policies", "eval.reward_model"}}
+#: ``rlhf evaluate``'s policies and reward model, by name and files; the existing reward model
+#: the reward stage imports (``ppo.reward: model:SOURCE``), by its files and spec.
+THROUGH_READS = {"policy_eval": {"eval.policies", "eval.reward_model"}, "reward": {"ppo.reward"}}
 
 
 def upstream_settings(name: str, cfg) -> set[str]:
@@ -105,4 +106,24 @@ def test_a_setting_only_some_configurations_read_is_in_their_keys_only(tmp_path)
         "evaluation",
         "policy_eval",
     }
+    rule = "ppo.reward=python:rlhf_core.train.rule_rewards:word_count_12"
+    assert changed([rule], "ppo.value_init=zero_head") == {"ppo"}  # the value model starts from the trained one
+    assert changed([f"ppo.reward={existing}"], "ppo.value_init=zero_head") == set()  # it starts from SFT
+    assert changed([], rule) == {"ppo"}  # the reward model is trained alike
     assert "name" in stage_settings("evaluation", base)  # the report's title
+
+
+def test_a_setting_left_out_of_a_key_is_left_out_of_its_trainers_checkpoints_too(tmp_path):
+    """A stage that a changed, unread setting leaves under the same key (the same work
+    directory) resumes its checkpoints: their digest leaves out the same settings."""
+    import torch
+
+    from rlhf_core.common.tracking import NullTracker
+    from rlhf_core.train.training import trainer_checkpoints
+
+    def digest(overrides: list[str], section: str) -> str:
+        cfg = getattr(load_config("smoke", overrides), section)
+        return trainer_checkpoints(section, cfg, torch.device("cpu"), tmp_path, [], NullTracker()).config_digest
+
+    assert digest([], "ppo") == digest(["ppo.scale_rewards=batch"], "ppo") != digest(["ppo.gamma=0.9"], "ppo")
+    assert digest([], "dpo") == digest(["dpo.eval_max_samples=3"], "dpo") != digest(["dpo.beta=0.1"], "dpo")
