@@ -174,10 +174,8 @@ class TrainerConfig(StrictModel):
         return dumped
 
     def unread_settings(self) -> tuple[str, ...]:
-        """The fields the trainer does not read with these settings: left out of its stage's
-        key (:mod:`rlhf_core.run.pipeline`) and of its checkpoints' digest
-        (:func:`rlhf_core.train.training.trainer_checkpoints`), so that changing one neither
-        re-runs the stage nor stops it resuming."""
+        """The fields the trainer does not read with these settings: left out of its stage's key
+        (:mod:`rlhf_core.run.pipeline`) and its checkpoints' digest (``trainer_checkpoints``)."""
         return ()
 
     @model_validator(mode="after")
@@ -595,8 +593,7 @@ class EvalConfig(StrictModel):
 
     @property
     def openai_request(self) -> bool:
-        """Whether the OpenAI judge sends OpenAI's request shape (``judge_request``; unset: on the
-        OpenAI API's hosts)."""
+        """Whether the OpenAI judge sends OpenAI's request shape (``judge_request``; unset: on OpenAI's hosts)."""
         return (self.judge_request or ("openai" if is_openai_api(self.judge_base_url) else "compatible")) == "openai"
 
 

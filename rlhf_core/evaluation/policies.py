@@ -24,16 +24,8 @@ from ..config.settings import PipelineConfig, policy_key
 from ..data.prepared import load_data_tokenizer
 from ..models.sources import resolve_source, split_revision
 from ..train.training import pick_device, precision_name
-from .stage import (
-    Evaluation,
-    judge_summaries,
-    load_eval_prompts,
-    policy_measurements,
-    sample_policies,
-    score_policies,
-    summary_rows,
-    write_evaluation,
-)
+from .stage import Evaluation, load_eval_prompts, policy_measurements, sample_policies, score_policies, summary_rows
+from .verdicts import judge_summaries, write_evaluation
 
 log = logging.getLogger(__name__)
 

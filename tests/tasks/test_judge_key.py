@@ -124,7 +124,7 @@ def test_a_key_used_on_the_openai_api_is_never_sent_to_the_next_cells_server(pre
 
     from rlhf_core.config.credentials import judge_key_given
     from rlhf_core.evaluation.judging.openai_judge import NO_KEY
-    from rlhf_core.evaluation.stage import make_judge
+    from rlhf_core.evaluation.verdicts import make_judge
     from tests.chat_completions_api import ChatCompletionsAPI, completion_reply
 
     openai_key = "sk-proj-cell-one-0123456789abcdefghij"

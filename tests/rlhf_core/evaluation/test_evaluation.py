@@ -15,8 +15,8 @@ from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import EvalConfig
 from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
 from rlhf_core.evaluation.judging import JudgementCache
-from rlhf_core.evaluation.stage import judge_human_metrics
 from rlhf_core.evaluation.token_shift import response_token_ranks
+from rlhf_core.evaluation.verdicts import judge_human_metrics
 from rlhf_core.metrics.statistics import agreement, paired_difference
 from rlhf_core.models.saved import load_causal_lm, save_pretrained_atomic
 from rlhf_core.report.learning_checks import learning_checks, reward_model_checks
