@@ -409,13 +409,15 @@ class HubDataset:
 @dataclass(frozen=True)
 class SubsetFile:
     """One file of the local folder: its rows' kind, the hub split they come from, where the
-    local file's rows came from (``source``, for messages) and their identities in order."""
+    local file's rows came from (``source``, for messages), their identities in order and each
+    one's content digest (:func:`rlhf_core.data.hub_subset.content_digest`)."""
 
     name: str
     kind: str
     split: str
     source: str
     rows: tuple[str, ...]
+    digests: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -463,7 +465,7 @@ def load_subset(name: str) -> HubSubset:
             for kind, d in doc["datasets"].items()
         }
         files = tuple(
-            SubsetFile(fname, f["kind"], f["split"], f.get("source", ""), tuple(f["rows"]))
+            SubsetFile(fname, f["kind"], f["split"], f.get("source", ""), tuple(f["rows"]), tuple(f["digests"]))
             for fname, f in doc["files"].items()
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -473,6 +475,11 @@ def load_subset(name: str) -> HubSubset:
             raise DataError(f"{path}: files.{f.name}.kind {f.kind!r} names no entry of datasets ({', '.join(sets)})")
         if len(set(f.rows)) != len(f.rows):
             raise DataError(f"{path}: files.{f.name}.rows names a row twice")
+        if len(f.digests) != len(f.rows):
+            raise DataError(
+                f"{path}: files.{f.name}.digests has {len(f.digests)} entries for its {len(f.rows)} rows "
+                "(one content digest per row; infra/tldr_subset.py writes them)"
+            )
     return HubSubset(path, hashlib.sha256(raw).hexdigest()[:12], sets, files)
 
 

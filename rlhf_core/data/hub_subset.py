@@ -5,8 +5,8 @@ The offline presets (``cpu-demo``, ``smoke``) read a folder of flat JSONL files
 the TL;DR SFT set (``vwxyzjn/summarize_from_feedback_tldr_3_filtered``) and OpenAI's human
 comparisons (``openai/summarize_from_feedback``, config ``comparisons``). A subset file
 (``configs/data/NAME.json``, named by ``data.hub_subset``) lists, for each file of that folder,
-the identity of every row (:func:`row_identity`) and the hub dataset, revision and split it
-comes from. With ``data.source: auto`` and no local folder, :func:`ensure_local_rows` loads those
+the identity of every row (:func:`row_identity`), the digest of its content
+(:func:`content_digest`) and the hub dataset, revision and split it comes from. With ``data.source: auto`` and no local folder, :func:`ensure_local_rows` loads those
 splits through ``datasets``, selects the rows and writes the same files into a cache folder
 (:func:`rlhf_core.config.data_settings.subset_dir`), read from then on exactly as a local folder.
 
@@ -91,6 +91,23 @@ def row_identity(kind: str, row: dict) -> str:
     return row_identities(kind, row)[0]
 
 
+#: The fields of a flat row whose text the stages read: what a row's content digest covers.
+CONTENT_FIELDS = {
+    "sft": ("subreddit", "title", "post", "summary"),
+    "preference": ("subreddit", "title", "post", "chosen", "rejected"),
+}
+
+
+def content_digest(kind: str, row: dict) -> str:
+    """A digest of the texts of a flat row the stages read (:data:`CONTENT_FIELDS`): a row the hub
+    changed under the same identity has another digest.
+
+    Raises:
+        KeyError: ``kind`` is neither ``sft`` nor ``preference``.
+    """
+    return _digest(kind, *(row.get(field) for field in CONTENT_FIELDS[kind]))
+
+
 def _subreddit(name: Any) -> Any:
     return name[2:] if isinstance(name, str) and name.startswith("r/") else name
 
@@ -142,15 +159,20 @@ def offline_row(kind: str, hub_row: dict, split: str) -> dict:
 # ----------------------------------------------------------------------------- fetch
 
 
-def _select(subset_file: SubsetFile, rows: list[dict]) -> tuple[list[dict], list[str], list[tuple[str, str | None]]]:
+def _select(
+    subset_file: SubsetFile, rows: list[dict]
+) -> tuple[list[dict], list[str], list[str], list[tuple[str, str | None]]]:
     """The rows of ``subset_file`` from the flat hub rows ``rows`` (in hub order), in the
-    subset's order. A row the hub split lacks is replaced by the nearest equivalent one: for
-    SFT, the first unused row of the split; for a comparison, the first unused comparison of its
-    batch (named in its identity: the same policies compared, by the same rules).
+    subset's order. A row found under its identity whose content digest (:func:`content_digest`)
+    is not the one the subset names is refused. A row the hub split lacks or that was refused is
+    replaced by the nearest equivalent one: for SFT, the first unused row of the split; for a
+    comparison, the first unused comparison of its batch (named in its identity: the same
+    policies compared, by the same rules). A refused row is never a replacement.
 
     Returns:
-        ``(rows, missing, replaced)``: the selected rows; the identities not found; each
-        ``(missing identity, identity of its replacement, or None when none was left)``.
+        ``(rows, missing, changed, replaced)``: the selected rows; the identities not found; the
+        identities refused for their content; each ``(missing or changed identity, identity of its
+        replacement, or None when none was left)``.
     """
     kind = subset_file.kind
     index: dict[str, int] = {}
@@ -158,8 +180,16 @@ def _select(subset_file: SubsetFile, rows: list[dict]) -> tuple[list[dict], list
         for ident in row_identities(kind, row):
             index.setdefault(ident, i)
     chosen = [index.get(ident) for ident in subset_file.rows]
-    used = {i for i in chosen if i is not None}
-    missing = [ident for ident, i in zip(subset_file.rows, chosen) if i is None]
+    changed: list[str] = []
+    refused: set[int] = set()
+    for pos, (ident, digest) in enumerate(zip(subset_file.rows, subset_file.digests)):
+        i = chosen[pos]
+        if i is not None and content_digest(kind, rows[i]) != digest:
+            changed.append(ident)
+            refused.add(i)
+            chosen[pos] = None
+    used = {i for i in chosen if i is not None} | refused
+    missing = [ident for ident, i in zip(subset_file.rows, chosen) if i is None and ident not in changed]
     replaced: list[tuple[str, str | None]] = []
     pools: dict[str | None, Iterator[int]] = {}  # unused rows by batch (comparisons), in hub order
 
@@ -174,7 +204,7 @@ def _select(subset_file: SubsetFile, rows: list[dict]) -> tuple[list[dict], list
             used.add(near)
             chosen[pos] = near
         replaced.append((ident, None if near is None else row_identity(kind, rows[near])))
-    return [rows[i] for i in chosen if i is not None], missing, replaced
+    return [rows[i] for i in chosen if i is not None], missing, changed, replaced
 
 
 def _hub_unreachable(subset: HubSubset, reason: str) -> DataError:
@@ -189,7 +219,7 @@ def fetch_subset(name: str, dest: str | os.PathLike | None = None) -> Path:
     """Load the hub splits subset ``name`` reads (:func:`rlhf_core.data.hub.load_hub_split`), select its
     rows (:func:`_select`) and write its files, one flat JSON row per line, into ``dest``
     (default :func:`subset_dir`), atomically, with :data:`FETCH_RECORD` naming the commits read,
-    the rows missing from the hub and what replaced them (each also logged as a warning, naming
+    the rows missing from the hub, those refused for a changed content and what replaced them (each also logged as a warning, naming
     where the local file's rows came from).
 
     Returns:
@@ -225,7 +255,7 @@ def fetch_subset(name: str, dest: str | os.PathLike | None = None) -> Path:
                 entry = {"id": hub.id, "config": hub.config, "revision": hub.revision, "commits": {}}
                 record["datasets"].setdefault(f.kind, entry)["commits"][f.split] = commit
             rows, commit = loaded[(f.kind, f.split)]
-            selected, missing, replaced = _select(f, rows)
+            selected, missing, changed, replaced = _select(f, rows)
             with open(tmp / f.name, "w", encoding="utf-8") as fh:
                 for row in selected:
                     fh.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -233,6 +263,7 @@ def fetch_subset(name: str, dest: str | os.PathLike | None = None) -> Path:
                 "rows": len(selected),
                 "hub": f"{hub.id}[{f.split}]@{commit}",
                 "missing": missing,
+                "changed": changed,
                 "replaced_by": dict(replaced),
             }
             if missing:
@@ -247,6 +278,22 @@ def fetch_subset(name: str, dest: str | os.PathLike | None = None) -> Path:
                     commit,
                     f.source or "elsewhere",
                     sum(r is not None for _, r in replaced),
+                    " and batch" if f.kind == "preference" else "",
+                    dest / FETCH_RECORD,
+                )
+            if changed:
+                log.warning(
+                    "%s: %d of its %d rows differ in %s[%s] at %s from the rows the subset names (their "
+                    "content digests differ: %s%s); refused, and replaced by the nearest rows of the same split%s; "
+                    "every one is listed in %s",
+                    f.name,
+                    len(changed),
+                    len(f.rows),
+                    hub.id,
+                    f.split,
+                    commit,
+                    ", ".join(changed[:5]),
+                    f" and {len(changed) - 5} more" if len(changed) > 5 else "",
                     " and batch" if f.kind == "preference" else "",
                     dest / FETCH_RECORD,
                 )
@@ -282,7 +329,8 @@ def ensure_local_rows(data_cfg: Any) -> Path | None:
 def subset_document(
     folder: str | os.PathLike, files: dict[str, tuple[str, str, str]], hub_datasets: dict[str, dict]
 ) -> dict:
-    """A subset file's content naming every row of the flat JSONL ``files`` of ``folder``
+    """A subset file's content naming every row of the flat JSONL ``files`` of ``folder``, with
+    its content digest (:func:`content_digest`),
     (``{file name: (kind, hub split, where its rows came from)}``) in order, read from the hub
     datasets ``hub_datasets`` (``{kind: {"id", "config", "revision"}}``).
 
@@ -295,8 +343,10 @@ def subset_document(
         if not path.is_file():
             raise DataError(f"{path}: no such file")
         with open(path, encoding="utf-8") as fh:
-            rows = [row_identity(kind, json.loads(line)) for line in fh if line.strip()]
+            flat = [json.loads(line) for line in fh if line.strip()]
+        rows = [row_identity(kind, row) for row in flat]
         if len(set(rows)) != len(rows):
             raise DataError(f"{path}: two rows have the same identity")
-        doc["files"][name] = {"kind": kind, "split": split, "source": source, "rows": rows}
+        digests = [content_digest(kind, row) for row in flat]
+        doc["files"][name] = {"kind": kind, "split": split, "source": source, "rows": rows, "digests": digests}
     return doc

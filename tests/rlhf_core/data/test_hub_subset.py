@@ -4,6 +4,7 @@ cache's own layout (tests/hub_layout.py), built from the rows committed with the
 
 import json
 import logging
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -12,13 +13,14 @@ from rlhf_core.config.data_settings import load_subset, subset_dir
 from rlhf_core.config.presets import load_config
 from rlhf_core.data.files import data_fingerprint
 from rlhf_core.data.hub import load_hub_split
-from rlhf_core.data.hub_subset import FETCH_RECORD, ensure_local_rows, row_identity
+from rlhf_core.data.hub_subset import FETCH_RECORD, content_digest, ensure_local_rows, row_identity
 from rlhf_core.data.prepare import DataError
 from rlhf_core.run.cli import main
 from tests.conftest import FIXTURE_TLDR, read_jsonl
 from tests.hub_layout import hub_cache_repo, to_hub_comparison
 
 ROWS = FIXTURE_TLDR / "ROWS.json"
+SUBSET_FILE = Path(__file__).resolve().parents[3] / "configs" / "data" / "tldr-offline-rows.json"
 SFT = "vwxyzjn/summarize_from_feedback_tldr_3_filtered"
 COMPARISONS = "openai/summarize_from_feedback"
 SFT_COMMIT = "5" * 40
@@ -39,22 +41,27 @@ def hub_cache(tmp_path, monkeypatch):
     return tmp_path / "hub"
 
 
-def build_hub(cache, drop: set[str] = frozenset(), add: list[dict] = ()) -> None:
+def build_hub(cache, drop: set[str] = frozenset(), add: list[dict] = (), change: dict[str, dict] = {}) -> None:  # noqa: B006
     """The two hub datasets holding the committed rows (less ``drop``, by identity; plus the
-    comparisons ``add``), each split in reverse order with rows of another split after them.
+    comparisons ``add``; the rows named in ``change`` with those fields replaced), each split in
+    reverse order with rows of another split after them.
     ``openai/summarize_from_feedback`` at the pinned revision holds a loading script and no data,
     as on the hub; its rows are in the hub's Parquet export (``refs/convert/parquet``)."""
     sft = {split: read_jsonl(FIXTURE_TLDR / f"sft_{split}.jsonl") for split in ("train", "validation", "test")}
     files: dict = {"README.md": SFT_CARD}
     for split, rows in sft.items():
         other = sft["train" if split != "train" else "test"][:3]
-        kept = [r for r in rows if row_identity("sft", r) not in drop]
+        kept = [r | change.get(row_identity("sft", r), {}) for r in rows if row_identity("sft", r) not in drop]
         files[f"data/{split}-00000-of-00001.parquet"] = kept[::-1] + other
     hub_cache_repo(cache, SFT, SFT_COMMIT, files)
     flat = read_jsonl(FIXTURE_TLDR / "preference_validation.jsonl") + read_jsonl(
         FIXTURE_TLDR / "preference_validation_cnndm.jsonl"
     )
-    kept = [to_hub_comparison(r) for r in flat if row_identity("preference", r) not in drop]
+    kept = [
+        to_hub_comparison(r | change.get(row_identity("preference", r), {}))
+        for r in flat
+        if row_identity("preference", r) not in drop
+    ]
     pinned = load_subset(str(ROWS)).datasets["preference"].revision
     hub_cache_repo(cache, COMPARISONS, pinned, {"summarize_from_feedback.py": SCRIPT, "README.md": "---\n---\n"})
     export = {
@@ -116,6 +123,47 @@ def test_rows_missing_from_the_hub_are_named_and_replaced_by_the_nearest(hub_cac
     assert record["preference_validation.jsonl"]["replaced_by"] == {
         row_identity("preference", lost): row_identity("preference", relabelled)
     }
+
+
+def test_a_row_changed_on_the_hub_under_its_identity_is_refused_by_name(hub_cache, caplog):
+    """A row the hub holds under the identity the subset names, with other text (an SFT post
+    named by its post id, a comparison's post), is not read: it is named in a warning and in
+    the fetch record, and the nearest unused row takes its place, never the changed row itself."""
+    sft = read_jsonl(FIXTURE_TLDR / "sft_validation.jsonl")
+    pref = read_jsonl(FIXTURE_TLDR / "preference_validation.jsonl")
+    named = next(r for r in sft if r["id"])  # named by its post id alone
+    edited_post = named["post"] + " EDIT: thanks everyone!"
+    compared = [r for r in pref if r["batch"] == "batch18"][1]
+    ids = {"sft": row_identity("sft", named), "preference": row_identity("preference", compared)}
+    assert row_identity("sft", named | {"post": edited_post}) == ids["sft"]  # the same identity
+    build_hub(hub_cache, change={ids["sft"]: {"post": edited_post}, ids["preference"]: {"title": "another title"}})
+    with caplog.at_level(logging.WARNING, logger="rlhf_core.data.hub_subset"):
+        folder = ensure_local_rows(load_config("smoke", [f"data.hub_subset={ROWS}"]).data)
+    record = json.loads((folder / FETCH_RECORD).read_text())["files"]
+    assert record["sft_validation.jsonl"]["changed"] == [ids["sft"]]
+    assert record["sft_validation.jsonl"]["missing"] == []
+    assert record["preference_validation.jsonl"]["changed"] == [ids["preference"]]
+    warned = "\n".join(r.getMessage() for r in caplog.records)
+    assert f"sft_validation.jsonl: 1 of its 450 rows differ in {SFT}[validation]" in warned and ids["sft"] in warned
+    assert ids["preference"] in warned
+    fetched = read_jsonl(folder / "sft_validation.jsonl")
+    assert len(fetched) == len(sft) and edited_post not in {r["post"] for r in fetched}
+    at = sft.index(named)
+    assert fetched[at] != named and fetched[:at] == sft[:at] and fetched[at + 1 :] == sft[at + 1 :]
+    assert record["sft_validation.jsonl"]["replaced_by"] == {ids["sft"]: row_identity("sft", fetched[at])}
+    fetched = read_jsonl(folder / "preference_validation.jsonl")
+    assert "another title" not in {r["title"] for r in fetched}
+    assert fetched[pref.index(compared)]["batch"] == "batch18"
+
+
+def test_every_row_of_the_committed_subsets_has_its_content_digest():
+    """The subset files name each row's content: the committed test rows' digests are theirs."""
+    for path in (ROWS, SUBSET_FILE):
+        subset = load_subset(str(path))
+        assert all(len(f.digests) == len(f.rows) > 0 for f in subset.files), path
+    for f in load_subset(str(ROWS)).files:
+        rows = read_jsonl(FIXTURE_TLDR / f.name)
+        assert list(f.digests) == [content_digest(f.kind, r) for r in rows], f.name
 
 
 def test_without_a_local_folder_or_the_hub_the_data_stage_stops_in_one_line(hub_cache, tmp_path, capsys):
