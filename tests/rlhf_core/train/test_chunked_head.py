@@ -122,3 +122,30 @@ def test_linear_logprobs_under_bf16_autocast_matches_autocast_linear():
     torch.testing.assert_close(got, full, rtol=1e-3, atol=1e-2)
     for a, b in zip(got_grads, full_grads):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_under_bf16_autocast_the_chunks_equal_autocast_linear_to_float32_rounding():
+    """Under bf16 autocast (the cpu-demo path on a CPU with AVX512-BF16), in several chunks of
+    rows: DPO's log-probabilities and SFT's summed loss equal ``F.linear``'s under autocast to
+    float32 rounding and do not depend on the chunks' size; the gradients are within bf16
+    rounding (the weight's: one bf16 rounding per chunk's product)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, d_model, n = 3000, 96, 64
+    hidden = torch.randn(n, d_model, generator=g, requires_grad=True)
+    weight = (torch.randn(vocab, d_model, generator=g) * 0.05).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    upstream = torch.randn(n, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert head_chunking(hidden, weight, targets, 4 * vocab * 20) == (torch.bfloat16, 20)  # 4 chunks
+        got = linear_logprobs(hidden, weight, targets, chunk_bytes=4 * vocab * 20)
+        other_chunks = linear_logprobs(hidden, weight, targets, chunk_bytes=4 * vocab * 7)
+        full = F.log_softmax(F.linear(hidden, weight).float(), -1).gather(1, targets[:, None]).squeeze(1)
+        loss = linear_cross_entropy_sum(hidden, weight, targets, chunk_bytes=4 * vocab * 20)
+        full_loss = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="sum")
+    torch.testing.assert_close(got, full, rtol=0, atol=2e-5)
+    torch.testing.assert_close(other_chunks, got, rtol=0, atol=2e-5)
+    torch.testing.assert_close(loss, full_loss, rtol=1e-6, atol=0)
+    got_grads = torch.autograd.grad((got * upstream).sum(), (hidden, weight))
+    full_grads = torch.autograd.grad((full * upstream).sum(), (hidden, weight))
+    for a, b, bound in zip(got_grads, full_grads, (1e-4, 2**-8)):
+        assert a.dtype == torch.float32 and ((a - b).norm() / b.norm()).item() < bound
