@@ -133,9 +133,7 @@ class SplitSpec(StrictModel):
     this split's rows (after the filters above, validation and the response caps) into the
     split ``holdout.split``, and this split keeps the rest, in their order: for example
     ``train: {source: validation, batches: [batch13], holdout: {split: validation_in_dist,
-    rows: 200, seed: 1}}``. Unset, it is left out of the dumped settings, so that the settings,
-    and the data stage's key, of a split without one are what they were before the field
-    existed.
+    rows: 200, seed: 1}}``. Unset, it is left out of the dumped settings and of the data stage's key.
     """
 
     source: str
@@ -192,8 +190,7 @@ class DataConfig(StrictModel):
     :meth:`splits`): the configured splits give way, keeping only their ``max_rows`` and
     ``holdout``; prompts longer than ``max_query_length`` (unset: ``tldr_format``'s) tokens
     are cut keeping their end or start, or dropped (``prompt_truncation``). Left at their
-    defaults these four keys are left out of the dumped settings, so that the data stage's key
-    of a ``tldr`` configuration is what it was before they existed.
+    defaults these four keys are left out of the dumped settings and of the data stage's key.
 
     ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
     (:func:`rlhf_core.data.hub.load_hub_split`); ``local`` reads JSONL files from ``local_dir``

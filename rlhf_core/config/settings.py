@@ -161,9 +161,8 @@ class TrainerConfig(StrictModel):
     #: Rows of each evaluation split used (None: all).
     eval_max_samples: int | None = Field(None, gt=0)
     seed: int = 1
-    #: Low-rank adapters instead of training every weight (LoraConfig; r 0: off). With r 0 the
-    #: block is left out of the dumped settings, so that the settings, and the stage's key, are
-    #: what they were before it existed.
+    #: Low-rank adapters instead of training every weight (LoraConfig; r 0: off, and left out
+    #: of the dumped settings and the stage's key).
     lora: LoraConfig = Field(default_factory=LoraConfig)
 
     @model_serializer(mode="wrap")

@@ -153,7 +153,7 @@ def rollout_rows(n_rows: int, cfg: PPOConfig, update: int, w: World | None = Non
     (:func:`rlhf_core.train.distributed.shard`), each repeated ``samples_per_prompt`` times in
     consecutive rows. A prompt's samples therefore lie on one rank, next to each other, as the
     group baselines of :func:`estimate_advantages` need. With one sample per prompt, the
-    rows of :func:`prompt_indices` sharded, as before there were groups.
+    rows of :func:`prompt_indices` sharded.
 
     Raises:
         ValueError: the prompts do not split evenly over the ranks (naming the settings).

@@ -393,7 +393,7 @@ class PPOTrainer:
             per_token_kl = k3_kl(new_logprobs, traj.ref_logprobs[idx], token_mask)
             kl = masked_mean(per_token_kl, token_mask)
             per_token, loss = per_token + cfg.kl_coef * per_token_kl, loss + cfg.kl_coef * kl
-        if cfg.loss_type == "paper":  # computed as before loss_type existed, bitwise; aggregate_loss's sum
+        if cfg.loss_type == "paper":  # the token mean times the micro-batch's share: aggregate_loss's paper sum
             (loss * scale).backward()
         else:
             rows, tokens = minibatch if minibatch is not None else (len(idx), int(token_mask.sum()))

@@ -41,7 +41,7 @@ def add_lora(
     model: nn.Module, cfg: LoraConfig, seed: int, trained_in_full: Sequence[str] = ()
 ) -> peft.PeftModel | None:
     """Adapt ``model``'s backbone with LoRA in place, as ``cfg`` says; ``None`` when ``cfg.r``
-    is 0 (``model`` untouched, every weight trained as before).
+    is 0 (``model`` untouched, every weight trained).
 
     The adapted layers are ``cfg.target_modules``, by default every linear layer of
     ``model.base_model`` (the backbone: a causal LM's without its language-model head, a
