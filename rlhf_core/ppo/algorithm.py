@@ -6,6 +6,8 @@ valid positions. The training loop in :mod:`rlhf_core.ppo.trainer` calls these.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -64,7 +66,7 @@ def whiten(values: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, shift_me
     return whitened
 
 
-def compute_advantages(
+def gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the valid positions of each response
@@ -336,32 +338,38 @@ def policy_loss(
     }
 
 
-def aggregate_loss(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    loss_type: str,
-    minibatch_rows: int,
-    minibatch_tokens: int,
-    response_length: int,
-) -> torch.Tensor:
-    """A micro-batch's share of a minibatch's policy loss from its per-token terms, for
-    ``ppo.loss_type`` (TRL's ``GRPOTrainer`` ``loss_type``); summed over the micro-batches (and
-    ranks) of a minibatch it is the same whatever the micro-batches, except under ``paper``.
+class Minibatch(NamedTuple):
+    """A micro-batch's place in its minibatch: ``share``, its rows over the minibatch's rows on
+    every rank, and ``rows``, ``tokens``, the minibatch's rows and response tokens on every rank."""
 
-    - ``paper``: the token mean of the micro-batch times its share of the minibatch's rows,
-      ``mean_tokens(l) * rows / minibatch_rows`` (the paper's PPO: it moves with the micro-batch).
-    - ``dapo``: ``sum(l) / minibatch_tokens``, the mean over the minibatch's tokens (Yu et al.
-      2025, arXiv 2503.14476).
-    - ``grpo``: ``sum_i mean_t(l_i) / minibatch_rows``, each response's token mean, then the
-      mean over responses (Shao et al. 2024, arXiv 2402.03300, eq. 3).
-    - ``dr_grpo``: ``sum(l) / (minibatch_rows * response_length)`` (Liu et al. 2025, arXiv 2503.20783).
+    share: float
+    rows: int
+    tokens: int
+
+
+def aggregate_loss(
+    terms: list[tuple[float, torch.Tensor]], mask: torch.Tensor, loss_type: str, minibatch: Minibatch
+) -> torch.Tensor:
+    """A micro-batch's share of a minibatch's loss ``sum_k c_k * l_k`` from per-token terms
+    ``(c_k, l_k)``, for ``ppo.loss_type`` (TRL's ``GRPOTrainer`` ``loss_type``); summed over the
+    micro-batches (and ranks) of a minibatch it is the same whatever the micro-batches, except
+    under ``paper``.
+
+    - ``paper``: each term's token mean, ``sum_k c_k * mean_tokens(l_k) * share`` (the paper's
+      PPO: it moves with the micro-batch).
+    - ``dapo``: ``sum(l) / tokens``, the mean over the minibatch's tokens (Yu et al. 2025,
+      arXiv 2503.14476).
+    - ``grpo``: ``sum_i mean_t(l_i) / rows``, each response's token mean, then the mean over
+      responses (Shao et al. 2024, arXiv 2402.03300, eq. 3).
+    - ``dr_grpo``: ``sum(l) / (rows * R)`` (Liu et al. 2025, arXiv 2503.20783).
+
+    with ``l = sum_k c_k * l_k``.
 
     Args:
-        per_token: ``(rows, response_length)`` float, the loss of each token.
-        mask: ``(rows, response_length)`` bool, the response tokens.
-        minibatch_rows, minibatch_tokens: rows and response tokens of the whole minibatch, over
-            every rank.
-        response_length: the longest response (``R``).
+        terms: ``(coefficient, (rows, R) float loss of each token)``, the first one's
+            coefficient 1.
+        mask: ``(rows, R)`` bool, the response tokens.
+        minibatch: the micro-batch's share and the minibatch's counts (:class:`Minibatch`).
 
     Returns:
         A scalar.
@@ -369,15 +377,21 @@ def aggregate_loss(
     Raises:
         ValueError: an unknown ``loss_type``.
     """
-    m = mask.to(per_token.dtype)
+    (_, first), rest = terms[0], terms[1:]
     if loss_type == "paper":
-        return masked_mean(per_token, mask) * per_token.size(0) / minibatch_rows
+        mean = masked_mean(first, mask)
+        for coef, per_token in rest:
+            mean = mean + coef * masked_mean(per_token, mask)
+        return mean * minibatch.share
+    for coef, per_token in rest:
+        first = first + coef * per_token
+    m = mask.to(first.dtype)
     if loss_type == "dapo":
-        return (per_token * m).sum() / minibatch_tokens
+        return (first * m).sum() / minibatch.tokens
     if loss_type == "grpo":
-        return ((per_token * m).sum(1) / m.sum(1).clamp(min=1.0)).sum() / minibatch_rows
+        return ((first * m).sum(1) / m.sum(1).clamp(min=1.0)).sum() / minibatch.rows
     if loss_type == "dr_grpo":
-        return (per_token * m).sum() / (minibatch_rows * response_length)
+        return (first * m).sum() / (minibatch.rows * first.size(1))
     raise ValueError(f"loss_type must be paper, dapo, grpo or dr_grpo, not {loss_type!r}")
 
 
@@ -404,3 +418,78 @@ def value_loss(
         "loss": 0.5 * masked_mean(torch.max(losses, losses_clipped), mask),
         "clipfrac": masked_mean((losses_clipped > losses).float(), mask),
     }
+
+
+class PPOBatch(NamedTuple):
+    """One micro-batch of a trajectory, as the loss reads it; each ``(rows, R)``.
+
+    Attributes:
+        logprobs: float, the sampling policy's log-probabilities (``INVALID_LOGPROB`` off the mask).
+        ref_logprobs: float, the reference policy's.
+        advantages: float.
+        mask: bool, the response tokens (the policy's loss).
+        values: float, the value model's predictions at sampling (``None`` without a value model).
+        returns: float (``None`` without a value model).
+        value_mask: bool, the positions the value loss reads (``None`` without a value model).
+    """
+
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    value_mask: torch.Tensor | None = None
+
+
+def ppo_loss(
+    batch: PPOBatch,
+    new_logprobs: torch.Tensor | None,
+    new_values: torch.Tensor | None,
+    cfg,
+    minibatch: Minibatch,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's share of PPO's loss (``cfg``: a :class:`rlhf_core.config.settings.PPOConfig`):
+
+    1. the clipped surrogate over the response tokens (Schulman et al. 2017, arXiv 1707.06347,
+       eq. 7; :func:`policy_loss`);
+    2. under ``advantage_estimator: grpo``, plus ``kl_coef`` times the k3 KL from the reference
+       (Shao et al. 2024, arXiv 2402.03300, eq. 3; :func:`k3_kl`);
+    3. aggregated under ``loss_type`` (:func:`aggregate_loss`);
+    4. plus ``vf_coef`` times the clipped value loss, times ``minibatch.share``
+       (:func:`value_loss`; Details 9 of the 37, 24 of the N+).
+
+    ``new_logprobs`` ``None`` leaves out 1-3, ``new_values`` ``None`` leaves out 4: the policy
+    and the value model share no parameters, so each part may be backpropagated on its own.
+
+    Args:
+        new_logprobs: ``(rows, R)`` float, the policy's log-probabilities now
+            (``INVALID_LOGPROB`` off ``batch.mask``), or ``None``.
+        new_values: ``(rows, R)`` float, the value model's predictions now (0 off
+            ``batch.value_mask``), or ``None``.
+
+    Returns:
+        ``(loss, stats)``: a scalar, and scalar tensors ``policy_loss``, ``clipfrac``,
+        ``approxkl`` and ``ratio`` (``(rows, R)``) with the policy's part, under grpo ``kl_loss``
+        (the mean k3 KL), and ``value_loss``, ``value_clipfrac`` with the value model's.
+    """
+    parts, stats = [], {}
+    if new_logprobs is not None:
+        pl = policy_loss(new_logprobs, batch.logprobs, batch.advantages, batch.mask, cfg.cliprange)
+        terms = [(1.0, pl["per_token"])]
+        stats |= {
+            "policy_loss": pl["loss"],
+            "clipfrac": pl["clipfrac"],
+            "approxkl": pl["approxkl"],
+            "ratio": pl["ratio"],
+        }
+        if cfg.advantage_estimator == "grpo":
+            per_token_kl = k3_kl(new_logprobs, batch.ref_logprobs, batch.mask)
+            terms.append((cfg.kl_coef, per_token_kl))
+            stats["kl_loss"] = masked_mean(per_token_kl, batch.mask)
+        parts.append(aggregate_loss(terms, batch.mask, cfg.loss_type, minibatch))
+    if new_values is not None:
+        vl = value_loss(new_values, batch.values, batch.returns, batch.value_mask, cfg.cliprange_value)
+        parts.append(cfg.vf_coef * vl["loss"] * minibatch.share)
+        stats |= {"value_loss": vl["loss"], "value_clipfrac": vl["clipfrac"]}
+    return (parts[0] if len(parts) == 1 else parts[0] + parts[1]), stats

@@ -28,7 +28,7 @@ from ..train.generation import last_token_indices, trim_left_padding, truncate_a
 from ..train.reward import ResponseScores, ScalarModel
 from .algorithm import (
     INVALID_LOGPROB,
-    compute_advantages,
+    gae,
     grpo_advantages,
     logprobs_from_logits,
     masked_mean,
@@ -384,7 +384,7 @@ def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
 
 
 def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3: GAE advantages and returns (:func:`rlhf_core.ppo.algorithm.compute_advantages`; Schulman et
+    """Step 3: GAE advantages and returns (:func:`rlhf_core.ppo.algorithm.gae`; Schulman et
     al. 2015, arXiv 1506.02438), the advantages whitened over the response tokens of the global
     batch (Detail 25).
 
@@ -392,7 +392,7 @@ def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> t
         ``(advantages, returns)``, each ``(B, R)`` float32; advantages 0 outside
         ``traj.token_mask``, returns 0 outside ``rewards.value_mask``.
     """
-    advantages, returns = compute_advantages(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
+    advantages, returns = gae(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
     advantages = whiten(advantages, *masked_mean_var(advantages, traj.token_mask)) * traj.token_mask  # Detail 25
     return advantages, returns
 

@@ -73,14 +73,13 @@ from ..train.training import (
 )
 from .algorithm import (
     INVALID_LOGPROB,
-    aggregate_loss,
+    Minibatch,
+    PPOBatch,
     entropy_from_logits,
-    k3_kl,
     logprobs_from_logits,
     masked_mean,
-    policy_loss,
+    ppo_loss,
     sampling_logits,
-    value_loss,
 )
 from .eval import evaluate_policy, value_vs_reward, write_value_vs_reward
 from .models import build_models, initial_value_model
@@ -322,11 +321,12 @@ class PPOTrainer:
                     else tuple(all_reduce_sum([end - start, traj.token_mask[on_device[start:end]].sum().item()]))
                 )
                 # the last micro-batch's backward passes sum each model's gradients over the ranks:
-                # with the scale below, the global minibatch's mean gradient
+                # with each micro-batch's share, the global minibatch's mean gradient
                 for micro, *_ in zip(*(parallel.accumulate(micros) for parallel in parallels)):
                     idx = on_device[micro[0] : micro[-1] + 1]
+                    share = len(micro) / (end - start) / ranks
                     stats, ratio, token_mask = self._ppo_step(
-                        traj, value_mask, advantages, returns, idx, len(micro) / (end - start) / ranks, sizes
+                        traj, value_mask, advantages, returns, idx, Minibatch(share, *sizes)
                     )
                     for key, value in stats.items():  # float64, the operations Python floats would do
                         mb_sums[key] = mb_sums.get(key, 0.0) + value.detach().double() * len(micro) / (end - start)
@@ -354,64 +354,52 @@ class PPOTrainer:
         advantages: torch.Tensor,
         returns: torch.Tensor | None,
         idx: torch.Tensor,
-        scale: float,
-        minibatch: tuple[int, int] | None = None,
+        minibatch: Minibatch,
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Backpropagate ``scale`` times the PPO loss of the micro-batch ``idx``: the clipped
-        surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7), under grpo plus ``kl_coef``
-        times the mean per-token k3 KL from the reference (:func:`rlhf_core.ppo.algorithm.k3_kl`), and,
-        with a value model, ``vf_coef`` times the clipped value loss. The policy's part is the
-        micro-batch's share of the minibatch's loss under ``ppo.loss_type``
-        (:func:`rlhf_core.ppo.algorithm.aggregate_loss`): under ``paper`` its token mean times ``scale``
-        (its share of the minibatch's rows and of the ranks), else its sum divided by what
-        ``minibatch`` gives, the (rows, response tokens) of the minibatch on every rank (unset:
-        the micro-batch's own).
+        """Backpropagate the micro-batch ``idx``'s share of PPO's loss
+        (:func:`rlhf_core.ppo.algorithm.ppo_loss`; ``minibatch``: its share of the minibatch's
+        rows over the ranks, and the minibatch's counts): the forward passes, then each model's
+        part of the loss backpropagated on its own.
 
         Returns:
-            ``(stats, ratio, token_mask)``: its statistics as scalar tensors on the device
-            (``policy_loss``, ``clipfrac``, ``approxkl``, ``entropy``, with a value model
-            ``value_loss``, ``value_clipfrac``, and under grpo ``kl_loss``, the mean k3 KL), and ``(len(idx), R)`` probability ratios and the response-token mask
-            they count on. A non-finite loss is backpropagated like any other (every rank joins
-            every gradient all-reduce); :meth:`optimise` checks the losses before stepping.
+            ``(stats, ratio, token_mask)``: the loss's statistics and the entropy as scalar
+            tensors on the device, and ``(len(idx), R)`` probability ratios and the
+            response-token mask they count on. A non-finite loss is backpropagated like any
+            other (every rank joins every gradient all-reduce); :meth:`optimise` checks the
+            losses before stepping.
         """
         cfg, pad, context = self.cfg, self.pad_id, traj.context_length
-        qr, resp, token_mask, vmask = (
-            traj.query_responses[idx],
-            traj.responses[idx],
-            traj.token_mask[idx],
-            value_mask[idx],
+        qr, resp, token_mask = traj.query_responses[idx], traj.responses[idx], traj.token_mask[idx]
+        has_values = self.value_parallel is not None
+        batch = PPOBatch(
+            traj.logprobs[idx],
+            traj.ref_logprobs[idx],
+            advantages[idx],
+            token_mask,
+            traj.values[idx] if has_values else None,
+            returns[idx] if has_values else None,  # type: ignore[index]
+            value_mask[idx] if has_values else None,
         )
-        # The two models share no parameters, so each part of the loss is backpropagated on its
-        # own: the policy's activations are freed before the value model's forward pass.
+        # The policy's activations are freed before the value model's forward pass.
         with autocast(self.device, cfg.bf16):
             logits = self.policy_parallel(response_logits, qr, pad, context)
         new_logprobs = logprobs_from_logits(logits, resp, cfg.temperature, pad)
         new_logprobs = torch.masked_fill(new_logprobs, ~token_mask, INVALID_LOGPROB)
-        pl = policy_loss(new_logprobs, traj.logprobs[idx], advantages[idx], token_mask, cfg.cliprange)
-        per_token, loss = pl["per_token"], pl["loss"]
-        if cfg.advantage_estimator == "grpo":  # GRPO's KL term (DeepSeekMath eq. 3), weighted by kl_coef
-            per_token_kl = k3_kl(new_logprobs, traj.ref_logprobs[idx], token_mask)
-            kl = masked_mean(per_token_kl, token_mask)
-            per_token, loss = per_token + cfg.kl_coef * per_token_kl, loss + cfg.kl_coef * kl
-        if cfg.loss_type == "paper":  # the token mean times the micro-batch's share: aggregate_loss's paper sum
-            (loss * scale).backward()
-        else:
-            rows, tokens = minibatch if minibatch is not None else (len(idx), int(token_mask.sum()))
-            aggregate_loss(per_token, token_mask, cfg.loss_type, rows, tokens, resp.size(1)).backward()
+        loss, stats = ppo_loss(batch, new_logprobs, None, cfg, minibatch)
+        loss.backward()
         with torch.no_grad():
-            entropy = masked_mean(entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask)
+            stats["entropy"] = masked_mean(
+                entropy_from_logits(sampling_logits(logits, cfg.temperature, pad)), token_mask
+            )
         del logits, new_logprobs
-        stats = {"policy_loss": pl["loss"], "clipfrac": pl["clipfrac"], "approxkl": pl["approxkl"], "entropy": entropy}
-        if cfg.advantage_estimator == "grpo":
-            stats["kl_loss"] = kl
-        if self.value_parallel is not None:
+        ratio = stats.pop("ratio").detach().float()
+        if has_values:
             with autocast(self.device, cfg.bf16):
                 vpred = self.value_parallel(response_values, qr, pad, context)
-            vpred = vpred.float() * vmask
-            vl = value_loss(vpred, traj.values[idx], returns[idx], vmask, cfg.cliprange_value)  # type: ignore[index]
-            (cfg.vf_coef * vl["loss"] * scale).backward()
-            stats |= {"value_loss": vl["loss"], "value_clipfrac": vl["clipfrac"]}
-        return stats, pl["ratio"].detach().float(), token_mask
+            loss, value_stats = ppo_loss(batch, None, vpred.float() * batch.value_mask, cfg, minibatch)
+            loss.backward()
+            stats |= value_stats
+        return stats, ratio, token_mask
 
     # --------------------------------------------------------------- evaluation
 

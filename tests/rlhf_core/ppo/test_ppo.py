@@ -8,9 +8,11 @@ import torch.nn.functional as F
 
 from rlhf_core.ppo.algorithm import (
     INVALID_LOGPROB,
+    Minibatch,
+    PPOBatch,
     aggregate_loss,
-    compute_advantages,
     entropy_from_logits,
+    gae,
     grpo_advantages,
     k3_kl,
     logprobs_from_logits,
@@ -19,6 +21,7 @@ from rlhf_core.ppo.algorithm import (
     masked_whiten,
     per_token_rewards,
     policy_loss,
+    ppo_loss,
     response_mask,
     rloo_advantages,
     sampling_logits,
@@ -53,7 +56,7 @@ def test_masked_whiten_with_and_without_mean_shift():
 def test_gae_hand_worked_example():
     rewards = torch.tensor([[0.0, 0.0, 1.0]])
     values = torch.tensor([[0.5, 0.6, 0.7]])
-    adv, ret = compute_advantages(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=0.95)
+    adv, ret = gae(rewards, values, torch.ones(1, 3, dtype=torch.bool), gamma=1.0, lam=0.95)
     # delta_2 = 1 - 0.7; delta_1 = 0.7 - 0.6; delta_0 = 0.6 - 0.5; A_t = delta_t + 0.95 A_{t+1}
     torch.testing.assert_close(adv, torch.tensor([[0.1 + 0.95 * (0.1 + 0.95 * 0.3), 0.1 + 0.95 * 0.3, 0.3]]))
     torch.testing.assert_close(ret, adv + values)
@@ -63,7 +66,7 @@ def test_gae_stops_at_the_end_of_the_valid_positions():
     rewards = torch.tensor([[0.0, 1.0, 5.0]])
     values = torch.tensor([[0.5, 0.6, 9.0]])
     mask = torch.tensor([[T, T, F_]])
-    adv, ret = compute_advantages(rewards, values, mask, gamma=0.9, lam=0.5)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.5)
     a1 = 1.0 - 0.6
     a0 = (0.9 * 0.6 - 0.5) + 0.9 * 0.5 * a1
     torch.testing.assert_close(adv, torch.tensor([[a0, a1, 0.0]]))
@@ -82,10 +85,7 @@ def test_values_above_the_scores_give_the_eos_the_most_negative_advantage_unless
     rewards[:, -1] = scores
     values = torch.full((3, 32), 2.5)  # the reward model's outputs off the EOS
     mask = torch.ones(3, 32, dtype=torch.bool)
-    whitened = {
-        lam: masked_whiten(compute_advantages(rewards, values, mask, gamma=1.0, lam=lam)[0], mask)
-        for lam in (0.95, 1.0)
-    }
+    whitened = {lam: masked_whiten(gae(rewards, values, mask, gamma=1.0, lam=lam)[0], mask) for lam in (0.95, 1.0)}
     a = whitened[0.95]
     assert (a[:, -1] < a[:, 0] - 2.0).all()  # every response: its EOS far below its first token,
     assert (a[:, -1] == a.min(dim=1).values).all() and a[2, -1] < -1.0  # the best-scored one's too
@@ -95,7 +95,7 @@ def test_values_above_the_scores_give_the_eos_the_most_negative_advantage_unless
     for a in whitened.values():
         assert a[:, -1].argsort().tolist() == [0, 1, 2]  # the EOS advantages keep the scores' order
     # lam 1: the advantage at every token of a response is its score minus the (constant) value
-    advantages, _ = compute_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
+    advantages, _ = gae(rewards, values, mask, gamma=1.0, lam=1.0)
     torch.testing.assert_close(advantages, (scores - 2.5)[:, None].expand(3, 32))
 
 
@@ -297,7 +297,7 @@ def test_a_minibatchs_loss_and_its_gradient_whatever_the_micro_batches(loss_type
     for split in ([[0, 1]], [[0], [1]]):
         per_token = torch.zeros(2, 8, requires_grad=True)
         for rows in split:
-            aggregate_loss(per_token[rows], mask[rows], loss_type, 2, 10, 8).backward()
+            aggregate_loss([(1.0, per_token[rows])], mask[rows], loss_type, Minibatch(len(rows) / 2, 2, 10)).backward()
         weights[len(split)] = per_token.grad
     one, two = weights[1], weights[2]
     expected = {
@@ -315,4 +315,50 @@ def test_a_minibatchs_loss_and_its_gradient_whatever_the_micro_batches(loss_type
     else:
         torch.testing.assert_close(two, one)
     with pytest.raises(ValueError, match="not 'seq'"):
-        aggregate_loss(torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), "seq", 1, 2, 2)
+        aggregate_loss([(1.0, torch.zeros(1, 2))], torch.ones(1, 2, dtype=torch.bool), "seq", Minibatch(1.0, 1, 2))
+
+
+@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+@pytest.mark.parametrize("loss_type", ["paper", "dapo", "grpo", "dr_grpo"])
+def test_ppo_loss_by_hand(estimator, loss_type):
+    """One row of two response tokens (of three), the policy unchanged since sampling (ratio 1),
+    advantages 2 and 1, the reference 0.3 nats below the policy, the micro-batch half of a
+    minibatch of 2 rows and 4 tokens: the policy's terms are -2 and -1, GRPO's k3 KL
+    exp(-0.3) + 0.3 - 1 on each; the value model's predictions 1 and 2 against returns 0 and old
+    values 1 give squared errors 1 and 4 (clipped: 1 and 1.44), a loss of 0.5 * 2.5."""
+    from rlhf_core.config.settings import PPOConfig
+
+    cfg = PPOConfig(advantage_estimator=estimator, loss_type=loss_type, kl_coef=0.1, vf_coef=0.1, cliprange_value=0.2)
+    mask = torch.tensor([[True, True, False]])
+    logprobs = torch.tensor([[-1.0, -2.0, INVALID_LOGPROB]])
+    batch = PPOBatch(
+        logprobs=logprobs,
+        ref_logprobs=logprobs - 0.3,
+        advantages=torch.tensor([[2.0, 1.0, 0.0]]),
+        mask=mask,
+        values=torch.tensor([[1.0, 1.0, 0.0]]),
+        returns=torch.zeros(1, 3),
+        value_mask=mask,
+    )
+    minibatch = Minibatch(share=0.5, rows=2, tokens=4)
+    kl = math.exp(-0.3) + 0.3 - 1 if estimator == "grpo" else 0.0
+    per_token = [-2.0 + 0.1 * kl, -1.0 + 0.1 * kl]
+    policy = {
+        "paper": sum(per_token) / 2 * 0.5,
+        "dapo": sum(per_token) / 4,
+        "grpo": sum(per_token) / 2 / 2,
+        "dr_grpo": sum(per_token) / (2 * 3),
+    }[loss_type]
+    loss, stats = ppo_loss(batch, logprobs.clone(), None, cfg, minibatch)
+    assert loss.item() == pytest.approx(policy, abs=1e-6)
+    assert stats["policy_loss"].item() == pytest.approx(-1.5) and stats["clipfrac"].item() == 0.0
+    assert stats["ratio"][mask].tolist() == [1.0, 1.0] and stats["approxkl"].item() == 0.0
+    assert ("kl_loss" in stats) == (estimator == "grpo") and stats.get("kl_loss", torch.tensor(0.0)).item() == (
+        pytest.approx(kl, rel=1e-5)
+    )
+    new_values = torch.tensor([[1.0, 2.0, 0.0]])
+    loss, stats = ppo_loss(batch, None, new_values, cfg, minibatch)
+    assert loss.item() == pytest.approx(0.1 * 0.5 * 2.5 * 0.5) and set(stats) == {"value_loss", "value_clipfrac"}
+    assert stats["value_loss"].item() == pytest.approx(1.25) and stats["value_clipfrac"].item() == 0.0
+    both, _ = ppo_loss(batch, logprobs.clone(), new_values, cfg, minibatch)
+    assert both.item() == pytest.approx(policy + 0.0625, abs=1e-6)
