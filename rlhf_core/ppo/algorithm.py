@@ -100,16 +100,8 @@ def gae(
 
 
 def sequence_returns(rewards: torch.Tensor) -> torch.Tensor:
-    """Each response's return ``R = sum_t rewards_t``: its score minus ``kl_coef`` times its summed
-    KL from the reference (the per-token rewards of :func:`per_token_rewards`, 0 outside the
-    response), the quantity the critic-free estimators compare within a group.
-
-    Args:
-        rewards: ``(batch, response_length)`` float, 0 outside the valid positions.
-
-    Returns:
-        ``(batch,)``, the dtype of ``rewards``.
-    """
+    """``(batch,)`` returns ``R = sum_t rewards_t`` of ``(batch, R)`` per-token rewards
+    (:func:`per_token_rewards`): the score minus ``kl_coef`` times the summed KL."""
     return rewards.sum(1)
 
 
