@@ -190,7 +190,8 @@ class DataConfig(StrictModel):
     :meth:`splits`): the configured splits give way, keeping only their ``max_rows`` and
     ``holdout``; prompts longer than ``max_query_length`` (unset: ``tldr_format``'s) tokens
     are cut keeping their end or start, or dropped (``prompt_truncation``). Left at their
-    defaults these four keys are left out of the dumped settings and of the data stage's key.
+    defaults ``format``, ``columns``, ``prompt_truncation``, ``max_query_length``,
+    ``prompt_splits`` and ``prompt_dataset`` are left out of the dumped settings and of the data stage's key.
 
     ``source``: ``hub`` loads ``sft_dataset`` and ``preference_dataset`` from the hub
     (:func:`rlhf_core.data.hub.load_hub_split`); ``local`` reads JSONL files from ``local_dir``

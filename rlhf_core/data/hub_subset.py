@@ -91,15 +91,24 @@ def row_identity(kind: str, row: dict) -> str:
     return row_identities(kind, row)[0]
 
 
-#: The fields of a flat row whose text the stages read: what a row's content digest covers.
+#: The fields of a flat row the stages read: what a row's content digest covers.
 CONTENT_FIELDS = {
     "sft": ("subreddit", "title", "post", "summary"),
-    "preference": ("subreddit", "title", "post", "chosen", "rejected"),
+    "preference": (
+        "subreddit",
+        "title",
+        "post",
+        "chosen",
+        "rejected",
+        "chosen_policy",
+        "rejected_policy",
+        "confidence",
+    ),
 }
 
 
 def content_digest(kind: str, row: dict) -> str:
-    """A digest of the texts of a flat row the stages read (:data:`CONTENT_FIELDS`): a row the hub
+    """A digest of the fields of a flat row the stages read (:data:`CONTENT_FIELDS`): a row the hub
     changed under the same identity has another digest.
 
     Raises:

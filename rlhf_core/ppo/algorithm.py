@@ -332,7 +332,8 @@ def policy_loss(
 
 class Minibatch(NamedTuple):
     """A micro-batch's place in its minibatch: ``share``, its rows over the minibatch's rows on
-    every rank, and ``rows``, ``tokens``, the minibatch's rows and response tokens on every rank."""
+    every rank, and ``rows``, ``tokens``, the minibatch's rows and response tokens on every rank
+    (read by every ``loss_type`` but ``paper``, which reads ``share`` alone)."""
 
     share: float
     rows: int
@@ -367,9 +368,11 @@ def aggregate_loss(
         A scalar.
 
     Raises:
-        ValueError: an unknown ``loss_type``.
+        ValueError: an unknown ``loss_type``, or a first coefficient other than 1.
     """
-    (_, first), rest = terms[0], terms[1:]
+    (coef, first), rest = terms[0], terms[1:]
+    if coef != 1.0:
+        raise ValueError(f"aggregate_loss: the first term's coefficient is 1, not {coef}")
     if loss_type == "paper":
         mean = masked_mean(first, mask)
         for coef, per_token in rest:
@@ -449,7 +452,7 @@ def ppo_loss(
        (Shao et al. 2024, arXiv 2402.03300, eq. 3; :func:`k3_kl`);
     3. aggregated under ``loss_type`` (:func:`aggregate_loss`);
     4. plus ``vf_coef`` times the clipped value loss, times ``minibatch.share``
-       (:func:`value_loss`; Details 9 of the 37, 24 of the N+).
+       (:func:`value_loss`; detail 9 of the 37, Table 7 of the N+).
 
     ``new_logprobs`` ``None`` leaves out 1-3, ``new_values`` ``None`` leaves out 4: the policy
     and the value model share no parameters, so each part may be backpropagated on its own.
@@ -464,6 +467,9 @@ def ppo_loss(
         ``(loss, stats)``: a scalar, and scalar tensors ``policy_loss``, ``clipfrac``,
         ``approxkl`` and ``ratio`` (``(rows, R)``) with the policy's part, under grpo ``kl_loss``
         (the mean k3 KL), and ``value_loss``, ``value_clipfrac`` with the value model's.
+
+    Raises:
+        ValueError: neither ``new_logprobs`` nor ``new_values`` given; an unknown ``loss_type``.
     """
     parts, stats = [], {}
     if new_logprobs is not None:
@@ -484,4 +490,6 @@ def ppo_loss(
         vl = value_loss(new_values, batch.values, batch.returns, batch.value_mask, cfg.cliprange_value)
         parts.append(cfg.vf_coef * vl["loss"] * minibatch.share)
         stats |= {"value_loss": vl["loss"], "value_clipfrac": vl["clipfrac"]}
+    if not parts:
+        raise ValueError("ppo_loss: neither new_logprobs nor new_values given")
     return (parts[0] if len(parts) == 1 else parts[0] + parts[1]), stats

@@ -408,7 +408,7 @@ def estimate_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> t
     - ``grpo`` (critic-free): each response's score alone (``traj.scores``), compared with its
       prompt's samples by ``ppo.scale_rewards`` (:func:`rlhf_core.ppo.algorithm.grpo_advantages`); the KL
       is a term of the loss (Shao et al. 2024, arXiv 2402.03300, eq. 3;
-      :meth:`rlhf_core.ppo.trainer.PPOTrainer._ppo_step`), not of the reward.
+      :func:`rlhf_core.ppo.algorithm.ppo_loss`), not of the reward.
 
     A critic-free advantage is given to every token of its response, not whitened. The
     ``samples_per_prompt`` samples of a prompt are consecutive rows of this rank

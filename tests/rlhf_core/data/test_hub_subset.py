@@ -136,7 +136,12 @@ def test_a_row_changed_on_the_hub_under_its_identity_is_refused_by_name(hub_cach
     compared = [r for r in pref if r["batch"] == "batch18"][1]
     ids = {"sft": row_identity("sft", named), "preference": row_identity("preference", compared)}
     assert row_identity("sft", named | {"post": edited_post}) == ids["sft"]  # the same identity
-    build_hub(hub_cache, change={ids["sft"]: {"post": edited_post}, ids["preference"]: {"title": "another title"}})
+    relabelled = dict(compared, worker="another-labeler")  # an unused comparison of the same batch
+    build_hub(
+        hub_cache,
+        add=[relabelled],
+        change={ids["sft"]: {"post": edited_post}, ids["preference"]: {"title": "another title"}},
+    )
     with caplog.at_level(logging.WARNING, logger="rlhf_core.data.hub_subset"):
         folder = ensure_local_rows(load_config("smoke", [f"data.hub_subset={ROWS}"]).data)
     record = json.loads((folder / FETCH_RECORD).read_text())["files"]
@@ -153,7 +158,10 @@ def test_a_row_changed_on_the_hub_under_its_identity_is_refused_by_name(hub_cach
     assert record["sft_validation.jsonl"]["replaced_by"] == {ids["sft"]: row_identity("sft", fetched[at])}
     fetched = read_jsonl(folder / "preference_validation.jsonl")
     assert "another title" not in {r["title"] for r in fetched}
-    assert fetched[pref.index(compared)]["batch"] == "batch18"
+    assert len(fetched) == len(pref) and fetched[pref.index(compared)] == relabelled
+    assert record["preference_validation.jsonl"]["replaced_by"] == {
+        ids["preference"]: row_identity("preference", relabelled)
+    }
 
 
 def test_every_row_of_the_committed_subsets_has_its_content_digest():

@@ -298,7 +298,9 @@ def test_grpos_kl_is_a_term_of_its_loss_weighted_by_kl_coef(tiny):
             traj.ref_logprobs[traj.token_mask] = traj.logprobs[traj.token_mask] - 0.3
         zero = torch.zeros_like(traj.logprobs)
         idx = torch.arange(traj.responses.size(0))
-        step, _, _ = trainer._ppo_step(traj, traj.token_mask, zero, None, idx, Minibatch(1.0, len(idx), 0))
+        step, _, _ = trainer._ppo_step(
+            traj, traj.token_mask, zero, None, idx, Minibatch(1.0, len(idx), int(traj.token_mask.sum()))
+        )
         stats[kl_coef] = step["kl_loss"].item()
         grads[kl_coef] = torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.grad is not None])
     assert not grads[0.0].any() and grads[0.1].abs().max() > 0
