@@ -30,9 +30,9 @@ and the resolved precision, then per update the mean score, the KL to the SFT po
 per summary), the EOS rate, the mean length and the seconds taken. Writes every update's
 figures to ``--out`` (default ``benchmarks/results/ppo_learning.json``).
 
-The gate across seeds (the seed is the unit of replication)::
+The gate across seeds (the seed is the unit of replication), over one machine's runs::
 
-    .venv/bin/python benchmarks/ppo_learning.py --across-seeds benchmarks/results/ppo_learning-*-seed*-*.json
+    .venv/bin/python benchmarks/ppo_learning.py --across-seeds benchmarks/results/ppo_learning-*-seed*-amd-epyc-avx512bf16.json
 
 holds for an estimator when the mean rise over its seeds has a 95% t interval above 0 and every
 seed's rise clears the 0.1 margin (``across_seeds``); each run's own interval is information.
