@@ -485,12 +485,12 @@ def test_a_non_finite_loss_stops_before_the_minibatchs_step_with_the_update_name
     """The losses are checked once per minibatch, before its optimiser step: a value loss that
     turns NaN in the second micro-batch of update 2 stops the run naming it, and the state
     saved is the last good one (finite, one update trained), not one stepped with NaN."""
-    from rlhf_core.ppo import trainer as ppo_trainer
+    from rlhf_core.ppo import algorithm
 
     cfg, root = smoke
     p = cfg.ppo.model_copy(update={"total_episodes": 3 * cfg.ppo.batch_size, "checkpoint_every": 100})
     per_update = p.ppo_epochs * p.num_minibatches * (p.batch_size // p.num_minibatches // p.micro_batch_size)
-    calls, original = [], ppo_trainer.value_loss
+    calls, original = [], algorithm.value_loss
 
     def value_loss(*args, **kwargs):
         out = original(*args, **kwargs)
@@ -499,7 +499,7 @@ def test_a_non_finite_loss_stops_before_the_minibatchs_step_with_the_update_name
             out = dict(out, loss=out["loss"] * float("nan"))
         return out
 
-    monkeypatch.setattr(ppo_trainer, "value_loss", value_loss)
+    monkeypatch.setattr(algorithm, "value_loss", value_loss)  # read by ppo_loss
     with pytest.raises(TrainingError, match=r"non-finite loss \(value\) at update 2"):
         run_ppo(p, root / "data", root / "sft", root / "rm", tmp_path / "ppo")
     assert len(calls) == per_update + 2  # the first minibatch's micro-batches of update 2, no more
