@@ -147,12 +147,12 @@ def stage_records(
     raw: dict[str, dict] = {}
     for name in names:
         upstream = [raw[dep] for dep in stage_entry(name).inputs]
-        run_stage = stage_task(name, cfg, storage)
-        record = run_stage(name, c, upstream, parent_id)
+        task = stage_task(name, cfg, storage)
+        record = task(name, c, upstream, parent_id)
         damage = store.damage(record["key"], record["digest"])
         if damage is not None:
             logger.warning("stage %s: the artifact of its cache entry is damaged: %s; running it again", name, damage)
-            record = run_stage.with_options(refresh_cache=True)(name, c, upstream, parent_id)
+            record = task.with_options(refresh_cache=True)(name, c, upstream, parent_id)
         raw[name] = record
         client.set_tag(parent_id, f"rlhf.artifact.{name}", record["uri"])
         client.set_tag(parent_id, f"rlhf.stage_run.{name}", record.get("mlflow_run_id") or "")

@@ -9,7 +9,7 @@ process, as subflows. With more, each cell is a run of the pipeline's deployment
 (:data:`PIPELINE_DEPLOYMENT`) that the workers pick up, each in its own process (torch's
 random state and the accelerator are per process), at most ``max_concurrent`` at a time,
 linked to this flow run as subflows; a stage that two cells share runs in one of them while
-the other waits for its record (``tasks.stages.run_stage``'s lock), and Prefect's tag
+the other waits for its record (``tasks.stages.rlhf_stage``'s lock), and Prefect's tag
 concurrency limits (``gpu``, ``judge-api``: the spec's ``concurrency_limits``) bound how many
 stage tasks hold an accelerator or call the judge at once, over all workers. A failed cell is
 recorded and the others go on; the sweep then ends failed, naming them, and running it again

@@ -325,7 +325,7 @@ def start_stage_run(parent_run_id: str | None, stage: str, cfg, key: str) -> tup
         tags["mlflow.parentRunId"] = parent_run_id
     run = client.create_run(exp, run_name=stage, tags=tags)
     # Runs of this stage key still RUNNING belong to attempts that died (a worker killed by its
-    # pool never ends its run): the caller holds the stage's lock (tasks.stages.run_stage), so
+    # pool never ends its run): the caller holds the stage's lock (tasks.stages.rlhf_stage), so
     # no live process is running it. Each is ended KILLED, naming the run that replaced it.
     for dead in stale:
         client.set_tag(dead.info.run_id, "rlhf.replaced_by", run.info.run_id)

@@ -1,6 +1,6 @@
 """Prefect tasks, one per pipeline stage, each wrapping a pure ``rlhf_core`` stage function.
 
-A task's cache key (:func:`rlhf_core.run.pipeline.stage_key`) digests its stage name, the
+A task's stage key (:func:`rlhf_core.run.pipeline.key_of` its :func:`task_key_parts`) digests its stage name, the
 settings it reads, what else it reads (data and model files), the digests of its upstream
 artifacts, the version of the ``rlhf_core`` code and the artifact root. A task returns a small
 :class:`StageRecord` (artifact key, URI and digest, MLflow run id, key metrics), never a
@@ -34,10 +34,9 @@ from rlhf_core.common.tracking import JsonlTracker, TeeTracker
 from rlhf_core.config.credentials import judge_key_given
 from rlhf_core.config.settings import EvalConfig, PipelineConfig, TrainerConfig
 from rlhf_core.run.launch import nproc_per_node
-from rlhf_core.run.pipeline import ON_DEMAND, STAGES, key_changes, key_of, key_record, stage_key_parts
+from rlhf_core.run.pipeline import ON_DEMAND, STAGES, key_of, key_record, stage_key_parts
 from rlhf_core.run.preflight import JUDGING_STAGES, check_before_stages, judge_key_missing
-from rlhf_core.run.runner import PlannedStage
-from rlhf_core.run.runner import run_stage as run_stage_in
+from rlhf_core.run.runner import PlannedStage, run_stage, why_it_runs
 
 from .storage import ArtifactError, ArtifactStore
 
@@ -53,35 +52,26 @@ class StageRecord(BaseModel):
     metrics: dict[str, float] = {}
 
 
-def stage_cache_parts(
+def task_key_parts(
     stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
 ) -> dict[str, Any]:
-    """The parts of ``stage``'s cache key (:func:`rlhf_core.run.pipeline.stage_key_parts`), its
+    """The parts of ``stage``'s key (:func:`rlhf_core.run.pipeline.stage_key_parts`), its
     upstream being the content digests of its input artifacts and its context the artifact root
     (``store``'s, default ``RLHF_ARTIFACT_ROOT``): a cache entry is only as good as the store its
     artifact lives in."""
     return stage_key_parts(stage, cfg, [u.digest for u in upstream], store=(store or ArtifactStore()).uri(""))
 
 
-def stage_cache_key(
-    stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
-) -> str:
-    """The cache key of ``stage``: :func:`rlhf_core.run.pipeline.key_of` its
-    :func:`stage_cache_parts`."""
-    return key_of(stage_cache_parts(stage, cfg, upstream, store))
-
-
-def task_cache_key(
-    stage: str, cfg: PipelineConfig, upstream: list[StageRecord], store: ArtifactStore | None = None
-) -> str:
-    """The key of the stage task's Prefect cache entry: ``rlhf-<stage>-<stage_cache_key>``."""
-    return f"rlhf-{stage}-{stage_cache_key(stage, cfg, upstream, store)}"
+def cache_entry(stage: str, parts: dict[str, Any]) -> str:
+    """The name of the stage task's Prefect cache entry: ``rlhf-<stage>-<key>``, the key
+    :func:`rlhf_core.run.pipeline.key_of` the :func:`task_key_parts` ``parts``."""
+    return f"rlhf-{stage}-{key_of(parts)}"
 
 
 def _cache_key_fn(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     cfg = PipelineConfig.model_validate(parameters["config"])
     upstream = [StageRecord.model_validate(u) for u in parameters.get("upstream") or []]
-    return task_cache_key(parameters["stage"], cfg, upstream)
+    return cache_entry(parameters["stage"], task_key_parts(parameters["stage"], cfg, upstream))
 
 
 def provide_judge_key(ecfg: EvalConfig) -> str | None:
@@ -328,11 +318,11 @@ def stage_tags(stage: str, cfg: PipelineConfig) -> set[str]:
 
 
 def stage_task(stage: str, cfg: PipelineConfig, storage: Any):
-    """:func:`run_stage` with the stage's orchestration settings (``cfg.orchestration``:
+    """:func:`rlhf_stage` with the stage's orchestration settings (``cfg.orchestration``:
     retries, their delay, its time limit), tags (:func:`stage_tags`) and result storage
     (:func:`result_storage`)."""
     o = cfg.orchestration
-    return run_stage.with_options(
+    return rlhf_stage.with_options(
         tags=stage_tags(stage, cfg),
         retries=o.retries,
         retry_delay_seconds=o.retry_delay_seconds,
@@ -348,7 +338,7 @@ def work_root() -> Path:
 
 
 @task(name="rlhf-stage", cache_key_fn=_cache_key_fn, persist_result=True, task_run_name="{stage}")
-def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, parent_run_id: str | None = None) -> dict:
+def rlhf_stage(stage: str, config: dict, upstream: list[dict] | None = None, parent_run_id: str | None = None) -> dict:
     """Run one stage (or resume it from its checkpoints) and store its artifact.
 
     Args:
@@ -363,15 +353,15 @@ def run_stage(stage: str, config: dict, upstream: list[dict] | None = None, pare
     logging.getLogger("rlhf_core").setLevel(logging.INFO)  # progress lines reach Prefect's logs
     cfg = PipelineConfig.model_validate(config)
     with judge_key_given(provide_judge_key(cfg.eval) if stage in JUDGING_STAGES else None):
-        return _run_stage_task(stage, cfg, upstream, parent_run_id)
+        return _reuse_or_run(stage, cfg, upstream, parent_run_id)
 
 
-def _run_stage_task(stage: str, cfg: PipelineConfig, upstream: list[dict] | None, parent_run_id: str | None) -> dict:
-    """:func:`run_stage`'s work: one writer per stage key, the finished record of another run,
-    else the stage run once (:func:`_run_stage_once`) and its record written."""
+def _reuse_or_run(stage: str, cfg: PipelineConfig, upstream: list[dict] | None, parent_run_id: str | None) -> dict:
+    """:func:`rlhf_stage`'s work: one writer per stage key, the finished record of another run,
+    else the stage run and stored (:func:`_run_and_store`) and its record written."""
     records = [StageRecord.model_validate(u) for u in upstream or []]
     store = ArtifactStore()
-    parts = stage_cache_parts(stage, cfg, records, store)  # what the key covers: read once
+    parts = task_key_parts(stage, cfg, records, store)  # what the key covers: read once
     key = f"{stage}/{key_of(parts)}"
     # One writer per stage key: a second run of the same stage waits here for the first, then
     # returns the record the first left beside the work directory, its artifact intact. On an
@@ -387,7 +377,7 @@ def _run_stage_task(stage: str, cfg: PipelineConfig, upstream: list[dict] | None
                     "stage %s: finished by another worker sharing the store; its artifact is used", stage
                 )
                 return claim.record.model_dump()
-            record = _run_stage_once(stage, cfg, records, key, parts, store, parent_run_id)
+            record = _run_and_store(stage, cfg, records, key, parts, store, parent_run_id)
             write_json_atomic(work_root() / f"{key}.record.json", record.model_dump())
             if not store.is_local:  # for workers elsewhere: before the claim is released
                 store.put_text(f"{key}.record.json", record.model_dump_json())
@@ -412,7 +402,7 @@ def stage_claim(store: ArtifactStore, key: str):
 
 
 def finished_record(key: str, store: ArtifactStore, work: Path) -> StageRecord | None:
-    """The record a run of stage key ``key`` (``<stage>/<stage_cache_key>``) left beside its
+    """The record a run of stage key ``key`` (``<stage>/<key>``) left beside its
     work directory under ``work``, or, on an S3 store, beside its artifact in the store (a
     worker on another machine), when its artifact is intact in ``store``; else ``None``."""
     finished = work / f"{key}.record.json"
@@ -429,7 +419,7 @@ def finished_record(key: str, store: ArtifactStore, work: Path) -> StageRecord |
 def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: Path) -> list[PlannedStage]:
     """What the flow ``rlhf`` would do with the stages ``names`` of ``cfg`` (``rlhf plan`` on a
     run directory of ``rlhf run``), stage by stage, deciding as it does: a stage is taken from
-    the cache when its Prefect cache entry (:func:`task_cache_key`, read from
+    the cache when its Prefect cache entry (:func:`cache_entry`, read from
     :func:`result_storage_block`) or the record of a finished run of it
     (:func:`finished_record`) names an artifact that is intact in ``store``
     (:meth:`ArtifactStore.damage`). A stage's key needs its inputs' artifact digests: after a
@@ -447,8 +437,8 @@ def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: 
             planned.append(PlannedStage(name, "-", False, f"its key needs the digest of {waiting}'s new artifact"))
             continue
         upstream = [records[dep] for dep in STAGES[name].inputs]
-        parts = stage_cache_parts(name, cfg, upstream, store)  # the data files are read once
-        entry, key = f"rlhf-{name}-{key_of(parts)}", f"{name}/{key_of(parts)}"
+        parts = task_key_parts(name, cfg, upstream, store)  # the data files are read once
+        entry, key = cache_entry(name, parts), f"{name}/{key_of(parts)}"
         record = StageRecord.model_validate(results.read(entry).result) if results.exists(entry) else None
         damage = None if record is None else store.damage(record.key, record.digest)
         if record is not None and damage is None:
@@ -458,28 +448,25 @@ def plan_run(cfg: PipelineConfig, names: list[str], store: ArtifactStore, work: 
             records[name] = done
             planned.append(PlannedStage(name, key, True, f"finished by an earlier run: {done.uri}"))
         else:
-            why = why_it_runs_again(name, parts, work)
+            why = why_it_runs(work / key, key, parts, last_finished_parts(name, work))
             planned.append(PlannedStage(name, key, False, f"no cache entry: {why}" if record is None else str(damage)))
     return planned
 
 
-#: The key parts of a stage's last finished run on this worker, beside its work directories:
-#: what the log line of a stage that runs again compares with (:func:`why_it_runs_again`).
+#: The key record of a stage's last finished run on this worker, beside its work directories:
+#: what the log line of a stage that runs again compares with (:func:`last_finished_parts`).
 FINISHED_PARTS = "finished-parts.json"
 
 
-def why_it_runs_again(stage: str, parts: dict[str, Any], work: Path) -> str:
-    """Why stage ``stage`` runs with key parts ``parts`` rather than coming from the cache: what
-    changed since its last finished run on this worker (:data:`FINISHED_PARTS` under ``work``;
-    :func:`rlhf_core.run.pipeline.key_changes`), or that there was none."""
+def last_finished_parts(stage: str, work: Path) -> dict[str, Any] | None:
+    """The key record (:func:`rlhf_core.run.pipeline.key_record`) of stage ``stage``'s last
+    finished run on this worker (:data:`FINISHED_PARTS` under ``work``), or None, for
+    :func:`rlhf_core.run.runner.why_it_runs`."""
     path = work / stage / FINISHED_PARTS
-    if not path.is_file():
-        return "no earlier finished run of it on this worker"
-    changes = key_changes(json.loads(path.read_text()), parts)
-    return "; ".join(changes) if changes else "its earlier run's artifact is not in the store"
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _run_stage_once(
+def _run_and_store(
     stage: str,
     cfg: PipelineConfig,
     records: list[StageRecord],
@@ -496,7 +483,8 @@ def _run_stage_once(
     out = work_root() / key
     out.mkdir(parents=True, exist_ok=True)
     check_free_space(stage, inputs, [out] + ([Path(store.base)] if store.is_local else []), cfg)
-    get_run_logger().info("stage %s runs: %s", stage, why_it_runs_again(stage, parts, work_root()))
+    why = why_it_runs(out, key, parts, last_finished_parts(stage, work_root()))
+    get_run_logger().info("stage %s runs: %s", stage, why)
     run_id, client = start_stage_run(parent_run_id, stage, cfg, key)
     mlflow_tracker = MLflowTracker(run_id, client=client)
     # metrics.jsonl travels with the artifact (the report draws training curves from it); on a
@@ -507,7 +495,7 @@ def _run_stage_once(
         traced = stage in JUDGING_STAGES and cfg.eval.judge != "offline"
         with traced_judge_calls(client, run_id, cfg.eval.judge) if traced else nullcontext():
             # rank 0 of a torchrun job writes metrics.jsonl; its records are relayed to MLflow
-            run = run_stage_in(
+            run = run_stage(
                 stage, cfg, inputs, out, key, key_record(parts), tracker, nproc=nproc_per_node(), relay=mlflow_tracker
             )
         mlflow_tracker.close()

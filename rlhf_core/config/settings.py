@@ -329,7 +329,7 @@ class PPOConfig(TrainerConfig):
     #: whitened returns. Without a reward model on the policy's tokens (a rule reward, model:SOURCE)
     #: the start is always the SFT backbone with a zero head (rlhf_core.ppo.models.initial_value_model).
     value_init: Literal["reward_model", "zero_head"] = "reward_model"
-    #: How step 3 turns rewards into advantages (rlhf_core.ppo.rollout.estimate_advantages):
+    #: How step 3 turns rewards into advantages (rlhf_core.ppo.algorithm.estimate_advantages):
     #: gae, the paper's, with a value model trained beside the policy (Details 22, 25); rloo or
     #: grpo, critic-free: a per-prompt baseline over the samples_per_prompt samples of each
     #: prompt (rlhf_core.ppo.algorithm.rloo_advantages, rlhf_core.ppo.algorithm.grpo_advantages), and no value model

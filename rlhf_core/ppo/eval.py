@@ -6,7 +6,7 @@ with the EOS trick, Huang et al. 2024, Detail 23); :func:`value_vs_reward` and
 :func:`write_value_vs_reward` read the trained value model as a per-token reward model after
 training (Detail 22), with the per-token rewards and values PPO reads of the same summaries
 (Figure 11, :func:`ppo_rewards_and_values`). Each reads the trainer's models through
-:class:`PPOModels`.
+:class:`TrainerView`.
 """
 
 from __future__ import annotations
@@ -27,21 +27,21 @@ from ..metrics.statistics import paired_difference, wilson_interval
 from ..metrics.text import repetition_rate
 from ..train.distributed import DataParallel, World, all_gather_object, split_range
 from ..train.external_reward import ExternalRewardModel
+from ..train.forward import response_values
 from ..train.generation import last_token_indices, summarize, trim_left_padding
 from ..train.lora import AdaptersDisabled
 from ..train.reward import (
     TOKEN_TABLE_RESPONSES,
     ResponseScores,
     response_reward_logits,
-    response_scores,
     token_table,
 )
 from ..train.training import autocast, micro_batches
 from .algorithm import per_token_rewards
-from .rollout import response_values, summary_logprobs, token_logprobs
+from .rollout import summary_logprobs, token_logprobs
 
 
-class PPOModels(Protocol):
+class TrainerView(Protocol):
     """What PPO's evaluation reads of :class:`rlhf_core.ppo.trainer.PPOTrainer`: the settings,
     the SFT data, the tokenizer, the models and their :class:`rlhf_core.train.distributed.DataParallel`
     wrappers (``ref_parallel``: the frozen SFT policy; ``reward_parallel``: None with a rule
@@ -66,10 +66,10 @@ class PPOModels(Protocol):
 
 @torch.no_grad()
 def evaluate_policy(
-    models: PPOModels, split: str = "validation", against_sft: bool = False
+    trainer: TrainerView, split: str = "validation", against_sft: bool = False
 ) -> tuple[dict[str, float], list[dict], tuple[torch.Tensor, torch.Tensor] | None]:
-    """Near-greedy policy summaries on held-out prompts of ``models.sft[split]`` (at most
-    ``ppo.eval_max_samples``), scored as in training (``models.score``: the reward model, or the
+    """Near-greedy policy summaries on held-out prompts of ``trainer.sft[split]`` (at most
+    ``ppo.eval_max_samples``), scored as in training (``trainer.score``: the reward model, or the
     rule reward of ``ppo.reward``) against the references. Collective: every rank calls it.
 
     ``eval/score_policy`` is the mean score with the EOS trick (``non_eos_penalty`` for a
@@ -96,42 +96,42 @@ def evaluate_policy(
         and this rank's ``(queries, summaries)``, ``(n, query_length)`` and ``(n, response_length)`` long token
         ids, for :func:`value_vs_reward` (None on a rank without prompts).
     """
-    cfg = models.cfg
-    ds = models.sft[split]
+    cfg = trainer.cfg
+    ds = trainer.sft[split]
     ds = ds.select(range(min(len(ds), cfg.eval_max_samples or len(ds))))
-    mine = ds.select(split_range(len(ds), models.world))
+    mine = ds.select(split_range(len(ds), trainer.world))
     rows: list[tuple[float, float, bool, float, str, float, bool, str | None, float]] = []
-    models.policy.eval()
+    trainer.policy.eval()
 
     def sample(parallel):  # the same samples every time, training's RNG untouched
         # The ranks' shares differ in size and summaries stop at EOS, so sharded models are
         # gathered whole first; a rank without prompts joins the gathering and computes nothing.
-        rng = torch.random.fork_rng(devices=[models.device] if models.device.type == "cuda" else [])
+        rng = torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else [])
         with parallel.gathered(), rng:
             if len(mine):
                 return parallel.inference(
                     summarize,
-                    models.tokenizer,
+                    trainer.tokenizer,
                     queries,
-                    models.response_length,
+                    trainer.response_length,
                     cfg.eval_temperature,
                     cfg.micro_batch_size,
-                    cfg.seed + models.world.rank,
+                    cfg.seed + trainer.world.rank,
                     cfg.bf16,
                 )
         return None
 
     queries = torch.tensor(mine["query_token"]) if len(mine) else None
-    summaries = sample(models.policy_parallel)
+    summaries = sample(trainer.policy_parallel)
     # the SFT policy (the frozen reference) on the same prompts, with the same seeds, and the
     # KL of the policy's summaries from it: log pi(y|x) - log pi_sft(y|x)
-    sft_summaries = sample(models.ref_parallel) if against_sft else None
-    kl = policy_kl_from_sft(models, queries, summaries.responses if len(mine) else None) if against_sft else None
-    with models.reward_parallel.gathered() if models.reward_parallel is not None else nullcontext():
+    sft_summaries = sample(trainer.ref_parallel) if against_sft else None
+    kl = policy_kl_from_sft(trainer, queries, summaries.responses if len(mine) else None) if against_sft else None
+    with trainer.reward_parallel.gathered() if trainer.reward_parallel is not None else nullcontext():
         if len(mine):
-            policy = models.score(queries, summaries.responses)
-            reference = models.score(queries, torch.tensor(mine["reference_response_token"]))
-            sft = models.score(queries, sft_summaries.responses) if against_sft else None
+            policy = trainer.score(queries, summaries.responses)
+            reference = trainer.score(queries, torch.tensor(mine["reference_response_token"]))
+            sft = trainer.score(queries, sft_summaries.responses) if against_sft else None
     responses = None
     if len(mine):
         responses = (queries, summaries.responses)  # for value_vs_reward (Detail 22)
@@ -175,7 +175,7 @@ def evaluate_policy(
 
 
 def policy_kl_from_sft(
-    models: PPOModels, queries: torch.Tensor | None, responses: torch.Tensor | None
+    trainer: TrainerView, queries: torch.Tensor | None, responses: torch.Tensor | None
 ) -> torch.Tensor | None:
     """Each of this rank's policy summaries' KL from the SFT policy (the frozen reference),
     ``log pi(y|x) - log pi_sft(y|x)`` at the training temperature
@@ -189,7 +189,7 @@ def policy_kl_from_sft(
     Returns:
         ``(n,)`` float32 nats on the CPU; None on a rank without prompts.
     """
-    cfg = models.cfg
+    cfg = trainer.cfg
 
     def logprobs(parallel) -> torch.Tensor | None:
         with parallel.gathered():
@@ -197,18 +197,18 @@ def policy_kl_from_sft(
                 return None
             parts = []
             for mb in micro_batches(list(range(len(queries))), cfg.micro_batch_size):
-                with autocast(models.device, cfg.bf16):
-                    args = (queries[mb], responses[mb], models.pad_id, cfg.temperature)
+                with autocast(trainer.device, cfg.bf16):
+                    args = (queries[mb], responses[mb], trainer.pad_id, cfg.temperature)
                     parts.append(parallel.inference(summary_logprobs, *args))
             return torch.cat(parts)
 
-    policy, sft = logprobs(models.policy_parallel), logprobs(models.ref_parallel)
+    policy, sft = logprobs(trainer.policy_parallel), logprobs(trainer.ref_parallel)
     return policy - sft if policy is not None and sft is not None else None
 
 
 @torch.no_grad()
 def value_vs_reward(
-    models: PPOModels, responses: tuple[torch.Tensor, torch.Tensor] | None, n: int = TOKEN_TABLE_RESPONSES
+    trainer: TrainerView, responses: tuple[torch.Tensor, torch.Tensor] | None, n: int = TOKEN_TABLE_RESPONSES
 ) -> list[dict] | None:
     """The value model read as a per-token reward model (Huang et al. 2024, Detail 22): its
     output at every token of the first ``n`` of ``responses`` (this rank's ``(queries,
@@ -219,7 +219,7 @@ def value_vs_reward(
     rank calls it.
 
     ``values`` are read at the same positions as ``reward_logits``, the state after each
-    token: PPO's value of response token ``t`` (:func:`rlhf_core.ppo.rollout.response_values`, the state before
+    token: PPO's value of response token ``t`` (:func:`rlhf_core.train.forward.response_values`, the state before
     it) is ``values[t - 1]``. The value model starts as the reward model (Detail 22), so the
     two are equal before training.
 
@@ -231,31 +231,32 @@ def value_vs_reward(
         model:SOURCE``), without a value model (``ppo.advantage_estimator`` rloo or grpo), or
         before any evaluation.
     """
-    if models.value_parallel is None:
+    if trainer.value_parallel is None:
         return None  # a critic-free estimator
-    if models.reward_parallel is None or isinstance(models.reward_parallel.model, ExternalRewardModel):
+    if trainer.reward_parallel is None or isinstance(trainer.reward_parallel.model, ExternalRewardModel):
         return None  # no reward model, or one that reads other tokens than the policy's
-    pad, eos, bf16 = models.pad_id, models.eos_id, models.cfg.bf16
+    pad, eos, bf16 = trainer.pad_id, trainer.eos_id, trainer.cfg.bf16
     queries, summaries = (responses[0][:n].cpu(), responses[1][:n].cpu()) if responses is not None else (None, None)
     # Figure 11's KL penalties: the policy's and the reference's log-probabilities (collective)
-    logprobs = _main_token_logprobs(models, models.policy_parallel, queries, summaries)
-    ref_logprobs = _main_token_logprobs(models, models.ref_parallel, queries, summaries)
+    logprobs = _main_token_logprobs(trainer, trainer.policy_parallel, queries, summaries)
+    ref_logprobs = _main_token_logprobs(trainer, trainer.ref_parallel, queries, summaries)
     # gathered whole (collective) so that rank 0 alone may run its forward passes
-    with models.value_parallel.gathered(), models.reward_parallel.gathered():
-        if not models.world.is_main or queries is None or summaries is None:
+    with trainer.value_parallel.gathered(), trainer.reward_parallel.gathered():
+        if not trainer.world.is_main or queries is None or summaries is None:
             return None
-        logits, scores, indices = models.reward_parallel.inference(
+        logits, scores, indices = trainer.reward_parallel.inference(
             response_reward_logits, queries, summaries, pad, bf16
         )
-        values, _, _ = models.value_parallel.inference(response_reward_logits, queries, summaries, pad, bf16)
+        values, _, _ = trainer.value_parallel.inference(response_reward_logits, queries, summaries, pad, bf16)
         q = trim_left_padding(queries, pad)  # PPO's values: the state before each token, as the rollouts read them
-        with autocast(models.device, bf16):
-            qr = torch.cat([q, summaries], 1).to(models.device)
-            ppo_values = models.value_parallel.inference(response_values, qr, pad, q.size(1)).float().cpu()
+        with autocast(trainer.device, bf16):
+            qr = torch.cat([q, summaries], 1).to(trainer.device)
+            ppo_values = trainer.value_parallel.inference(response_values, qr, pad, q.size(1)).float().cpu()
+        ppo_scores = trainer.score(queries, summaries).scores  # the score PPO adds, the EOS trick applied
     rows = token_table(
-        models.tokenizer, summaries, scores, indices, eos, pad, {"reward_logits": logits, "values": values}
+        trainer.tokenizer, summaries, scores, indices, eos, pad, {"reward_logits": logits, "values": values}
     )
-    figure_11 = ppo_rewards_and_values(models.cfg, summaries, logprobs, ref_logprobs, scores, ppo_values, eos, pad)
+    figure_11 = ppo_rewards_and_values(trainer.cfg, summaries, logprobs, ref_logprobs, ppo_scores, ppo_values, pad)
     return [
         {
             "row": i,
@@ -268,7 +269,7 @@ def value_vs_reward(
 
 
 def _main_token_logprobs(
-    models: PPOModels,
+    trainer: TrainerView,
     parallel: DataParallel | AdaptersDisabled,
     queries: torch.Tensor | None,
     summaries: torch.Tensor | None,
@@ -278,10 +279,10 @@ def _main_token_logprobs(
     float32 on the CPU; None on other ranks or without summaries. Collective (the model is
     gathered whole first): every rank calls it."""
     with parallel.gathered():
-        if not models.world.is_main or queries is None or summaries is None:
+        if not trainer.world.is_main or queries is None or summaries is None:
             return None
-        with autocast(models.device, models.cfg.bf16):
-            args = (queries, summaries, models.pad_id, models.cfg.temperature)
+        with autocast(trainer.device, trainer.cfg.bf16):
+            args = (queries, summaries, trainer.pad_id, trainer.cfg.temperature)
             return parallel.inference(token_logprobs, *args).cpu()
 
 
@@ -290,9 +291,8 @@ def ppo_rewards_and_values(
     summaries: torch.Tensor,
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
-    raw_scores: torch.Tensor,
+    scores: torch.Tensor,
     ppo_values: torch.Tensor,
-    eos_token_id: int,
     pad_token_id: int,
 ) -> list[dict]:
     """The rewards and values of a few summaries as PPO's step 2 reads them (Huang et al. 2024,
@@ -306,8 +306,9 @@ def ppo_rewards_and_values(
         summaries: ``(n, response_length)`` long, PAD after the first EOS.
         logprobs, ref_logprobs: Shape: ``(n, response_length)``, float32 nats of the summaries'
             tokens under the policy and the reference at the training temperature.
-        raw_scores: ``(n,)`` float32, the reward model's score of each summary.
-        ppo_values: ``(n, response_length)`` float32 (:func:`rlhf_core.ppo.rollout.response_values`).
+        scores: ``(n,)`` float32, each summary's score with the EOS trick
+            (:meth:`rlhf_core.ppo.trainer.PPOTrainer.score`).
+        ppo_values: ``(n, response_length)`` float32 (:func:`rlhf_core.train.forward.response_values`).
 
     Returns:
         One dict per summary, over the positions that carry rewards and values (through the
@@ -316,11 +317,8 @@ def ppo_rewards_and_values(
         ``ppo_score`` (the score added: the raw score, or ``non_eos_penalty`` for a summary
         without EOS).
     """
-    scored = response_scores(raw_scores, summaries, eos_token_id, pad_token_id, cfg.non_eos_penalty)
     last = torch.clamp(last_token_indices(summaries, pad_token_id), min=0)
-    rewards, kl_penalty, mask = per_token_rewards(
-        logprobs, ref_logprobs, scored.scores, last, cfg.kl_coef, cfg.score_position
-    )
+    rewards, kl_penalty, mask = per_token_rewards(logprobs, ref_logprobs, scores, last, cfg.kl_coef, cfg.score_position)
     extra = 1 if cfg.score_position == "after_eos" else 0
     out = []
     for i in range(len(summaries)):
@@ -331,7 +329,7 @@ def ppo_rewards_and_values(
                 "rewards": [float(v) for v in rewards[i, :m].tolist()],
                 "ppo_values": [float(v) for v in ppo_values[i, :m].tolist()],
                 "score_index": min(int(last[i]) + extra, summaries.size(1) - 1),
-                "ppo_score": float(scored.scores[i]),
+                "ppo_score": float(scores[i]),
             }
         )
     return out

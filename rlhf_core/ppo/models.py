@@ -95,17 +95,17 @@ def build_models(
     )
     reward_parallel = None if reward_model is None else DataParallel(reward_model, cfg.strategy, **offload)
     return PPOModels(
-        policy,
-        ref_policy,
-        reward_model,
-        value_model,
-        policy_adapted,
-        value_adapted,
-        models,
-        policy_parallel,
-        value_parallel,
-        ref_parallel,
-        reward_parallel,
+        policy=policy,
+        ref_policy=ref_policy,
+        reward_model=reward_model,
+        value_model=value_model,
+        policy_adapted=policy_adapted,
+        value_adapted=value_adapted,
+        models=models,
+        policy_parallel=policy_parallel,
+        value_parallel=value_parallel,
+        ref_parallel=ref_parallel,
+        reward_parallel=reward_parallel,
     )
 
 

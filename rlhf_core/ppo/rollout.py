@@ -1,15 +1,9 @@
-"""One PPO update's rollout as data, steps 2 and 3 on it, and the statistics logged of it.
-
-Huang et al. 2024 (arXiv 2403.17031), Details 21-25. Step 1 of an update is its prompts
-(:func:`prompt_indices`, Detail 21; each sampled ``ppo.samples_per_prompt`` times,
-:func:`rollout_rows`) and a :class:`Trajectory` (the sampled responses, their
-log-probabilities, values and scores; :func:`make_trajectory`); step 2 the per-token rewards
-(:func:`kl_penalised_rewards`, a :class:`Rewards`); step 3 the advantages and returns
-(:func:`estimate_advantages`: GAE, :func:`whitened_advantages`, or a critic-free group
-baseline). Steps 2 and 3 whiten with the global batch's statistics (:func:`masked_mean_var`).
-:func:`rollout_statistics`, :func:`throughput_statistics` and step 4's :class:`PPOStats`
-(:func:`reduce_stats`) are what each update logs (TRL's names); the trainer that produces them
-is :mod:`rlhf_core.ppo.trainer`.
+"""What one PPO update samples from and logs: its prompts (:func:`prompt_indices`, Detail 21;
+each sampled ``ppo.samples_per_prompt`` times, :func:`rollout_rows`), the log-probabilities of
+summaries under a model (:func:`token_logprobs`, :func:`summary_logprobs`), and the statistics
+of a :class:`rlhf_core.ppo.algorithm.Trajectory` and of step 4 (:func:`rollout_statistics`,
+:func:`throughput_statistics`, :class:`PPOStats`; TRL's names). Huang et al. 2024 (arXiv
+2403.17031); the update itself is :func:`rlhf_core.ppo.trainer.run_ppo`.
 """
 
 from __future__ import annotations
@@ -23,64 +17,9 @@ from transformers import PreTrainedModel
 
 from ..config.settings import PPOConfig
 from ..train.distributed import World, all_gather_cat, all_reduce_sum, shard, world
-from ..train.forward import causal_forward
-from ..train.generation import last_token_indices, trim_left_padding, truncate_after_eos
-from ..train.reward import ResponseScores, ScalarModel
-from .algorithm import (
-    INVALID_LOGPROB,
-    gae,
-    grpo_advantages,
-    logprobs_from_logits,
-    masked_mean,
-    masked_var,
-    per_token_rewards,
-    response_mask,
-    rloo_advantages,
-    sequence_returns,
-    whiten,
-)
-
-
-def response_logits(
-    model: PreTrainedModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
-) -> torch.Tensor:
-    """Language-model logits at the positions that predict the response tokens only.
-
-    Args:
-        query_responses: ``(batch, context_length + response_length)``, query left-padded.
-
-    Returns:
-        ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
-    """
-    hidden = causal_forward(
-        lambda ids, mask, pos: (
-            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
-        ),
-        query_responses,
-        pad_token_id,
-    )
-    return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
-
-
-def response_values(
-    value_model: ScalarModel, query_responses: torch.Tensor, pad_token_id: int, context_length: int
-) -> torch.Tensor:
-    """The value of the state before each response token: PPO's value of that token (Detail 22).
-
-    Args:
-        query_responses: ``(batch, context_length + response_length)``, query left-padded.
-
-    Returns:
-        Shape: ``(batch, response_length)``, the value model's output at the positions
-        ``context_length - 1 .. -2`` (the query's last token, then each response token but the
-        last), in the model's dtype.
-    """
-    values = causal_forward(
-        lambda ids, mask, pos: value_model(input_ids=ids, attention_mask=mask, position_ids=pos),
-        query_responses,
-        pad_token_id,
-    )
-    return values[:, context_length - 1 : -1]
+from ..train.forward import response_logits
+from ..train.generation import last_token_indices, trim_left_padding
+from .algorithm import Trajectory, logprobs_from_logits, masked_mean, masked_var, response_mask
 
 
 @torch.no_grad()
@@ -168,108 +107,7 @@ def rollout_rows(n_rows: int, cfg: PPOConfig, update: int, w: World | None = Non
     return [row for row in shard(prompts, w) for _ in range(k)]
 
 
-@dataclass
-class Trajectory:
-    """One update's samples on this rank: step 1 of the update (Details 21, 23).
-
-    ``B`` prompts, ``C`` query tokens (``context_length``, left padding trimmed), ``R``
-    response tokens (``response_length``). A response ends at its last real token once
-    truncated after its first EOS: the EOS, or position ``R - 1`` when there is none.
-
-    Attributes:
-        query_responses: ``(B, C + R)`` long, query then the response as sampled.
-        responses: ``(B, R)`` long, exactly ``R`` sampled tokens (not truncated; never PAD).
-        logprobs, ref_logprobs: ``(B, R)`` float32 log-probabilities of the sampled tokens under
-            the policy and the reference at the sampling temperature
-            (:func:`rlhf_core.ppo.algorithm.logprobs_from_logits`), ``INVALID_LOGPROB`` after the last token.
-        values: ``(B, R)`` float32, the value model's estimate before each token; ``None``
-            without a value model (``ppo.advantage_estimator`` rloo or grpo).
-        raw_scores, scores: ``(B,)`` float32, the score of the truncated response without and with
-            the EOS trick (:meth:`rlhf_core.ppo.trainer.PPOTrainer.score`).
-        has_eos: ``(B,)`` bool, the truncated response ends with EOS.
-        last_token_indices: ``(B,)`` long, the index of each response's last token.
-        token_mask: ``(B, R)`` bool, positions ``0 .. last_token_indices``.
-        context_length: ``C``.
-        time_generate, time_score: seconds spent sampling, and computing log-probs, values and scores.
-    """
-
-    query_responses: torch.Tensor
-    responses: torch.Tensor
-    logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    values: torch.Tensor | None
-    raw_scores: torch.Tensor
-    scores: torch.Tensor
-    has_eos: torch.Tensor
-    last_token_indices: torch.Tensor
-    token_mask: torch.Tensor
-    context_length: int
-    time_generate: float = 0.0
-    time_score: float = 0.0
-
-
-def make_trajectory(
-    query_responses: torch.Tensor,
-    responses: torch.Tensor,
-    logprobs: torch.Tensor,
-    ref_logprobs: torch.Tensor,
-    values: torch.Tensor | None,
-    scored: ResponseScores,
-    context_length: int,
-    eos_token_id: int,
-    pad_token_id: int,
-    **times: float,
-) -> Trajectory:
-    """A :class:`Trajectory` from sampled responses: each ends at its first EOS (Detail 23), and
-    the log-probabilities after it are ``INVALID_LOGPROB``.
-
-    Args:
-        responses: ``(B, R)`` sampled token ids, not truncated.
-        logprobs, ref_logprobs, values: ``(B, R)`` float32, over every sampled position
-            (``values`` ``None`` without a value model).
-        scored: the scores of ``truncate_after_eos(responses)``, ``(B,)`` each.
-    """
-    truncated = truncate_after_eos(responses, eos_token_id, pad_token_id)
-    last = torch.clamp(last_token_indices(truncated, pad_token_id), min=0)  # 0 for a response that starts with PAD
-    token_mask = response_mask(last, responses.size(1))
-    return Trajectory(
-        query_responses=query_responses,
-        responses=responses,
-        logprobs=torch.masked_fill(logprobs, ~token_mask, INVALID_LOGPROB),
-        ref_logprobs=torch.masked_fill(ref_logprobs, ~token_mask, INVALID_LOGPROB),
-        values=values,
-        raw_scores=scored.raw_scores,
-        scores=scored.scores,
-        has_eos=scored.has_eos,
-        last_token_indices=last,
-        token_mask=token_mask,
-        context_length=context_length,
-        **times,
-    )
-
-
-@dataclass
-class Rewards:
-    """Per-token rewards of a :class:`Trajectory`: step 2 of the update (Details 23, 24).
-
-    Attributes:
-        rewards: ``(B, R)`` float32, ``non_score_reward`` plus the score at the scored position,
-            rescaled by the global batch's standard deviation when ``ppo.whiten_rewards``; 0
-            outside ``value_mask``.
-        non_score_reward: ``(B, R)`` float32, the KL penalty ``-kl_coef * (logprobs - ref_logprobs)``
-            on the response tokens, 0 elsewhere.
-        value_mask: ``(B, R)`` bool, the positions that carry rewards and values: up to the last
-            token (``score_position: eos``) or one further (``after_eos``).
-    """
-
-    rewards: torch.Tensor
-    non_score_reward: torch.Tensor
-    value_mask: torch.Tensor
-
-
-def rollout_statistics(
-    traj: Trajectory, rewards: Rewards, advantages: torch.Tensor, returns: torch.Tensor | None
-) -> dict[str, float]:
+def rollout_statistics(traj: Trajectory) -> dict[str, float]:
     """Statistics of the global batch (every rank's share gathered; the identity on one rank):
     score, KL to the reference (nats per response and per token), rewards, advantages,
     returns (with a value model), response length and EOS rate, under TRL's names.
@@ -279,12 +117,12 @@ def rollout_statistics(
     ``ppo.whiten_rewards`` the standard deviation is 1 and the mean that of the rewards before
     whitening (Detail 24, ``shift_mean=False``)."""
     gather = all_gather_cat
-    token_mask, value_mask = gather(traj.token_mask), gather(rewards.value_mask)
-    per_token = gather(rewards.rewards)
+    token_mask, value_mask = gather(traj.token_mask), gather(traj.value_mask)
+    per_token = gather(traj.rewards)
     logprobs, ref_logprobs, scores = gather(traj.logprobs), gather(traj.ref_logprobs), gather(traj.scores)
-    advantages, has_eos = gather(advantages), gather(traj.has_eos)
+    advantages, has_eos, returns = gather(traj.advantages), gather(traj.has_eos), traj.returns
     kl = ((logprobs - ref_logprobs) * token_mask).sum(1)  # the "k1" estimator, http://joschu.net/blog/kl-approx.html
-    non_score = gather(rewards.non_score_reward).sum(1)
+    non_score = gather(traj.non_score_reward).sum(1)
     lengths = (gather(traj.last_token_indices) + 1).float()
     if returns is not None:
         returns = gather(returns)
@@ -338,108 +176,6 @@ def _peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def masked_mean_var(values: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and unbiased variance of ``values`` over the positions where ``mask`` is True, on
-    every rank together: the statistics of the global batch (Huang et al. 2024, Details 24-25
-    whiten over the whole batch, not over one rank's share).
-
-    Args:
-        values: ``(rows, length)`` float on this rank; mask: the same shape, bool.
-
-    Returns:
-        ``(mean, var)``, 0-d tensors of ``values``' dtype and device, equal on every rank. On
-        one rank exactly :func:`rlhf_core.ppo.algorithm.masked_mean` and :func:`~rlhf_core.ppo.algorithm.masked_var`.
-
-    Raises:
-        ValueError: fewer than two valid positions over all ranks.
-    """
-    if world().size == 1:
-        return masked_mean(values, mask), masked_var(values, mask)
-    m = mask.to(torch.float64)
-    v = values.detach().to(torch.float64)
-    total, count = all_reduce_sum([(v * m).sum().item(), m.sum().item()])
-    if count < 2:
-        raise ValueError("masked_mean_var: an unbiased variance needs at least two valid positions over all ranks")
-    mean = total / count
-    (sq,) = all_reduce_sum([(((v - mean) ** 2) * m).sum().item()])
-    var = sq / (count - 1)
-    return (
-        torch.tensor(mean, dtype=values.dtype, device=values.device),
-        torch.tensor(var, dtype=values.dtype, device=values.device),
-    )
-
-
-def kl_penalised_rewards(traj: Trajectory, cfg: PPOConfig) -> Rewards:
-    """Step 2: the KL penalty on every response token plus the score at the last one
-    (:func:`rlhf_core.ppo.algorithm.per_token_rewards`; Huang et al. 2024, arXiv 2403.17031, eq. 3, per token as in Figure 11),
-    optionally whitened without shifting the mean over the global batch (Detail 24)."""
-    rewards, non_score_reward, value_mask = per_token_rewards(
-        traj.logprobs, traj.ref_logprobs, traj.scores, traj.last_token_indices, cfg.kl_coef, cfg.score_position
-    )
-    if cfg.whiten_rewards:  # Detail 24
-        rewards = whiten(rewards, *masked_mean_var(rewards, value_mask), shift_mean=False) * value_mask
-    return Rewards(rewards, non_score_reward, value_mask)
-
-
-def whitened_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 3: GAE advantages and returns (:func:`rlhf_core.ppo.algorithm.gae`; Schulman et
-    al. 2015, arXiv 1506.02438), the advantages whitened over the response tokens of the global
-    batch (Detail 25).
-
-    Returns:
-        ``(advantages, returns)``, each ``(B, R)`` float32; advantages 0 outside
-        ``traj.token_mask``, returns 0 outside ``rewards.value_mask``.
-    """
-    advantages, returns = gae(rewards.rewards, traj.values, rewards.value_mask, cfg.gamma, cfg.lam)
-    advantages = whiten(advantages, *masked_mean_var(advantages, traj.token_mask)) * traj.token_mask  # Detail 25
-    return advantages, returns
-
-
-def estimate_advantages(traj: Trajectory, rewards: Rewards, cfg: PPOConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Step 3, by ``ppo.advantage_estimator``; the one place the estimator is chosen.
-
-    - ``gae`` (the paper's): :func:`whitened_advantages`, with the value model's returns.
-    - ``rloo`` (critic-free): each response's return ``R``, its score minus ``kl_coef`` times
-      its summed KL (:func:`rlhf_core.ppo.algorithm.sequence_returns` of step 2's rewards: the KL stays in
-      the reward, as Ahmadian et al. 2024 and TRL's ``RLOOTrainer`` keep it), compared with the
-      other samples of its prompt (:func:`rlhf_core.ppo.algorithm.rloo_advantages`).
-    - ``grpo`` (critic-free): each response's score alone (``traj.scores``), compared with its
-      prompt's samples by ``ppo.scale_rewards`` (:func:`rlhf_core.ppo.algorithm.grpo_advantages`); the KL
-      is a term of the loss (Shao et al. 2024, arXiv 2402.03300, eq. 3;
-      :func:`rlhf_core.ppo.algorithm.ppo_loss`), not of the reward.
-
-    A critic-free advantage is given to every token of its response, not whitened. The
-    ``samples_per_prompt`` samples of a prompt are consecutive rows of this rank
-    (:func:`rollout_rows`).
-
-    Returns:
-        ``(advantages, returns)``: ``(B, R)`` float32 advantages, 0 outside ``traj.token_mask``;
-        the returns ``(B, R)`` for the value loss, ``None`` without a value model.
-
-    Raises:
-        ValueError: a critic-free estimator's rows do not fall into groups of one query each
-            (they were not laid out by :func:`rollout_rows`).
-    """
-    if cfg.advantage_estimator == "gae":
-        return whitened_advantages(traj, rewards, cfg)
-    k, context, rows = cfg.samples_per_prompt, traj.context_length, traj.query_responses.size(0)
-    queries = traj.query_responses[:, :context]
-    grouped = queries.reshape(-1, k, context) if rows % k == 0 else None
-    if grouped is None or not bool((grouped == grouped[:, :1]).all()):  # one host sync per update
-        raise ValueError(
-            f"each group of ppo.samples_per_prompt {k} consecutive rows (of {rows}) must hold one prompt's samples"
-        )
-    if cfg.advantage_estimator == "rloo":
-        per_response = rloo_advantages(sequence_returns(rewards.rewards), k)
-    else:
-        scores = traj.scores.float()
-        batch_std = None
-        if cfg.scale_rewards == "batch":  # the std of every score of the global batch
-            batch_std = masked_mean_var(scores[None], torch.ones_like(scores[None], dtype=torch.bool))[1].sqrt()
-        per_response = grpo_advantages(scores, k, cfg.scale_rewards, batch_std)
-    return per_response.unsqueeze(1) * traj.token_mask, None
 
 
 @dataclass

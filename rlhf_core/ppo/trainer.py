@@ -6,28 +6,28 @@ value model initialised from the reward model (Detail 22). Each update is four s
 one call in :func:`run_ppo`'s loop:
 
 1. generate the trajectory (:meth:`PPOTrainer.generate_trajectory`, a
-   :class:`rlhf_core.ppo.rollout.Trajectory`): ``batch_size`` prompts from the shuffled SFT
+   :class:`rlhf_core.ppo.algorithm.Trajectory` built by :func:`rlhf_core.ppo.algorithm.make_trajectory`): ``batch_size`` prompts from the shuffled SFT
    train split (or the prompt-only ``prompt/train`` of ``data.prompt_splits``), reshuffled
    whenever it is used up (Detail 21); exactly ``response_length``
    tokens sampled at ``temperature``, never PAD, with the log-probabilities of policy and
    reference from the same distribution (logits divided by the temperature, PAD excluded:
    :func:`rlhf_core.ppo.algorithm.sampling_logits`) and the values (Detail 23); each response truncated
    after its first EOS, PAD after it, and scored at the EOS, a response without EOS getting
-   ``non_eos_penalty`` (the EOS trick, :meth:`PPOTrainer.score`: the reward model, or with
+   ``non_eos_penalty`` (the EOS trick, :meth:`PPOTrainer.score`, applied in
+   :func:`rlhf_core.train.reward.response_scores`: the reward model, or with
    ``ppo.reward: python:MODULE:FUNCTION`` a rule reward (:mod:`rlhf_core.train.rule_rewards`), and
    then no reward model is loaded);
 2. per-token rewards, the KL penalty plus the score, optionally whitened (Detail 24;
-   :func:`rlhf_core.ppo.rollout.kl_penalised_rewards`);
-3. GAE advantages and returns, the advantages whitened (Detail 25;
-   :func:`rlhf_core.ppo.rollout.whitened_advantages`), or with ``ppo.advantage_estimator`` rloo or
-   grpo a baseline over each prompt's ``samples_per_prompt`` samples and no value model
-   (:func:`rlhf_core.ppo.rollout.estimate_advantages`);
+   :func:`rlhf_core.ppo.algorithm.kl_penalised_rewards`);
+3. GAE advantages and returns, the advantages whitened (Detail 25), or with
+   ``ppo.advantage_estimator`` rloo or grpo a baseline over each prompt's ``samples_per_prompt``
+   samples and no value model (:func:`rlhf_core.ppo.algorithm.estimate_advantages`);
 4. ``ppo_epochs`` passes of clipped policy and value updates over minibatches
-   (:meth:`PPOTrainer.optimise`, a :class:`rlhf_core.ppo.rollout.PPOStats`).
+   (:meth:`PPOTrainer.optimise`; the loss :func:`rlhf_core.ppo.algorithm.ppo_loss`).
 
 Under ``torchrun`` (:mod:`rlhf_core.run.launch`) each rank samples, scores and trains on its own
 contiguous share of every update's prompts. What defines the algorithm is global: reward and
-advantage whitening use the statistics of the whole batch (:func:`rlhf_core.ppo.rollout.masked_mean_var`), each PPO
+advantage whitening use the statistics of the whole batch (:func:`rlhf_core.ppo.algorithm.masked_mean_var`), each PPO
 minibatch's gradient is the mean over all ranks' shares, and the logged rollout statistics are
 computed on the gathered batch. Training statistics (losses, clip fractions, entropy) are means
 of the ranks' equal-sized shares; timings and memory are rank 0's. Evaluation prompts
@@ -58,9 +58,10 @@ from ..config.settings import PPOConfig
 from ..data.prepared import load_data_tokenizer, load_prepared, ppo_query_tokens
 from ..models.saved import load_causal_lm
 from ..train.distributed import all_gather_object, all_reduce_sum, gather_to_main, world
+from ..train.forward import response_logits, response_values
 from ..train.generation import generate, trim_left_padding, truncate_after_eos
-from ..train.reward import TOKEN_TABLE_RESPONSES, ResponseScores, ScalarModel, response_scores, score_responses
-from ..train.rule_rewards import describe_reward, load_reward_function, rule_scores
+from ..train.reward import TOKEN_TABLE_RESPONSES, ResponseScores, ScalarModel, score_responses
+from ..train.rule_rewards import RuleReward, describe_reward, load_reward_function
 from ..train.trainer import save_trained
 from ..train.training import (
     StepProgress,
@@ -74,28 +75,19 @@ from ..train.training import (
 from .algorithm import (
     INVALID_LOGPROB,
     Minibatch,
-    PPOBatch,
+    Trajectory,
     entropy_from_logits,
+    estimate_advantages,
+    kl_penalised_rewards,
     logprobs_from_logits,
+    make_trajectory,
     masked_mean,
     ppo_loss,
     sampling_logits,
 )
 from .eval import evaluate_policy, value_vs_reward, write_value_vs_reward
 from .models import build_models, initial_value_model
-from .rollout import (
-    PPOStats,
-    Trajectory,
-    estimate_advantages,
-    kl_penalised_rewards,
-    make_trajectory,
-    reduce_stats,
-    response_logits,
-    response_values,
-    rollout_rows,
-    rollout_statistics,
-    throughput_statistics,
-)
+from .rollout import PPOStats, reduce_stats, rollout_rows, rollout_statistics, throughput_statistics
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +112,14 @@ class PPOTrainer:
         device: torch.device | None = None,
     ):
         self.cfg = cfg
-        self.reward_fn = load_reward_function(cfg.reward)  # None: the reward model scores
-        if self.reward_fn is None and reward_model_dir is None:
+        reward_fn = load_reward_function(cfg.reward)  # None: the reward model scores
+        if reward_fn is None and reward_model_dir is None:
             raise ValueError("ppo.reward 'model' needs a reward model directory (reward_model_dir is None)")
         self.device = device or pick_device()
         sft, _, self.stats = load_prepared(data_dir)
         self.sft = sft
         self.tokenizer = load_data_tokenizer(data_dir)
+        self.rule_reward = None if reward_fn is None else RuleReward(reward_fn, cfg.reward, self.tokenizer)
         self.pad_id, self.eos_id = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         self.response_length = cfg.response_length or self.stats["padded_lengths"]["sft_response"]
         self.rollout_batch_size = cfg.rollout_batch_size or cfg.micro_batch_size
@@ -143,21 +136,12 @@ class PPOTrainer:
         self.sft_model_dir, self.reward_model_dir = sft_model_dir, reward_model_dir
         # this rank's queries and summaries of the last evaluate(), (n, query_length) and (n, R)
         self.eval_responses: tuple[torch.Tensor, torch.Tensor] | None = None
-        (
-            self.policy,
-            self.ref_policy,
-            self.reward_model,
-            self.value_model,
-            self.policy_adapted,
-            self.value_adapted,
-            self.models,
-            self.policy_parallel,
-            self.value_parallel,
-            self.ref_parallel,
-            self.reward_parallel,
-        ) = build_models(
-            cfg, data_dir, sft_model_dir, reward_model_dir, self.tokenizer, self.device, self.reward_fn is None
-        )
+        m = build_models(cfg, data_dir, sft_model_dir, reward_model_dir, self.tokenizer, self.device, reward_fn is None)
+        self.policy, self.ref_policy, self.value_model = m.policy, m.ref_policy, m.value_model
+        self.reward_model, self.models = m.reward_model, m.models
+        self.policy_adapted, self.value_adapted = m.policy_adapted, m.value_adapted
+        self.policy_parallel, self.ref_parallel = m.policy_parallel, m.ref_parallel
+        self.value_parallel, self.reward_parallel = m.value_parallel, m.reward_parallel
         trained = [p for p in self.models.parameters() if p.requires_grad]  # all, or the adapters and value head
         self.optimizer = adamw(trained, lr=cfg.learning_rate, eps=cfg.adam_eps)
         self.num_updates = math.ceil(cfg.total_episodes / cfg.batch_size)
@@ -175,15 +159,12 @@ class PPOTrainer:
 
     @torch.no_grad()
     def score(self, queries: torch.Tensor, responses: torch.Tensor) -> ResponseScores:
-        """The score PPO maximises (``ppo.reward``), with the EOS trick (Detail 23).
-
-        ``model``: the reward model's output at each response's last real token
-        (:func:`rlhf_core.train.reward.score_responses`); ``model:SOURCE``: the existing reward model's
-        output on the decoded texts, re-encoded by its tokenizer (through the same function);
-        ``python:MODULE:FUNCTION``: the function's
-        value on the decoded texts and ids (:func:`rlhf_core.train.rule_rewards.rule_scores`). Either
-        is ``raw_scores``; ``scores`` replaces it by ``ppo.non_eos_penalty`` for a response
-        without EOS. Rollouts and evaluations score through here.
+        """The score PPO maximises (``ppo.reward``), with the EOS trick (Detail 23), through
+        :func:`rlhf_core.train.reward.score_responses`: the reward model's output at each response's
+        last real token; an existing reward model's (``model:SOURCE``) on the decoded texts,
+        re-encoded by its tokenizer; or a rule reward's value on the decoded texts and ids
+        (``python:MODULE:FUNCTION``, a :class:`rlhf_core.train.rule_rewards.RuleReward`). Rollouts
+        and evaluations score through here.
 
         Args:
             queries: ``(n, query_length)`` long token ids, left-padded.
@@ -193,13 +174,11 @@ class PPOTrainer:
         Returns:
             :class:`rlhf_core.train.reward.ResponseScores` on the device of ``responses``.
         """
-        cfg, pad, eos = self.cfg, self.pad_id, self.eos_id
-        if self.reward_fn is None:
-            return self.reward_parallel.inference(  # type: ignore[union-attr]
-                score_responses, queries, responses, pad, eos, cfg.non_eos_penalty, self.rollout_batch_size, cfg.bf16
-            )
-        raw = rule_scores(self.reward_fn, cfg.reward, self.tokenizer, queries, responses, pad, eos)
-        return response_scores(raw.to(responses.device), responses, eos, pad, cfg.non_eos_penalty)
+        cfg = self.cfg
+        args = (queries, responses, self.pad_id, self.eos_id, cfg.non_eos_penalty, self.rollout_batch_size, cfg.bf16)
+        if self.rule_reward is not None:
+            return score_responses(self.rule_reward, *args)
+        return self.reward_parallel.inference(score_responses, *args)  # type: ignore[union-attr]
 
     # --------------------------------------------------------- step 1: rollout
 
@@ -268,26 +247,14 @@ class PPOTrainer:
 
     # -------------------------------------------------------- step 4: optimise
 
-    def optimise(
-        self,
-        traj: Trajectory,
-        value_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        returns: torch.Tensor | None,
-        update: int,
-    ) -> PPOStats:
+    def optimise(self, traj: Trajectory, update: int) -> PPOStats:
         """``ppo_epochs`` passes over this rank's share of the batch, each in ``num_minibatches``
         shuffled minibatches with one optimiser step per minibatch (Table 7).
 
         Args:
-            traj: the update's :class:`Trajectory` (its log-probs and values are the old policy's).
-            value_mask, advantages, returns: ``(B, R)``, from steps 2 and 3 (``returns`` ``None``
-                without a value model).
+            traj: the update's :class:`Trajectory` after step 3 (its log-probs and values are the
+                old policy's).
             update: 0-based update number (seeds the minibatch order).
-
-        Statistics stay on the device until the update ends, and the losses are checked once
-        per minibatch, before its optimiser step: the host waits for the device once per
-        minibatch, not in every micro-batch.
 
         Returns:
             :class:`rlhf_core.ppo.rollout.PPOStats`, averaged over the minibatches and the ranks.
@@ -299,6 +266,7 @@ class PPOTrainer:
         cfg, ranks = self.cfg, self.world.size
         n = traj.responses.size(0)
         minibatch_size = max(1, n // cfg.num_minibatches)
+        # statistics stay on the device until the update ends: the host waits once per minibatch
         sums: dict[str, torch.Tensor] = {}
         ratios: list[torch.Tensor] = []
         masks: list[torch.Tensor] = []
@@ -323,22 +291,15 @@ class PPOTrainer:
                 # the last micro-batch's backward passes sum each model's gradients over the ranks:
                 # with each micro-batch's share, the global minibatch's mean gradient
                 for micro, *_ in zip(*(parallel.accumulate(micros) for parallel in parallels)):
-                    idx = on_device[micro[0] : micro[-1] + 1]
+                    batch = traj[on_device[micro[0] : micro[-1] + 1]]
                     share = len(micro) / (end - start) / ranks
-                    stats, ratio, token_mask = self._ppo_step(
-                        traj, value_mask, advantages, returns, idx, Minibatch(share, *sizes)
-                    )
+                    stats, ratio = self._ppo_step(batch, Minibatch(share, *sizes))
                     for key, value in stats.items():  # float64, the operations Python floats would do
                         mb_sums[key] = mb_sums.get(key, 0.0) + value.detach().double() * len(micro) / (end - start)
                     ratios.append(ratio)
-                    masks.append(token_mask)
-                _raise_if_non_finite(
-                    **{
-                        "loss (policy)": mb_sums["policy_loss"],
-                        "loss (value)": mb_sums.get("value_loss"),
-                        "loss (KL)": mb_sums.get("kl_loss"),
-                    }
-                )
+                    masks.append(batch.token_mask)
+                names = {"loss (policy)": "policy_loss", "loss (value)": "value_loss", "loss (KL)": "kl_loss"}
+                _raise_if_non_finite(**{name: mb_sums.get(key) for name, key in names.items()})
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)  # no gradients held while sampling
                 for key, value in mb_sums.items():
@@ -347,39 +308,20 @@ class PPOTrainer:
         ratios_on_tokens = torch.cat(ratios)[torch.cat(masks)].double().cpu()
         return reduce_stats({k: v.item() for k, v in sums.items()}, steps, ratios_on_tokens)
 
-    def _ppo_step(
-        self,
-        traj: Trajectory,
-        value_mask: torch.Tensor,
-        advantages: torch.Tensor,
-        returns: torch.Tensor | None,
-        idx: torch.Tensor,
-        minibatch: Minibatch,
-    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """Backpropagate the micro-batch ``idx``'s share of PPO's loss
+    def _ppo_step(self, batch: Trajectory, minibatch: Minibatch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Backpropagate the micro-batch ``batch``'s share of PPO's loss
         (:func:`rlhf_core.ppo.algorithm.ppo_loss`; ``minibatch``: its share of the minibatch's
         rows over the ranks, and the minibatch's counts): the forward passes, then each model's
         part of the loss backpropagated on its own.
 
         Returns:
-            ``(stats, ratio, token_mask)``: the loss's statistics and the entropy as scalar
-            tensors on the device, and ``(len(idx), R)`` probability ratios and the
-            response-token mask they count on. A non-finite loss is backpropagated like any
-            other (every rank joins every gradient all-reduce); :meth:`optimise` checks the
-            losses before stepping.
+            ``(stats, ratio)``: the loss's statistics and the entropy as scalar tensors on the
+            device, and ``(rows, R)`` probability ratios (read on ``batch.token_mask``). A
+            non-finite loss is backpropagated like any other (every rank joins every gradient
+            all-reduce); :meth:`optimise` checks the losses before stepping.
         """
-        cfg, pad, context = self.cfg, self.pad_id, traj.context_length
-        qr, resp, token_mask = traj.query_responses[idx], traj.responses[idx], traj.token_mask[idx]
-        has_values = self.value_parallel is not None
-        batch = PPOBatch(
-            traj.logprobs[idx],
-            traj.ref_logprobs[idx],
-            advantages[idx],
-            token_mask,
-            traj.values[idx] if has_values else None,
-            returns[idx] if has_values else None,  # type: ignore[index]
-            value_mask[idx] if has_values else None,
-        )
+        cfg, pad, context = self.cfg, self.pad_id, batch.context_length
+        qr, resp, token_mask = batch.query_responses, batch.responses, batch.token_mask
         # The policy's activations are freed before the value model's forward pass.
         with autocast(self.device, cfg.bf16):
             logits = self.policy_parallel(response_logits, qr, pad, context)
@@ -393,13 +335,13 @@ class PPOTrainer:
             )
         del logits, new_logprobs
         ratio = stats.pop("ratio").detach().float()
-        if has_values:
+        if self.value_parallel is not None:
             with autocast(self.device, cfg.bf16):
                 vpred = self.value_parallel(response_values, qr, pad, context)
             loss, value_stats = ppo_loss(batch, None, vpred.float() * batch.value_mask, cfg, minibatch)
             loss.backward()
             stats |= value_stats
-        return stats, ratio, token_mask
+        return stats, ratio
 
     # --------------------------------------------------------------- evaluation
 
@@ -486,21 +428,23 @@ def run_ppo(
     samples: list[dict] = []
     begin = time.perf_counter()
     for update in range(start, trainer.num_updates):
-        # step 1. generate the trajectory: this rank's prompts (Detail 21), each samples_per_prompt
-        #         times, their sampled responses, the log-probs of policy and reference, the
-        #         values, and the scores (Details 12, 23)
+        # step 1. the trajectory: this rank's prompts (Detail 21), each samples_per_prompt times,
+        #         the sampled responses ended at their first EOS, the log-probs of policy and
+        #         reference, the values, and the scores with the EOS trick (Details 12, 23)
         traj = trainer.generate_trajectory(trainer.queries[rollout_rows(len(trainer.queries), cfg, update, w)])
         # step 2. per-token rewards: the KL penalty on each token plus the score at the last one,
         #         optionally whitened (Detail 24)
-        rewards = kl_penalised_rewards(traj, cfg)
+        traj = kl_penalised_rewards(traj, cfg)
         # step 3. advantages: GAE's with its returns, whitened (Detail 25), or a critic-free
         #         group baseline over each prompt's samples (ppo.advantage_estimator)
-        advantages, returns = estimate_advantages(traj, rewards, cfg)
+        traj = estimate_advantages(traj, cfg)
         # step 4. optimise: ppo_epochs passes of the clipped policy and value losses over minibatches
         t0 = device_clock(trainer.device)
         try:
-            _raise_if_non_finite(scores=traj.scores, rewards=rewards.rewards, advantages=advantages, values=traj.values)
-            stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update)
+            _raise_if_non_finite(
+                scores=traj.scores, rewards=traj.rewards, advantages=traj.advantages, values=traj.values
+            )
+            stats = trainer.optimise(traj, update)
         except _NonFinite as exc:
             raise progress.stop(str(exc), update) from None
         t_train = device_clock(trainer.device) - t0
@@ -509,7 +453,7 @@ def run_ppo(
 
         # plumbing: statistics, evaluation, logging, checkpoints
         metrics = (
-            rollout_statistics(traj, rewards, advantages, returns)
+            rollout_statistics(traj)
             | stats.metrics()
             | throughput_statistics(traj, t_train, cfg.ppo_epochs, trainer.device)
             | {"lr": lr, "episodes": float((update + 1) * cfg.batch_size)}

@@ -454,7 +454,7 @@ def key_of(parts: dict[str, Any]) -> str:
 
 def stage_key(name: str, cfg: PipelineConfig, upstream: list[str], **context: str) -> str:
     """The cache key of stage ``name`` (24 hex): :func:`key_of` its :func:`stage_key_parts`, the
-    one key scheme of ``rlhf run`` and of the Prefect tasks (``tasks.stages.stage_cache_key``).
+    one key scheme of ``rlhf run`` and of the Prefect tasks (``tasks.stages.task_key_parts``).
 
     Raises:
         KeyError: ``name`` is not a stage.

@@ -4,7 +4,7 @@ it wrote (``stage.json``: the key, its parts, the manifest) and drop its checkpo
 
 The callers differ only around it: ``rlhf stages`` (:func:`rlhf_core.run.cli.run_stages`) runs every
 stage into a folder of one run directory under a lock; a Prefect task
-(``tasks.stages.run_stage``) runs one into a work directory named by its key, inside an MLflow
+(``tasks.stages.rlhf_stage``) runs one into a work directory named by its key, inside an MLflow
 run, then moves the output into the artifact store.
 """
 
@@ -61,25 +61,32 @@ def finished_output(out: Path, key: str) -> FinishedOutput | None:
     return FinishedOutput(marker, check, damage)
 
 
-def why_it_runs(out: Path | None, key: str, parts: dict[str, Any] | None = None) -> str:
+def why_it_runs(
+    out: Path | None, key: str, parts: dict[str, Any] | None = None, recorded: dict[str, Any] | None = None
+) -> str:
     """Why the stage whose folder is ``out`` runs with key ``key`` (``out=None``: no run
     directory): not run yet, unfinished (it resumes), damaged, or made with another key, naming
     the key's parts that changed (:func:`rlhf_core.run.pipeline.key_changes`, from the ``parts`` its
-    ``stage.json`` recorded, compared with ``parts``)."""
+    ``stage.json`` recorded, or else ``recorded``, compared with ``parts``). ``recorded`` is the
+    key record of the stage's last finished run kept elsewhere: a Prefect task's folder is
+    named by its key, so it never holds another key's ``stage.json``."""
     if out is None:
         return "no run directory"
     found = finished_output(out, key)
     if found is not None:
         return f"its finished output is damaged: {found.damage}"
     marker = read_marker(out)
-    if not marker:
-        return "not run yet"
     if marker.get("key") == key:
         return f"its output is {marker.get('status', 'unfinished')} (resumes from its checkpoints)"
-    if parts is not None and marker.get("parts"):
-        changes = key_changes(marker["parts"], parts)
+    recorded = marker.get("parts") or recorded
+    if not marker and not recorded:
+        return "not run yet"
+    if parts is not None and recorded:
+        changes = key_changes(recorded, parts)
         if changes:
             return "; ".join(changes)
+    if not marker:
+        return "its earlier finished output, of the same key, is gone"
     return f"its output has another key ({str(marker.get('key'))[:12]}...)"
 
 

@@ -1,6 +1,7 @@
 """The models' forward passes without padding's effects: padding-aware inputs, the causal layout
 (queries and responses packed to the left, Detail 14) and the chosen/rejected pair layout that
-shares their common prefix, and the forward passes over them.
+shares their common prefix, and the forward passes over them; PPO's two, the policy's logits and the
+value model's values at the response tokens (:func:`response_logits`, :func:`response_values`).
 """
 
 from __future__ import annotations
@@ -229,3 +230,46 @@ def pair_forward(
         **{"cache" if new_name else "past_key_values": cache},
     ).last_hidden_state
     return hidden, positions, valid
+
+
+def response_logits(
+    model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
+    """Language-model logits at the positions that predict the response tokens only.
+
+    Args:
+        query_responses: ``(batch, context_length + response_length)``, query left-padded.
+
+    Returns:
+        ``(batch, response_length, vocab)``: no full-vocabulary logits for the query.
+    """
+    hidden = causal_forward(
+        lambda ids, mask, pos: (
+            model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+        ),
+        query_responses,
+        pad_token_id,
+    )
+    return model.get_output_embeddings()(hidden[:, context_length - 1 : -1])
+
+
+def response_values(
+    value_model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int
+) -> torch.Tensor:
+    """The value of the state before each response token: PPO's value of that token (Detail 22;
+    ``value_model`` a :class:`rlhf_core.train.reward.ScalarModel`).
+
+    Args:
+        query_responses: ``(batch, context_length + response_length)``, query left-padded.
+
+    Returns:
+        Shape: ``(batch, response_length)``, the value model's output at the positions
+        ``context_length - 1 .. -2`` (the query's last token, then each response token but the
+        last), in the model's dtype.
+    """
+    values = causal_forward(
+        lambda ids, mask, pos: value_model(input_ids=ids, attention_mask=mask, position_ids=pos),
+        query_responses,
+        pad_token_id,
+    )
+    return values[:, context_length - 1 : -1]

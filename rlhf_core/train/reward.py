@@ -37,7 +37,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -86,30 +86,6 @@ class ScalarModelConfig(PretrainedConfig):
         self.base_config = base_config or {}
         self.hidden_size = hidden_size
         self.normalization_mean = normalization_mean
-
-
-def apply_eos_trick(
-    scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int, pad_token_id: int, penalty: float | None
-) -> torch.Tensor:
-    """Replace the score of every response without an EOS by ``penalty`` (Detail 23); with
-    ``penalty`` ``None`` (``ppo.non_eos_penalty: null``) return ``scores`` unchanged.
-
-    A response has an EOS when the token its score is read at, the one before its first PAD
-    (Detail 12), is EOS (:func:`rlhf_core.train.generation.ends_with_eos`): a response that starts
-    with PAD, or has a PAD before its EOS, was not scored at an EOS and gets ``penalty``.
-
-    Args:
-        scores: ``(batch,)`` reward-model scores.
-        responses: ``(batch, response_length)``, PAD after the first EOS
-            (:func:`rlhf_core.train.generation.truncate_after_eos`).
-
-    Returns:
-        ``(batch,)``, the dtype of ``scores``.
-    """
-    if penalty is None:
-        return scores
-    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
-    return torch.where(has_eos, scores, torch.full_like(scores, penalty))
 
 
 def _backbone_config(config: ScalarModelConfig) -> PretrainedConfig:
@@ -454,26 +430,45 @@ def response_scores(
     pad_token_id: int,
     non_eos_penalty: float | None,
 ) -> ResponseScores:
-    """:class:`ResponseScores` from the reward model's raw scores: the EOS trick (Detail 23).
+    """:class:`ResponseScores` from raw scores: the EOS trick (Detail 23), here alone. Every
+    response without an EOS scores ``non_eos_penalty`` (``None``: no trick, ``scores`` equal
+    ``raw_scores``). A response has an EOS when the token its score is read at, the one before
+    its first PAD (Detail 12), is EOS (:func:`rlhf_core.train.generation.ends_with_eos`): one
+    that starts with PAD, or has a PAD before its EOS, was not scored at an EOS.
 
     Args:
         raw_scores: ``(n,)`` scores read at each response's last real token.
         responses: ``(n, response_length)`` token ids, PAD after the first EOS.
 
     Returns:
-        :class:`ResponseScores` on the device of ``raw_scores``.
+        :class:`ResponseScores` on the device of ``raw_scores``, float32.
     """
     raw_scores = raw_scores.float()
-    return ResponseScores(
-        raw_scores=raw_scores,
-        scores=apply_eos_trick(raw_scores, responses, eos_token_id, pad_token_id, non_eos_penalty),
-        has_eos=ends_with_eos(responses, eos_token_id, pad_token_id),
-    )
+    has_eos = ends_with_eos(responses, eos_token_id, pad_token_id)
+    scores = raw_scores
+    if non_eos_penalty is not None:
+        scores = torch.where(has_eos, raw_scores, torch.full_like(raw_scores, non_eos_penalty))
+    return ResponseScores(raw_scores=raw_scores, scores=scores, has_eos=has_eos)
+
+
+class TextScorer(Protocol):
+    """What scores responses without reading the policy's hidden states:
+    :class:`ExternalRewardModel` and :class:`rlhf_core.train.rule_rewards.RuleReward`."""
+
+    def score(
+        self,
+        queries: torch.Tensor,
+        responses: torch.Tensor,
+        pad_token_id: int,
+        eos_token_id: int,
+        batch_size: int,
+        bf16: bool | str = False,
+    ) -> torch.Tensor: ...
 
 
 @torch.no_grad()
 def score_responses(
-    reward_model: ScalarModel | ExternalRewardModel,
+    reward_model: ScalarModel | ExternalRewardModel | TextScorer,
     queries: torch.Tensor,
     responses: torch.Tensor,
     pad_token_id: int,
@@ -491,7 +486,10 @@ def score_responses(
     :func:`score_pairs` (evaluation), which read the same position. The score is read at each
     response's last real token; queries may be left-padded (the padding is invisible, Detail 14).
     An :class:`ExternalRewardModel` (``ppo.reward: model:SOURCE``) scores the decoded texts
-    through its own tokenizer instead (:meth:`ExternalRewardModel.score`).
+    through its own tokenizer instead (:meth:`ExternalRewardModel.score`), a
+    :class:`rlhf_core.train.rule_rewards.RuleReward` (``ppo.reward: python:...``) by its rule
+    (a :class:`TextScorer` each). The EOS trick is applied here, for every caller
+    (:func:`response_scores`).
 
     Args:
         queries: ``(n, query_length)`` long token ids, left-padded.
@@ -504,19 +502,20 @@ def score_responses(
     Returns:
         :class:`ResponseScores` on the device of ``responses``.
     """
-    if isinstance(reward_model, ExternalRewardModel):
+    if not isinstance(reward_model, ScalarModel):  # an ExternalRewardModel or a rule: the decoded texts
         raw_scores = reward_model.score(queries, responses, pad_token_id, eos_token_id, batch_size, bf16)
-        return response_scores(raw_scores.to(responses.device), responses, eos_token_id, pad_token_id, non_eos_penalty)
-    device = next(reward_model.parameters()).device
-    reward_model.eval()
-    raw = []
-    for start in range(0, len(queries), batch_size):
-        q = trim_left_padding(queries[start : start + batch_size], pad_token_id)
-        query_responses = torch.cat([q, responses[start : start + batch_size].to(q.device)], dim=1).to(device)
-        with autocast(device, bf16):
-            _, scores, _ = get_reward(reward_model, query_responses, pad_token_id, q.size(1))
-        raw.append(scores.float().to(responses.device))
-    raw_scores = torch.cat(raw) if raw else torch.zeros(0, device=responses.device)
+        raw_scores = raw_scores.to(responses.device)
+    else:
+        device = next(reward_model.parameters()).device
+        reward_model.eval()
+        raw = []
+        for start in range(0, len(queries), batch_size):
+            q = trim_left_padding(queries[start : start + batch_size], pad_token_id)
+            query_responses = torch.cat([q, responses[start : start + batch_size].to(q.device)], dim=1).to(device)
+            with autocast(device, bf16):
+                _, scores, _ = get_reward(reward_model, query_responses, pad_token_id, q.size(1))
+            raw.append(scores.float().to(responses.device))
+        raw_scores = torch.cat(raw) if raw else torch.zeros(0, device=responses.device)
     return response_scores(raw_scores, responses, eos_token_id, pad_token_id, non_eos_penalty)
 
 

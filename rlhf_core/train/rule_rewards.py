@@ -11,7 +11,7 @@
 
 and the result is one float per response, as a list or a ``(n,)`` tensor. PPO applies the
 EOS trick (Detail 23), the KL penalty and the whitening to it exactly as to the reward
-model's score (:class:`rlhf_core.ppo.trainer.PPOTrainer`). A rule reward makes PPO's learning
+model's score (:class:`RuleReward`, scored by :func:`rlhf_core.train.reward.score_responses`). A rule reward makes PPO's learning
 measurable without a reward model: what the policy is asked to do is known, so a rise of the
 score shows that the policy gradient works.
 
@@ -32,7 +32,9 @@ import importlib
 import importlib.util
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -143,6 +145,34 @@ def rule_scores(
     """``fn`` on a batch (:func:`reward_inputs`), checked (:func:`reward_tensor`): ``(n,)`` float32, CPU."""
     inputs = reward_inputs(tokenizer, queries, responses, pad_token_id, eos_token_id)
     return reward_tensor(fn(*inputs), len(responses), spec)
+
+
+@dataclass
+class RuleReward:
+    """A rule reward (``ppo.reward: python:MODULE:FUNCTION``) as a scorer of query + response
+    token ids, as :func:`rlhf_core.train.reward.score_responses` reads one.
+
+    Attributes:
+        fn: the reward function; spec: its ``ppo.reward`` spec (named in errors);
+        tokenizer: the data's tokenizer, which decodes the ids.
+    """
+
+    fn: RewardFunction
+    spec: str
+    tokenizer: Any
+
+    def score(
+        self,
+        queries: torch.Tensor,
+        responses: torch.Tensor,
+        pad_token_id: int,
+        eos_token_id: int,
+        batch_size: int,
+        bf16: bool | str = False,
+    ) -> torch.Tensor:
+        """:func:`rule_scores` of the batch: ``(n,)`` float32 on the CPU (``batch_size`` and
+        ``bf16``, a model's settings, are not read)."""
+        return rule_scores(self.fn, self.spec, self.tokenizer, queries, responses, pad_token_id, eos_token_id)
 
 
 # ------------------------------------------------------------------------- rules

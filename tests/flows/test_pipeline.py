@@ -226,7 +226,7 @@ def test_flow_caches_stages_tracks_in_mlflow_and_reruns_only_what_changed(first_
     data_run = next(r for r in children if r.info.run_name == "data")
     assert "token_lengths.png" in {f.path for f in client.list_artifacts(data_run.info.run_id)}
     assert not (Path(first["stages"]["data"]["uri"]) / "token_lengths.png").exists()
-    assert "stage ppo runs: no earlier finished run of it on this worker" in log
+    assert "stage ppo runs: not run yet" in log
 
     # `rlhf plan` says so beforehand, with the flow's keys: every stage from the cache; with
     # another ppo.kl_coef, PPO runs under a key known now, the evaluation after it.

@@ -15,7 +15,7 @@ import boto3
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-#: One worker: claims the stage as tasks.stages.run_stage does, "trains" for HOLD seconds
+#: One worker: claims the stage as tasks.stages.rlhf_stage does, "trains" for HOLD seconds
 #: (printing TRAINING), stores an artifact and its record, and prints what it did.
 WORKER = textwrap.dedent(
     """

@@ -145,7 +145,7 @@ def test_a_key_used_on_the_openai_api_is_never_sent_to_the_next_cells_server(pre
         )
         monkeypatch.setenv("HTTP_PROXY", openai_proxy.url)
         monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-        with judge_key_given(provide_judge_key(first.eval)):  # as tasks.stages.run_stage does
+        with judge_key_given(provide_judge_key(first.eval)):  # as tasks.stages.rlhf_stage does
             assert make_judge(first.eval, None, "base").answer("cell one") == answer
         [sent] = openai_proxy.requests
         assert sent.headers["host"] == "api.openai.com" and sent.headers["authorization"] == f"Bearer {openai_key}"

@@ -9,7 +9,7 @@ from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import ConfigError
 from rlhf_core.data.prepare import DataError
 from rlhf_core.evaluation.judging import JudgeConfigError
-from tasks.stages import run_stage, stage_tags, stage_task, worth_retrying
+from tasks.stages import rlhf_stage, stage_tags, stage_task, worth_retrying
 from tasks.storage import ArtifactError
 
 
@@ -27,7 +27,7 @@ from tasks.storage import ArtifactError
     ],
 )
 def test_only_failures_another_attempt_can_fix_are_retried(error, retried):
-    assert worth_retrying(run_stage, None, Failed(data=error)) is retried
+    assert worth_retrying(rlhf_stage, None, Failed(data=error)) is retried
 
 
 def test_orchestration_settings_become_the_stage_tasks_options():
@@ -39,7 +39,7 @@ def test_orchestration_settings_become_the_stage_tasks_options():
     assert (sft.retries, sft.retry_delay_seconds, sft.timeout_seconds) == (3, 7, 90)
     assert data.timeout_seconds is None and data.retries == 3
     assert sft.retry_condition_fn is worth_retrying
-    assert sft.cache_key_fn is run_stage.cache_key_fn
+    assert sft.cache_key_fn is rlhf_stage.cache_key_fn
 
 
 def test_orchestration_settings_are_checked_at_load():

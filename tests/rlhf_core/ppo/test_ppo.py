@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from rlhf_core.ppo.algorithm import (
     INVALID_LOGPROB,
     Minibatch,
-    PPOBatch,
+    Trajectory,
     aggregate_loss,
     entropy_from_logits,
     gae,
@@ -29,7 +29,7 @@ from rlhf_core.ppo.algorithm import (
     value_loss,
 )
 from rlhf_core.ppo.rollout import prompt_indices
-from rlhf_core.train.reward import apply_eos_trick
+from rlhf_core.train.reward import response_scores
 
 T, F_ = True, False
 
@@ -131,8 +131,11 @@ def test_eos_trick():
         ]
     )
     scores = torch.tensor([2.0, 3.0, 4.0, 5.0, 6.0])
-    got = apply_eos_trick(scores, responses, eos_token_id=9, pad_token_id=0, penalty=-1.0)
-    assert got.tolist() == [2.0, -1.0, -1.0, -1.0, 6.0]
+    got = response_scores(scores, responses, eos_token_id=9, pad_token_id=0, non_eos_penalty=-1.0)
+    assert got.scores.tolist() == [2.0, -1.0, -1.0, -1.0, 6.0] and got.raw_scores.equal(scores)
+    assert got.has_eos.tolist() == [True, False, False, False, True]
+    untouched = response_scores(scores, responses, eos_token_id=9, pad_token_id=0, non_eos_penalty=None)
+    assert untouched.scores.equal(scores)
 
 
 def test_response_mask():
@@ -331,12 +334,19 @@ def test_ppo_loss_by_hand(estimator, loss_type):
     cfg = PPOConfig(advantage_estimator=estimator, loss_type=loss_type, kl_coef=0.1, vf_coef=0.1, cliprange_value=0.2)
     mask = torch.tensor([[True, True, False]])
     logprobs = torch.tensor([[-1.0, -2.0, INVALID_LOGPROB]])
-    batch = PPOBatch(
+    batch = Trajectory(
+        query_responses=torch.zeros(1, 5, dtype=torch.long),
+        responses=torch.zeros(1, 3, dtype=torch.long),
         logprobs=logprobs,
         ref_logprobs=logprobs - 0.3,
-        advantages=torch.tensor([[2.0, 1.0, 0.0]]),
-        mask=mask,
         values=torch.tensor([[1.0, 1.0, 0.0]]),
+        raw_scores=torch.zeros(1),
+        scores=torch.zeros(1),
+        has_eos=torch.tensor([True]),
+        last_token_indices=torch.tensor([1]),
+        token_mask=mask,
+        context_length=2,
+        advantages=torch.tensor([[2.0, 1.0, 0.0]]),
         returns=torch.zeros(1, 3),
         value_mask=mask,
     )
@@ -362,3 +372,32 @@ def test_ppo_loss_by_hand(estimator, loss_type):
     assert stats["value_loss"].item() == pytest.approx(1.25) and stats["value_clipfrac"].item() == 0.0
     both, _ = ppo_loss(batch, logprobs.clone(), new_values, cfg, minibatch)
     assert both.item() == pytest.approx(policy + 0.0625, abs=1e-6)
+
+
+def test_a_trajectory_slices_every_row_tensor_and_keeps_the_rest():
+    """``traj[idx]``, a micro-batch: each per-row tensor at the rows ``idx``, in their order;
+    ``None`` (no value model, step 3 not run) and the context length kept."""
+    rows, R = 4, 3
+    traj = Trajectory(
+        query_responses=torch.arange(rows * 5).reshape(rows, 5),
+        responses=torch.arange(rows * R).reshape(rows, R),
+        logprobs=-torch.rand(rows, R),
+        ref_logprobs=-torch.rand(rows, R),
+        values=None,
+        raw_scores=torch.arange(rows, dtype=torch.float),
+        scores=-torch.arange(rows, dtype=torch.float),
+        has_eos=torch.tensor([True, False, True, False]),
+        last_token_indices=torch.tensor([0, 2, 1, 2]),
+        token_mask=torch.rand(rows, R) > 0.5,
+        context_length=2,
+        time_generate=1.5,
+        rewards=torch.rand(rows, R),
+    )
+    idx = torch.tensor([3, 1])
+    part = traj[idx]
+    for name in ("query_responses", "responses", "logprobs", "ref_logprobs", "raw_scores", "scores", "has_eos"):
+        assert getattr(part, name).equal(getattr(traj, name)[idx]), name
+    assert part.last_token_indices.equal(traj.last_token_indices[idx]) and part.token_mask.equal(traj.token_mask[idx])
+    assert part.rewards.equal(traj.rewards[idx])
+    assert part.values is None and part.advantages is None and part.returns is None
+    assert part.context_length == 2 and part.time_generate == 1.5

@@ -4,6 +4,7 @@ tokenizer here, the rule reward rises over the updates only when the policy grad
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,15 +12,15 @@ from safetensors.torch import load_file
 
 from rlhf_core.common.tracking import JsonlTracker, read_metrics
 from rlhf_core.config.presets import load_config
-from rlhf_core.ppo.algorithm import Minibatch, whiten
-from rlhf_core.ppo.rollout import (
+from rlhf_core.ppo.algorithm import (
+    Minibatch,
     estimate_advantages,
     kl_penalised_rewards,
     make_trajectory,
     masked_mean_var,
-    rollout_rows,
-    whitened_advantages,
+    whiten,
 )
+from rlhf_core.ppo.rollout import rollout_rows
 from rlhf_core.ppo.trainer import PPOTrainer, run_ppo
 from rlhf_core.train.reward import ResponseScores, ScalarModel
 from rlhf_core.train.rule_rewards import RewardSpecError, repeat_share, word_count_score, words
@@ -170,7 +171,8 @@ def test_value_model_without_a_reward_model_is_the_sft_backbone_with_a_zero_head
     traj = trainer.generate_trajectory(trainer.queries[:4])
     assert not traj.values.any()
     mask = traj.token_mask
-    advantages, returns = whitened_advantages(traj, kl_penalised_rewards(traj, trainer.cfg), trainer.cfg)
+    steps = estimate_advantages(kl_penalised_rewards(traj, trainer.cfg), trainer.cfg)
+    advantages, returns = steps.advantages, steps.returns
     expected = whiten(returns, *masked_mean_var(returns, mask)) * mask
     torch.testing.assert_close(advantages, expected)
 
@@ -215,12 +217,15 @@ def test_unusable_reward_fails_when_ppo_starts_naming_the_spec(tiny):
 
 
 def test_ppo_cache_key_follows_the_reward(smoke_cfg):
-    from tasks.stages import stage_cache_key
+    from tasks.stages import cache_entry, task_key_parts
+
+    def key(stage, cfg):
+        return cache_entry(stage, task_key_parts(stage, cfg, []))
 
     rule = load_config("smoke", [f"ppo.reward={NON_REPEATING}"])
-    assert stage_cache_key("ppo", rule, []) != stage_cache_key("ppo", smoke_cfg, [])
+    assert key("ppo", rule) != key("ppo", smoke_cfg)
     for stage in ("data", "sft", "reward", "reward_norm"):  # what PPO reads is unchanged
-        assert stage_cache_key(stage, rule, []) == stage_cache_key(stage, smoke_cfg, [])
+        assert key(stage, rule) == key(stage, smoke_cfg)
 
 
 @pytest.mark.slow
@@ -296,11 +301,9 @@ def test_grpos_kl_is_a_term_of_its_loss_weighted_by_kl_coef(tiny):
         if traj is None:
             traj = trainer.generate_trajectory(trainer.queries[rollout_rows(len(trainer.queries), cfg, 0)])
             traj.ref_logprobs[traj.token_mask] = traj.logprobs[traj.token_mask] - 0.3
-        zero = torch.zeros_like(traj.logprobs)
-        idx = torch.arange(traj.responses.size(0))
-        step, _, _ = trainer._ppo_step(
-            traj, traj.token_mask, zero, None, idx, Minibatch(1.0, len(idx), int(traj.token_mask.sum()))
-        )
+        batch = replace(traj, advantages=torch.zeros_like(traj.logprobs), value_mask=traj.token_mask)
+        rows = traj.responses.size(0)
+        step, _ = trainer._ppo_step(batch, Minibatch(1.0, rows, int(traj.token_mask.sum())))
         stats[kl_coef] = step["kl_loss"].item()
         grads[kl_coef] = torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.grad is not None])
     assert not grads[0.0].any() and grads[0.1].abs().max() > 0
@@ -359,8 +362,7 @@ def test_a_critic_free_update_is_the_same_for_micro_batches_of_1_and_of_4(tiny, 
     for loss_type in ("dapo", "paper"):
         for micro in (1, 4):
             trainer = trainer_for(f"ppo.micro_batch_size={micro}", f"ppo.loss_type={loss_type}")
-            advantages, _ = estimate_advantages(traj, rewards, trainer.cfg)
-            trainer.optimise(traj, rewards.value_mask, advantages, None, update=0)
+            trainer.optimise(estimate_advantages(rewards, trainer.cfg), update=0)
             updated[loss_type, micro] = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
     for name, value in updated["dapo", 1].items():
         torch.testing.assert_close(value, updated["dapo", 4][name], rtol=0, atol=5e-5)

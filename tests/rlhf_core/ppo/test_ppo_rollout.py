@@ -1,13 +1,11 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
 from rlhf_core.config.presets import load_config
-from rlhf_core.ppo.algorithm import INVALID_LOGPROB
+from rlhf_core.ppo.algorithm import INVALID_LOGPROB, estimate_advantages, kl_penalised_rewards, make_trajectory
 from rlhf_core.ppo.rollout import (
-    Rewards,
-    estimate_advantages,
-    kl_penalised_rewards,
-    make_trajectory,
     prompt_indices,
     rollout_rows,
     rollout_statistics,
@@ -54,10 +52,17 @@ def test_rollout_statistics_of_a_batch_worked_by_hand():
     mask = traj.token_mask
     non_score_reward = -0.1 * (traj.logprobs - traj.ref_logprobs) * mask  # -0.05 per response token
     score_at_eos = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, -1.0]])  # the scores at the last tokens
-    rewards = Rewards(rewards=non_score_reward + score_at_eos, non_score_reward=non_score_reward, value_mask=mask)
     advantages = torch.tensor([[1.0, -2.0, 9.0, 9.0], [0.0, 1.0, 3.0, -3.0]]) * mask
     returns = torch.tensor([[1.0, 3.0, 0.0, 0.0], [2.0, 2.0, 2.0, 2.0]])
-    stats = rollout_statistics(traj, rewards, advantages, returns)
+    traj = replace(
+        traj,
+        rewards=non_score_reward + score_at_eos,
+        non_score_reward=non_score_reward,
+        value_mask=mask,
+        advantages=advantages,
+        returns=returns,
+    )
+    stats = rollout_statistics(traj)
     expected = {
         "objective/scores": 0.0,  # with the EOS trick: 1 and -1
         "objective/kl": 1.5,  # nats per response: 2 x 0.5 and 4 x 0.5
@@ -145,7 +150,8 @@ def test_rloo_gives_every_token_of_a_response_its_kl_penalised_return_minus_the_
     cfg = ppo_cfg("ppo.batch_size=4", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=rloo", "ppo.kl_coef=0.1")
     traj = grouped_trajectory([11, 11, 12, 12], scores=[1.0, 0.0, 0.5, 0.5], lengths=[1, 3, 2, 2])
     rewards = kl_penalised_rewards(traj, cfg)
-    advantages, returns = estimate_advantages(traj, rewards, cfg)
+    steps = estimate_advantages(rewards, cfg)
+    advantages, returns = steps.advantages, steps.returns
     # returns: 1 - 0.05 x 1 token, 0 - 0.05 x 3, and 0.5 - 0.1 twice: 0.95, -0.15; 0.4, 0.4
     assert returns is None
     expected = torch.tensor([[1.1, 0.0, 0.0, 0.0], [-1.1, -1.1, -1.1, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
@@ -163,7 +169,8 @@ def test_grpo_compares_the_scores_alone_whatever_the_kls():
     traj.ref_logprobs[:, :2] = traj.logprobs[:, :2] - kls[:, None] / 2
     rewards = kl_penalised_rewards(traj, cfg)
     assert rewards.non_score_reward.sum(1)[:4].tolist() == pytest.approx((-0.05 * kls[:4]).tolist())
-    advantages, returns = estimate_advantages(traj, rewards, cfg)
+    steps = estimate_advantages(rewards, cfg)
+    advantages, returns = steps.advantages, steps.returns
     assert returns is None and advantages[:4].abs().sum() == 0
     std = torch.tensor([1.0, 0.0, 0.0, 0.0]).std().item()
     expected = [(0.75 / (std + 1e-4))] + [(-0.25 / (std + 1e-4))] * 3
@@ -171,7 +178,7 @@ def test_grpo_compares_the_scores_alone_whatever_the_kls():
     assert torch.equal(advantages[4:, 0], advantages[4:, 1])
     none = cfg.model_copy(update={"scale_rewards": "none"})
     torch.testing.assert_close(
-        estimate_advantages(traj, rewards, none)[0][4:, 0], torch.tensor([0.75, -0.25, -0.25, -0.25])
+        estimate_advantages(rewards, none).advantages[4:, 0], torch.tensor([0.75, -0.25, -0.25, -0.25])
     )
 
 
@@ -179,7 +186,7 @@ def test_a_group_that_holds_two_prompts_is_refused():
     cfg = ppo_cfg("ppo.batch_size=4", "ppo.samples_per_prompt=2", "ppo.advantage_estimator=rloo")
     traj = grouped_trajectory([11, 12, 11, 12], scores=[1.0, 0.0, 0.5, 0.5], lengths=[1, 3, 2, 2])
     with pytest.raises(ValueError, match="must hold one prompt's samples"):
-        estimate_advantages(traj, kl_penalised_rewards(traj, cfg), cfg)
+        estimate_advantages(kl_penalised_rewards(traj, cfg), cfg)
 
 
 def test_gae_advantages_and_returns_by_hand():
@@ -206,7 +213,8 @@ def test_gae_advantages_and_returns_by_hand():
         time_score=0.5,
     )
     rewards = kl_penalised_rewards(traj, cfg)
-    advantages, returns = estimate_advantages(traj, rewards, cfg)
+    steps = estimate_advantages(rewards, cfg)
+    advantages, returns = steps.advantages, steps.returns
     raw = torch.zeros(2, 4)
     for row, length in enumerate((2, 4)):  # the first response ends at its EOS, the second runs on
         later = 0.0
@@ -224,8 +232,9 @@ def test_gae_advantages_and_returns_by_hand():
 
 def test_rollout_statistics_leave_out_returns_without_a_value_model():
     traj = two_responses()
-    rewards = Rewards(rewards=torch.zeros(2, 4), non_score_reward=torch.zeros(2, 4), value_mask=traj.token_mask)
-    stats = rollout_statistics(traj, rewards, torch.ones(2, 4) * traj.token_mask, None)
+    zeros = torch.zeros(2, 4)
+    traj = replace(traj, rewards=zeros, non_score_reward=zeros, value_mask=traj.token_mask)
+    stats = rollout_statistics(replace(traj, advantages=torch.ones(2, 4) * traj.token_mask, returns=None))
     assert "returns/mean" not in stats and "returns/var" not in stats and stats["advantages/mean"] == 1.0
 
 

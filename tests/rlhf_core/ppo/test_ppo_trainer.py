@@ -13,17 +13,19 @@ from rlhf_core.config.settings import PPOConfig
 from rlhf_core.data.prepared import load_data_tokenizer, load_prepared
 from rlhf_core.metrics.statistics import wilson_interval
 from rlhf_core.metrics.text import repetition_loop
-from rlhf_core.ppo.algorithm import INVALID_LOGPROB, logprobs_from_logits, whiten
-from rlhf_core.ppo.eval import ppo_rewards_and_values
-from rlhf_core.ppo.rollout import (
+from rlhf_core.ppo.algorithm import (
+    INVALID_LOGPROB,
+    estimate_advantages,
     kl_penalised_rewards,
+    logprobs_from_logits,
     make_trajectory,
     masked_mean_var,
-    response_values,
-    summary_logprobs,
-    whitened_advantages,
+    whiten,
 )
-from rlhf_core.ppo.trainer import PPOTrainer, response_logits, run_ppo
+from rlhf_core.ppo.eval import ppo_rewards_and_values
+from rlhf_core.ppo.rollout import summary_logprobs
+from rlhf_core.ppo.trainer import PPOTrainer, run_ppo
+from rlhf_core.train.forward import response_logits, response_values
 from rlhf_core.train.generation import trim_left_padding, truncate_after_eos
 from rlhf_core.train.reward import TOKEN_TABLE_RESPONSES, ScalarModel, response_scores, score_responses
 from rlhf_core.train.training import TrainingError
@@ -104,7 +106,8 @@ def test_zero_head_value_model_is_the_reward_models_backbone_with_values_0(smoke
     assert all(p.requires_grad for p in trainer.value_model.parameters())
     traj = trainer.generate_trajectory(trainer.queries[:4])
     assert not traj.values.any()
-    advantages, returns = whitened_advantages(traj, kl_penalised_rewards(traj, ppo_cfg), ppo_cfg)
+    traj = estimate_advantages(kl_penalised_rewards(traj, ppo_cfg), ppo_cfg)
+    advantages, returns = traj.advantages, traj.returns
     mask = traj.token_mask
     torch.testing.assert_close(advantages, whiten(returns, *masked_mean_var(returns, mask)) * mask)
 
@@ -132,7 +135,7 @@ def test_rollout_is_consistent(smoke):
     assert (traj.scores[no_eos] == cfg.ppo.non_eos_penalty).all()
     assert (traj.raw_scores != cfg.ppo.non_eos_penalty).all()
     # whitened advantages over valid tokens
-    advantages, _ = whitened_advantages(traj, kl_penalised_rewards(traj, trainer.cfg), trainer.cfg)
+    advantages = estimate_advantages(kl_penalised_rewards(traj, trainer.cfg), trainer.cfg).advantages
     adv = advantages[mask]
     assert abs(adv.mean().item()) < 1e-4 and abs(adv.std().item() - 1) < 1e-2
     assert (advantages[~mask] == 0).all()
@@ -148,9 +151,7 @@ def test_first_minibatch_trains_the_policy_that_sampled(smoke):
     assert ppo_cfg.temperature != 1.0  # a pass that forgot the temperature would give other log-probabilities
     trainer = PPOTrainer(ppo_cfg, root / "data", root / "sft", root / "rm")
     traj = trainer.generate_trajectory(trainer.queries[: ppo_cfg.batch_size])
-    rewards = kl_penalised_rewards(traj, ppo_cfg)
-    advantages, returns = whitened_advantages(traj, rewards, ppo_cfg)
-    stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update=0)
+    stats = trainer.optimise(estimate_advantages(kl_penalised_rewards(traj, ppo_cfg), ppo_cfg), update=0)
     # The rollout's log-probabilities come from generation (one position at a time against the
     # KV cache), the training pass's from one forward pass over the whole sequence: float32
     # kernels that round differently, by up to ~2e-6 in a log-probability on the smoke model
@@ -224,7 +225,8 @@ def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
     query_responses = torch.cat([torch.full((4, 3), 5), responses], 1)
     traj = make_trajectory(query_responses, responses, logprobs, ref_logprobs, values, scored, 3, eos, pad)
     rewards = kl_penalised_rewards(traj, cfg)
-    advantages, returns = whitened_advantages(traj, rewards, cfg)
+    steps = estimate_advantages(rewards, cfg)
+    advantages, returns = steps.advantages, steps.returns
     assert traj.last_token_indices.tolist() == eos_at
     positions = torch.arange(6)
     mask = torch.stack([positions <= i for i in eos_at])
@@ -241,7 +243,8 @@ def test_trajectory_rewards_and_advantages_end_each_response_at_its_eos():
     masked = make_trajectory(
         query_responses, responses, logprobs, ref_logprobs, torch.where(mask, values, 0.0), scored, 3, eos, pad
     )
-    assert whitened_advantages(masked, rewards, cfg)[1].equal(returns)
+    masked = kl_penalised_rewards(masked, cfg)
+    assert estimate_advantages(masked, cfg).returns.equal(returns)
 
     # score_position after_eos: one position later (the last one when there is no room)
     cfg = cfg.model_copy(update={"score_position": "after_eos"})
@@ -330,7 +333,7 @@ def test_figure_11_rows_put_the_score_where_the_rollouts_put_it(position):
     cfg = PPOConfig(kl_coef=0.1, non_eos_penalty=-1.0, score_position=position)
     values = torch.arange(8.0).reshape(2, 4)
     rows = ppo_rewards_and_values(
-        cfg, summaries, torch.full((2, 4), -1.0), torch.full((2, 4), -1.5), torch.tensor([2.0, 3.0]), values, eos, pad
+        cfg, summaries, torch.full((2, 4), -1.0), torch.full((2, 4), -1.5), torch.tensor([2.0, -1.0]), values, pad
     )
     k = -0.05  # -kl_coef * (log pi - log pi_ref) on every token
     expected = {  # the EOS at 1: the score there, or one after it
@@ -347,7 +350,10 @@ def test_figure_11_rows_put_the_score_where_the_rollouts_put_it(position):
 @pytest.mark.heavy
 def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     cfg, root = smoke
-    ppo_cfg = cfg.ppo.model_copy(update={"total_episodes": 16, "eval_every": 1, "eval_max_samples": 4})
+    penalty = -2.5  # the EOS trick's score, far from any the reward model gives
+    ppo_cfg = cfg.ppo.model_copy(
+        update={"total_episodes": 16, "eval_every": 1, "eval_max_samples": 4, "non_eos_penalty": penalty}
+    )
     metrics = run_ppo(
         ppo_cfg, root / "data", root / "sft", root / "rm", tmp_path / "ppo", tracker=JsonlTracker(tmp_path / "m.jsonl")
     )
@@ -369,6 +375,12 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 4 and {"post", "reference", "policy", "score_policy", "raw_score_policy"} <= set(samples[0])
     assert metrics["eval/score_policy"] == pytest.approx(sum(s["score_policy"] for s in samples) / 4)
+    # the EOS trick (Detail 23) through the stage: the random policy writes no EOS, so every
+    # rollout's and every evaluation summary's score is the penalty, not the reward model's
+    for _, m in records:
+        assert m["response/no_eos_fraction"] == 1.0 and m["objective/scores"] == penalty
+        assert m["eval/eos_rate_policy"] == 0.0 and m["eval/score_policy"] == penalty != m["eval/raw_score_policy"]
+    assert all(s["score_policy"] == penalty != s["raw_score_policy"] for s in samples)
     # the learning check against SFT, measured by the stage on the last evaluation's prompts only
     assert "eval/score_gain_vs_sft" not in records[0][1] and "eval/score_gain_vs_sft" in records[1][1]
     diffs = [s["score_policy"] - s["score_sft"] for s in samples]
@@ -396,7 +408,7 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
         assert r["rewards"][:k] == r["kl_penalty"][:k] and any(v != 0 for v in r["kl_penalty"])
         assert r["ppo_values"][1:] == pytest.approx(r["values"][:-1], abs=1e-4)  # the state before each token
     settings = json.loads((tmp_path / "ppo" / "value_vs_reward.json").read_text())["settings"]
-    assert settings == {"kl_coef": 0.05, "score_position": "eos", "non_eos_penalty": -1.0, "whiten_rewards": False}
+    assert settings == {"kl_coef": 0.05, "score_position": "eos", "non_eos_penalty": penalty, "whiten_rewards": False}
 
 
 @pytest.mark.heavy

@@ -14,8 +14,7 @@ import torch.multiprocessing as mp
 
 from rlhf_core.common.tracking import read_metrics
 from rlhf_core.models.saved import save_pretrained_atomic
-from rlhf_core.ppo.algorithm import masked_mean, masked_var, masked_whiten, whiten
-from rlhf_core.ppo.rollout import masked_mean_var
+from rlhf_core.ppo.algorithm import masked_mean, masked_mean_var, masked_var, masked_whiten, whiten
 from rlhf_core.train.distributed import DataParallel, World, all_gather_cat, all_reduce_sum, shard, split_range
 from rlhf_core.train.reward import reward_model_from_causal_lm
 from rlhf_core.train.sft import sft_loss_sum
@@ -313,7 +312,7 @@ def test_ppo_runs_on_two_ranks_with_globally_whitened_advantages(ppo_ddp):
 def test_rloo_on_two_ranks_keeps_each_prompts_samples_on_one_rank(inputs, tmp_path):
     """RLOO under torchrun with 2 gloo ranks: 8 episodes per update are 4 prompts x 2 samples, 2
     prompts per rank, and each rank's baselines are over whole groups (the trainer refuses a group
-    that holds two prompts, rlhf_core.ppo.rollout.estimate_advantages); no value model is held,
+    that holds two prompts, rlhf_core.ppo.algorithm.estimate_advantages); no value model is held,
     checkpointed or saved."""
     out = tmp_path / "ppo"
     rloo = ("ppo.advantage_estimator=rloo", "ppo.samples_per_prompt=2")

@@ -14,10 +14,10 @@ from rlhf_core.config.presets import load_config
 from rlhf_core.config.settings import ConfigError, LoraConfig
 from rlhf_core.models.saved import load_causal_lm
 from rlhf_core.ppo import trainer as ppo_trainer
-from rlhf_core.ppo.algorithm import logprobs_from_logits
-from rlhf_core.ppo.rollout import kl_penalised_rewards, whitened_advantages
-from rlhf_core.ppo.trainer import PPOTrainer, response_logits
+from rlhf_core.ppo.algorithm import estimate_advantages, kl_penalised_rewards, logprobs_from_logits
+from rlhf_core.ppo.trainer import PPOTrainer
 from rlhf_core.train import dpo, lora, reward, sft
+from rlhf_core.train.forward import response_logits
 from rlhf_core.train.reward import ScalarModel, reward_model_from_causal_lm
 from tests.stages import link_stages
 
@@ -287,9 +287,7 @@ def test_ppo_reference_is_the_policy_with_adapters_off(smoke):
     }
     queries = trainer.queries[: ppo_cfg.batch_size]
     traj = trainer.generate_trajectory(queries)
-    rewards = kl_penalised_rewards(traj, ppo_cfg)
-    advantages, returns = whitened_advantages(traj, rewards, ppo_cfg)
-    stats = trainer.optimise(traj, rewards.value_mask, advantages, returns, update=0)
+    stats = trainer.optimise(estimate_advantages(kl_penalised_rewards(traj, ppo_cfg), ppo_cfg), update=0)
     assert abs(stats.ratio_mean - 1.0) < 1e-5 and stats.ratio_var < 1e-9  # the first minibatch: the policy that sampled
     traj = trainer.generate_trajectory(queries)
     frozen = load_causal_lm(smoke / "sft").eval()
