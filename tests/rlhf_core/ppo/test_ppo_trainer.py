@@ -402,7 +402,7 @@ def test_ppo_stage_reports_and_saves(smoke, tmp_path):
         assert r["score"] == pytest.approx(sample["raw_score_policy"], abs=1e-4)
         # Figure 11: PPO's rewards and values of the same summary, the score where step 2 adds it
         assert len(r["rewards"]) == len(r["kl_penalty"]) == len(r["ppo_values"]) == r["eos_index"] + 1
-        assert r["ppo_score"] == pytest.approx(sample["score_policy"], abs=1e-4)  # with the EOS trick
+        assert r["ppo_score"] == penalty == sample["score_policy"]  # with the EOS trick
         k = r["score_index"]
         assert k == r["eos_index"] and r["rewards"][k] == pytest.approx(r["kl_penalty"][k] + r["ppo_score"])
         assert r["rewards"][:k] == r["kl_penalty"][:k] and any(v != 0 for v in r["kl_penalty"])
